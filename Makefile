@@ -1,0 +1,42 @@
+# Two entry points for a fresh machine: `make serve` (the main job) and `make test` (the suite).
+# Both create .venv and install what they need. Without CUDA the CPU build of torch is pinned.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+TORCH_CPU := torch==2.13.0
+
+.PHONY: serve test lint bench clean venv
+
+$(VENV)/.stamp-base: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then \
+		echo "CUDA found: installing torch from the default index"; \
+	else \
+		echo "no CUDA: pinning the CPU build $(TORCH_CPU)"; \
+		$(PY) -m pip install --quiet $(TORCH_CPU); \
+	fi
+	$(PY) -m pip install --quiet -e .
+	touch $@
+
+$(VENV)/.stamp-test: $(VENV)/.stamp-base
+	$(PY) -m pip install --quiet -e '.[test]'
+	touch $@
+
+venv: $(VENV)/.stamp-base
+
+serve: $(VENV)/.stamp-base
+	$(VENV)/bin/kvstore demo
+
+test: $(VENV)/.stamp-test
+	$(PY) -m pytest -q tests
+
+lint: $(VENV)/.stamp-test
+	$(VENV)/bin/ruff check kvstore tiers kernels engine tests bench
+	$(VENV)/bin/mypy
+
+bench: $(VENV)/.stamp-base
+	$(VENV)/bin/kvstore bench tiers
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

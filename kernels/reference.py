@@ -1,0 +1,146 @@
+"""Plain-torch versions of every kernel: the truth the Triton kernels are tested against, and the
+implementation the engine runs on CPU.
+
+Attention is computed in float32 whatever the storage dtype, and cast back on the way out. Each
+function checks its inputs like the Triton launchers do (see ``kernels/_checks.py``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels import _checks
+
+
+def _gather_paged(cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+    """Gather each sequence's rows contiguous: ``[num_seqs, max_len, kv_heads, head_dim]`` (float32).
+
+    Rows past a sequence's length are zero: the slots behind them hold stale bytes (maybe inf or
+    NaN), and a masked score times a NaN value would still poison the output.
+    """
+    num_seqs = block_tables.shape[0]
+    block_size = cache.shape[1]
+    lens = seq_lens.long()
+    max_len = int(lens.max()) if num_seqs else 0
+    num_cols = -(-max_len // block_size)
+    table = block_tables[:, :num_cols].long()
+    # Entries past ceil(seq_len / block_size) are never meaningful (padding such as -1).
+    in_use = torch.arange(num_cols, device=table.device) < ((lens + block_size - 1) // block_size)[:, None]
+    table = torch.where(in_use, table, 0)
+    rows = cache[table].float().flatten(1, 2)[:, :max_len]  # [num_seqs, max_len, kv_heads, head_dim]
+    in_seq = torch.arange(max_len, device=rows.device) < lens[:, None]
+    return torch.where(in_seq[:, :, None, None], rows, 0.0)
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Reference of ``kernels.paged_decode_attention`` (one query row per sequence)."""
+    num_blocks, block_size, num_kv_heads, head_dim = _checks.check_paged_cache(k_cache, v_cache)
+    num_seqs, num_heads, _ = _checks.check_query("q", q, k_cache)
+    _checks.check_block_table(block_tables, seq_lens, num_seqs, num_blocks, block_size)
+    out = _checks.check_out(out, q)
+    if num_seqs == 0:
+        return out
+    group = num_heads // num_kv_heads
+    keys = _gather_paged(k_cache, block_tables, seq_lens).transpose(1, 2)  # [S, kvh, T, D]
+    values = _gather_paged(v_cache, block_tables, seq_lens).transpose(1, 2)
+    if keys.shape[2] == 0:
+        return out.zero_()
+    # The `group` query heads sharing a KV head become `group` query rows of that head.
+    queries = q.float().view(num_seqs, num_kv_heads, group, head_dim)
+    lens = seq_lens.long()
+    visible = torch.arange(keys.shape[2], device=q.device) < lens[:, None]  # [S, T]
+    attn = F.scaled_dot_product_attention(
+        queries, keys, values, attn_mask=visible[:, None, None, :], scale=scale
+    )
+    # A sequence of length 0 sees nothing; its output is defined as zeros.
+    attn = torch.where((lens > 0)[:, None, None, None], attn, 0.0)
+    out.copy_(attn.reshape(num_seqs, num_heads, head_dim))
+    return out
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    scale: float,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Reference of ``kernels.paged_prefill_attention`` (causal over the cached prefix + new rows)."""
+    num_blocks, block_size, num_kv_heads, head_dim = _checks.check_paged_cache(k_cache, v_cache)
+    total_tokens, num_heads, _ = _checks.check_query("q", q, k_cache)
+    num_seqs = _checks.check_tensor("seq_lens", seq_lens, 1, (torch.int32,)).shape[0]
+    _checks.check_block_table(block_tables, seq_lens, num_seqs, num_blocks, block_size)
+    _checks.check_cu_seqlens(cu_seqlens_q, seq_lens, total_tokens)
+    out = _checks.check_out(out, q)
+    group = num_heads // num_kv_heads
+    starts = cu_seqlens_q.tolist()
+    for i, seq_len in enumerate(seq_lens.tolist()):
+        start, end = starts[i], starts[i + 1]
+        q_len = end - start
+        if q_len == 0:
+            continue
+        context_len = seq_len - q_len
+        keys = _gather_paged(k_cache, block_tables[i : i + 1], seq_lens[i : i + 1])[0].transpose(0, 1)
+        values = _gather_paged(v_cache, block_tables[i : i + 1], seq_lens[i : i + 1])[0].transpose(0, 1)
+        # New row r sits at absolute position context_len + r and sees positions [0, context_len + r].
+        positions = torch.arange(seq_len, device=q.device)
+        visible = positions[None, :] <= (context_len + torch.arange(q_len, device=q.device))[:, None]
+        # [q_len, H, D] -> [kvh, group * q_len, D]: rows of one KV head share its keys.
+        queries = q[start:end].float().view(q_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
+        attn = F.scaled_dot_product_attention(
+            queries.reshape(num_kv_heads, group * q_len, head_dim),
+            keys,
+            values,
+            attn_mask=visible.repeat(group, 1),
+            scale=scale,
+        )
+        attn = attn.view(num_kv_heads, group, q_len, head_dim).permute(2, 0, 1, 3)
+        out[start:end] = attn.reshape(q_len, num_heads, head_dim)
+    return out
+
+
+def store_kv(
+    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Reference of ``kernels.store_kv``: row t goes to slot ``slot_mapping[t]`` (-1: skipped)."""
+    _checks.check_store_kv(key, value, k_cache, v_cache, slot_mapping)
+    block_size = k_cache.shape[1]
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    blocks, offsets = slots // block_size, slots % block_size
+    # Indexing the strided per-layer views writes through into the pool.
+    k_cache[blocks, offsets] = key[keep]
+    v_cache[blocks, offsets] = value[keep]
+
+
+def gather_blocks(pool: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Reference of ``kernels.gather_blocks``: ``out[i] = pool[block_ids[i]]``."""
+    if out is None:
+        out = torch.empty((block_ids.shape[0], *pool.shape[1:]), dtype=pool.dtype, device=pool.device)
+    _checks.check_block_copy(pool, block_ids, out, unique=False)
+    ids = block_ids.to(pool.device, torch.long)
+    if out.device == pool.device:
+        torch.index_select(pool, 0, ids, out=out)
+    else:
+        out.copy_(pool.index_select(0, ids))
+    return out
+
+
+def scatter_blocks(pool: torch.Tensor, block_ids: torch.Tensor, src: torch.Tensor) -> None:
+    """Reference of ``kernels.scatter_blocks``: ``pool[block_ids[i]] = src[i]``."""
+    _checks.check_block_copy(pool, block_ids, src, unique=True)
+    pool.index_copy_(0, block_ids.to(pool.device, torch.long), src.to(pool.device))

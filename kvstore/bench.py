@@ -1,0 +1,255 @@
+"""``kvstore bench tiers``: each tier against the plain baseline it must approach, in one run.
+
+Every result is a ratio against a baseline measured in the same process on the same machine,
+best of several repetitions (machines are shared and noisy). Results go to stdout, to the
+tiers section of docs/benchmarks.md and to docs/bench_tiers.json (read by ``kvstore replay``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib
+import importlib.util
+import json
+import os
+import pickle
+import platform
+import re
+import shutil
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kvstore.config import StoreConfig
+from kvstore.layout import KVLayout
+from kvstore.store import TieredStore
+
+BENCH_LAYOUT = KVLayout(num_layers=24, num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.float16)
+DOCS = Path(__file__).resolve().parents[1] / "docs"
+BENCH_TARGET_MODULES = ("engine.bench", "kvstore.daemon.bench_daemon")
+
+
+@dataclass
+class Row:
+    name: str
+    ours_s: float
+    base_s: float
+    baseline: str
+    target: str
+    ratio_kind: str = "throughput"  # "throughput": base/ours; "speedup": base/ours as x faster
+
+    @property
+    def ratio(self) -> float:
+        return self.base_s / self.ours_s
+
+
+def best_of(fn: Callable[[], object], repeat: int) -> float:
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def bench_host(num_blocks: int, repeat: int) -> list[Row]:
+    layout = BENCH_LAYOUT
+    store = TieredStore(StoreConfig(layout=layout, model_id="bench", host_bytes=(repeat + 2) * num_blocks * layout.bytes_per_block))
+    blocks = torch.randn((num_blocks, *layout.block_shape)).to(layout.dtype)
+    chains = [store.block_keys(list(range(r * 10**6, r * 10**6 + num_blocks * layout.block_size))) for r in range(repeat + 1)]
+    it = iter(chains)
+    put_s = best_of(lambda: store.put(next(it), blocks), repeat)
+    out = torch.empty_like(blocks)
+    get_s = best_of(lambda: store.get(chains[0], out=out), repeat)
+    dst = torch.empty_like(blocks)
+    dst.copy_(blocks)  # touch the pages, as the host pool's are
+    copy_s = best_of(lambda: dst.copy_(blocks), repeat)
+    store.close()
+    size = f"{num_blocks} x {layout.bytes_per_block // 1024} KiB"
+    return [
+        Row(f"host put, {size}", put_s, copy_s, "torch copy_ of the same bytes", ">= 0.8x"),
+        Row(f"host get, {size}", get_s, copy_s, "torch copy_ of the same bytes", ">= 0.8x"),
+    ]
+
+
+def _dd_seconds(args: list[str]) -> float:
+    proc = subprocess.run(["dd", *args], capture_output=True, text=True, check=True)
+    match = re.search(r"copied, ([0-9.]+) s", proc.stderr)
+    if not match:
+        raise RuntimeError(f"could not parse dd output: {proc.stderr!r}")
+    return float(match.group(1))
+
+
+def _drop_cache(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def bench_disk(num_blocks: int, repeat: int, workdir: Path) -> tuple[list[Row], str]:
+    layout = BENCH_LAYOUT
+    payload = layout.bytes_per_block
+    disk_dir = workdir / "disk"
+    cfg = StoreConfig(layout=layout, model_id="bench", host_bytes=2 * num_blocks * payload,
+                      disk_path=disk_dir, disk_bytes=(repeat + 2) * num_blocks * payload,
+                      write_policy="write_through", promotion="never")
+    store = TieredStore(cfg)
+    blocks = torch.randn((num_blocks, *layout.block_shape)).to(layout.dtype)
+    chains = [store.block_keys(list(range(r * 10**6, r * 10**6 + num_blocks * layout.block_size))) for r in range(repeat + 1)]
+    it = iter(chains)
+    # write-through: put returns after the payloads are written, synced and cataloged
+    write_s = best_of(lambda: store.put(next(it), blocks), repeat)
+    direct = "O_DIRECT" if store._disk is not None and store._disk.direct_io else "buffered+fadvise"
+    store.close()
+    slabs = sorted(p for p in disk_dir.rglob("*") if p.is_file() and p.stat().st_size >= num_blocks * payload)
+    slab = max(slabs, key=lambda p: p.stat().st_size)
+    out = torch.empty_like(blocks)
+
+    reads = []
+    for _ in range(repeat):  # a fresh store each time: nothing of the slab is in host RAM
+        reopened = TieredStore(cfg)
+        _drop_cache(slab)
+        t0 = time.perf_counter()
+        reopened.get(chains[0], out=out)
+        reads.append(time.perf_counter() - t0)
+        reopened.close()
+    read_s = min(reads)
+    assert torch.equal(out, blocks), "disk tier returned other bytes"
+    dd_read = min(_dd_seconds([f"if={slab}", "of=/dev/null", f"bs={payload}", f"count={num_blocks}", "iflag=direct"])
+                  for _ in range(repeat))
+    target = workdir / "dd-write"
+    dd_write = min(_dd_seconds(["if=/dev/zero", f"of={target}", f"bs={payload}", f"count={num_blocks}",
+                                "oflag=direct", "conv=fdatasync"]) for _ in range(repeat))
+    size = f"{num_blocks} x {payload // 1024} KiB"
+    return [
+        Row(f"disk cold read ({direct}), {size}", read_s, dd_read, "dd iflag=direct", ">= 0.7x"),
+        Row(f"disk write + sync + catalog, {size}", write_s, dd_write, "dd oflag=direct conv=fdatasync", ">= 0.7x"),
+    ], direct
+
+
+def vllm_style_keys(tokens: list[int], block_size: int) -> list[bytes]:
+    """vLLM's recipe, reimplemented for comparison: SHA-256 of pickle((parent, tokens, extras))."""
+    parent, keys = b"\x00" * 32, []
+    for i in range(0, len(tokens) - block_size + 1, block_size):
+        data = pickle.dumps((parent, tuple(tokens[i : i + block_size]), None), protocol=pickle.HIGHEST_PROTOCOL)
+        parent = hashlib.sha256(data).digest()
+        keys.append(parent)
+    return keys
+
+
+def bench_keys(num_tokens: int, repeat: int) -> list[Row]:
+    store = TieredStore(StoreConfig(layout=BENCH_LAYOUT, model_id="bench", host_bytes=1 << 22))
+    tokens = np.random.default_rng(0).integers(0, 128_000, num_tokens).tolist()
+    ours = best_of(lambda: store.block_keys(tokens, tenant="acme"), repeat)
+    base = best_of(lambda: vllm_style_keys(tokens, BENCH_LAYOUT.block_size), repeat)
+    keys = store.block_keys(tokens)[:1000]
+    store.put(keys[:1], torch.zeros((1, *BENCH_LAYOUT.block_shape), dtype=BENCH_LAYOUT.dtype))
+    lookup = best_of(lambda: store.lookup(keys), repeat)
+    store.close()
+    return [
+        Row(f"key hashing, {num_tokens // 1024}k-token prompt (SHA-256)", ours, base,
+            "vLLM recipe: SHA-256(pickle(parent, tokens, extras))", ">= 2x", "speedup"),
+        Row("lookup of a 1,000-block chain", lookup, 1e-3, "1 ms budget", "< 1 ms", "budget"),
+    ]
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{os.cpu_count()}-core {cpu}, Linux {platform.release()}, torch {torch.__version__}"
+
+
+def render(rows: list[Row], where: str) -> str:
+    lines = [
+        "## Tiers (`kvstore bench tiers`)",
+        "",
+        f"Machine: {where}. Layout: 24 layers, 2 KV heads, head dim 64, block 16, fp16 (192 KiB blocks).",
+        "",
+        "| measurement | kvstore | baseline | baseline time | ratio | target | met |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if r.ratio_kind == "budget":
+            ratio, met = f"{r.ours_s * 1e3:.3f} ms", r.ours_s < r.base_s
+        elif r.ratio_kind == "speedup":
+            ratio, met = f"{r.ratio:.2f}x faster", r.ratio >= 2.0
+        else:
+            want = float(r.target.split()[1].rstrip("x"))
+            ratio, met = f"{r.ratio:.2f}x", r.ratio >= want
+        lines.append(f"| {r.name} | {r.ours_s * 1e3:.2f} ms | {r.baseline} | {r.base_s * 1e3:.2f} ms "
+                     f"| {ratio} | {r.target} | {'yes' if met else 'NO'} |")
+    return "\n".join(lines)
+
+
+def write_section(name: str, text: str, path: Path = DOCS / "benchmarks.md") -> None:
+    """Replace the text between ``<!-- bench:NAME:start -->`` and its end marker."""
+    start, end = f"<!-- bench:{name}:start -->", f"<!-- bench:{name}:end -->"
+    doc = path.read_text() if path.exists() else f"# Benchmarks\n\n{start}\n{end}\n"
+    if start not in doc:
+        doc += f"\n{start}\n{end}\n"
+    head, rest = doc.split(start, 1)
+    _, tail = rest.split(end, 1)
+    path.write_text(f"{head}{start}\n{text}\n{end}{tail}")
+
+
+def run_tiers(args: argparse.Namespace) -> int:
+    if shutil.which("dd") is None:
+        print("kvstore bench tiers: needs dd (coreutils) for the disk baselines")
+        return 2
+    base_dir = Path(args.dir) if args.dir else Path.cwd()
+    base_dir.mkdir(parents=True, exist_ok=True)
+    rows: list[Row] = []
+    with tempfile.TemporaryDirectory(prefix="kvstore-bench-", dir=base_dir) as tmp:
+        print("host tier ...", flush=True)
+        rows += bench_host(args.host_blocks, args.repeat)
+        print("disk tier ...", flush=True)
+        disk_rows, _mode = bench_disk(args.disk_blocks, args.repeat, Path(tmp))
+        rows += disk_rows
+        print("keys ...", flush=True)
+        rows += bench_keys(32 * 1024, args.repeat)
+    text = render(rows, machine())
+    print(text)
+    if not args.no_write:
+        write_section("tiers", text)
+        host_get, disk_read = rows[1], rows[2]
+        gbps = {
+            "host_read_gbps": args.host_blocks * BENCH_LAYOUT.bytes_per_block / host_get.ours_s / 1e9,
+            "disk_read_gbps": args.disk_blocks * BENCH_LAYOUT.bytes_per_block / disk_read.ours_s / 1e9,
+            "machine": machine(),
+        }
+        (DOCS / "bench_tiers.json").write_text(json.dumps(gbps, indent=2) + "\n")
+        print(f"wrote {DOCS / 'benchmarks.md'} and {DOCS / 'bench_tiers.json'}")
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("bench", help="measure kvstore against same-run baselines")
+    targets = parser.add_subparsers(dest="target", metavar="TARGET")
+    targets.required = True
+    tiers = targets.add_parser("tiers", help="host/disk tier throughput and key hashing vs baselines")
+    tiers.add_argument("--host-blocks", type=int, default=128, help="blocks per host get/put (default 128)")
+    tiers.add_argument("--disk-blocks", type=int, default=256, help="blocks per disk read/write (default 256)")
+    tiers.add_argument("--repeat", type=int, default=5, help="repetitions; the best is kept (default 5)")
+    tiers.add_argument("--dir", help="where to create the scratch disk tier (default: current directory; "
+                       "must not be tmpfs for O_DIRECT)")
+    tiers.add_argument("--no-write", action="store_true", help="print only; leave docs/ untouched")
+    tiers.set_defaults(func=run_tiers)
+    # Other packages add their own targets (engine, daemon) where they are installed.
+    for module in BENCH_TARGET_MODULES:
+        if importlib.util.find_spec(module.rsplit(".", 1)[0]) and importlib.util.find_spec(module):
+            importlib.import_module(module).register_target(targets)

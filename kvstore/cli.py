@@ -1,0 +1,38 @@
+"""The ``kvstore`` command line: one subcommand per job, each registered by its own module."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from kvstore import bench, demo, replay
+    from kvstore.daemon import cli as daemon_cli
+
+    parser = argparse.ArgumentParser(
+        prog="kvstore",
+        description="kvstore: a tiered KV-cache store for LLM inference (device, host RAM, NVMe).",
+    )
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    subparsers.required = True
+    demo.register(subparsers)
+    bench.register(subparsers)
+    replay.register(subparsers)
+    daemon_cli.register(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

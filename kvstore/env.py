@@ -1,0 +1,23 @@
+"""Every environment variable kvstore reads, in one place."""
+
+from __future__ import annotations
+
+import os
+
+
+def kernel_backend() -> str:
+    """``KVSTORE_KERNELS``: "auto" (Triton on CUDA, reference on CPU), "triton" or "reference"."""
+    value = os.environ.get("KVSTORE_KERNELS", "auto").strip().lower() or "auto"
+    if value not in ("auto", "triton", "reference"):
+        raise ValueError(f"KVSTORE_KERNELS must be auto, triton or reference, got {value!r}")
+    return value
+
+
+def token() -> str | None:
+    """``KVSTORE_TOKEN``: the daemon's access token, when not given on the command line."""
+    return os.environ.get("KVSTORE_TOKEN") or None
+
+
+def shm_disabled() -> bool:
+    """``KVSTORE_NO_SHM=1``: clients never use the daemon's shared-memory path."""
+    return os.environ.get("KVSTORE_NO_SHM", "").strip() not in ("", "0")

@@ -1,0 +1,33 @@
+"""The exception hierarchy of kvstore. Every message carries the numbers that explain it."""
+
+from __future__ import annotations
+
+from tiers.errors import CorruptSlotError, TierError, TierFullError, TierIOError
+
+
+class KVStoreError(Exception):
+    """Base class for errors raised by kvstore's own logic."""
+
+
+class ConfigError(KVStoreError, ValueError):
+    """A configuration value is invalid (the message names the field and the value)."""
+
+
+class LayoutMismatchError(KVStoreError, ValueError):
+    """A tensor does not match the store's KV layout (shape, dtype or count)."""
+
+
+class CapacityError(KVStoreError):
+    """A tier cannot make room: e.g. ``need 12 blocks, 3 free of 4096 (4093 pinned)``."""
+
+
+__all__ = [
+    "CapacityError",
+    "ConfigError",
+    "CorruptSlotError",
+    "KVStoreError",
+    "LayoutMismatchError",
+    "TierError",
+    "TierFullError",
+    "TierIOError",
+]

@@ -1,0 +1,57 @@
+"""Shared factories for the suite: small layouts, deterministic block payloads, stores."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvstore import KVLayout, StoreConfig, TieredStore
+
+SLOT = 4096  # every block of SMALL_LAYOUT fits one 4 KiB slot
+
+
+SMALL_LAYOUT = KVLayout(num_layers=2, num_kv_heads=1, head_dim=8, block_size=4, dtype=torch.float32)
+
+
+def payload_for(key: bytes, layout: KVLayout = SMALL_LAYOUT) -> torch.Tensor:
+    """Deterministic block contents derived from the key, so any process can check them."""
+    seed = int.from_bytes(hashlib.sha256(key).digest()[:8], "little") & ((1 << 63) - 1)
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(layout.block_shape, generator=gen).to(layout.dtype)
+
+
+def blocks_for(keys: list[bytes], layout: KVLayout = SMALL_LAYOUT) -> torch.Tensor:
+    if not keys:
+        return torch.empty((0, *layout.block_shape), dtype=layout.dtype)
+    return torch.stack([payload_for(k, layout) for k in keys])
+
+
+def make_store(
+    tmp_path: Path | None,
+    host_blocks: int = 8,
+    disk_blocks: int = 0,
+    layout: KVLayout = SMALL_LAYOUT,
+    **overrides: object,
+) -> TieredStore:
+    """A store over SMALL_LAYOUT with capacities given in blocks (4 KiB slots)."""
+    kwargs: dict[str, object] = {"layout": layout, "model_id": "test-model", "host_bytes": host_blocks * SLOT}
+    if disk_blocks:
+        assert tmp_path is not None
+        kwargs.update(disk_path=tmp_path / "disk", disk_bytes=disk_blocks * SLOT)
+    kwargs.update(overrides)
+    return TieredStore(StoreConfig(**kwargs))  # type: ignore[arg-type]
+
+
+def chain(store: TieredStore, num_blocks: int, salt: int = 0, tenant: str = "") -> list[bytes]:
+    """Keys of a prompt of ``num_blocks`` full blocks; different salts give unrelated chains."""
+    bs = store.layout.block_size
+    tokens = [salt * 100_000 + i for i in range(num_blocks * bs)]
+    return store.block_keys(tokens, tenant=tenant)
+
+
+@pytest.fixture
+def small_layout() -> KVLayout:
+    return SMALL_LAYOUT

@@ -1,0 +1,184 @@
+"""KVLayout: block geometry, byte sizes, the fingerprint text, tensor checks, field validation."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from kvstore.errors import ConfigError, LayoutMismatchError
+from kvstore.layout import DTYPE_NAMES, DTYPES_BY_NAME, KVLayout
+
+
+def issue_layout(**overrides: Any) -> KVLayout:
+    """The issue's example: a 24-layer model with 2 KV heads of dim 64, fp16, 16-token blocks."""
+    fields: dict[str, Any] = dict(
+        num_layers=24, num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.float16
+    )
+    return KVLayout(**{**fields, **overrides})
+
+
+def test_issue_example_block_geometry() -> None:
+    layout = issue_layout()
+    assert layout.block_shape == (24, 2, 16, 2, 64)
+    assert layout.elements_per_block == 24 * 2 * 16 * 2 * 64 == 98304
+    assert layout.bytes_per_block == 196608 == 192 * 1024
+    assert layout.dtype_name == "float16"
+
+
+def test_defaults_are_16_token_fp16_blocks_without_tp() -> None:
+    layout = KVLayout(num_layers=24, num_kv_heads=2, head_dim=64)
+    assert layout == issue_layout()
+    assert (layout.block_size, layout.dtype, layout.tp_rank, layout.tp_size) == (16, torch.float16, 0, 1)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "expected"),
+    [
+        (torch.float32, 393216),
+        (torch.float16, 196608),
+        (torch.bfloat16, 196608),
+        (torch.float8_e4m3fn, 98304),
+        (torch.float8_e5m2, 98304),
+        (torch.int8, 98304),
+        (torch.uint8, 98304),
+    ],
+)
+def test_bytes_per_block_per_dtype(dtype: torch.dtype, expected: int) -> None:
+    layout = issue_layout(dtype=dtype)
+    assert layout.bytes_per_block == expected
+    assert torch.empty((1, *layout.block_shape), dtype=dtype).nbytes == expected
+
+
+def test_bytes_per_block_matches_a_real_block_for_odd_shapes() -> None:
+    layout = KVLayout(num_layers=3, num_kv_heads=5, head_dim=7, block_size=11, dtype=torch.bfloat16)
+    assert layout.block_shape == (3, 2, 11, 5, 7)
+    assert layout.bytes_per_block == torch.zeros(layout.block_shape, dtype=torch.bfloat16).nbytes == 4620
+
+
+def test_dtype_names_round_trip() -> None:
+    assert set(DTYPE_NAMES.values()) == set(DTYPES_BY_NAME)
+    for dtype, name in DTYPE_NAMES.items():
+        assert DTYPES_BY_NAME[name] is dtype
+        assert issue_layout(dtype=dtype).dtype_name == name
+
+
+# ---------------------------------------------------------------------------------------------
+# The fingerprint: stable text that enters key namespaces and disk catalogs.
+
+
+def test_fingerprint_exact_text() -> None:
+    assert issue_layout().fingerprint() == "L24-H2-D64-B16-float16-tp0of1"
+    layout = KVLayout(80, 1, 128, block_size=32, dtype=torch.float8_e4m3fn, tp_rank=7, tp_size=8)
+    assert layout.fingerprint() == "L80-H1-D128-B32-float8_e4m3fn-tp7of8"
+
+
+def test_fingerprint_stable_and_equal_layouts_agree() -> None:
+    first, second = issue_layout(), issue_layout()
+    assert first == second and hash(first) == hash(second)
+    assert first.fingerprint() == second.fingerprint() == first.fingerprint()
+    assert first.fingerprint().isascii()
+
+
+def test_every_field_changes_the_fingerprint() -> None:
+    variants = [
+        issue_layout(),
+        issue_layout(num_layers=25),
+        issue_layout(num_kv_heads=4),
+        issue_layout(head_dim=128),
+        issue_layout(block_size=32),
+        issue_layout(dtype=torch.bfloat16),
+        issue_layout(tp_size=2),
+        issue_layout(tp_rank=1, tp_size=2),
+        # Digit runs that could run together if the separators were missing.
+        issue_layout(num_layers=2, num_kv_heads=42),
+    ]
+    assert len({v.fingerprint() for v in variants}) == len(variants)
+
+
+# ---------------------------------------------------------------------------------------------
+# check_blocks: errors name the numbers.
+
+
+def test_check_blocks_accepts_matching_tensors() -> None:
+    layout = issue_layout(num_layers=2)
+    blocks = torch.zeros((3, *layout.block_shape), dtype=torch.float16)
+    layout.check_blocks(blocks)
+    layout.check_blocks(blocks, num_blocks=3)
+    layout.check_blocks(blocks[:0], num_blocks=0)
+
+
+def test_check_blocks_wrong_dtype_names_both() -> None:
+    layout = issue_layout(num_layers=2)
+    blocks = torch.zeros((1, *layout.block_shape), dtype=torch.bfloat16)
+    with pytest.raises(LayoutMismatchError, match=r"dtype torch\.bfloat16, layout wants torch\.float16"):
+        layout.check_blocks(blocks)
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [
+        (1, 2, 2, 16, 2, 32),  # head_dim off
+        (1, 2, 2, 8, 2, 64),  # block_size off
+        (1, 2, 1, 16, 2, 64),  # K only
+        (2, 2, 16, 2, 64),  # one block without the leading count
+        (1, 2, 2, 16, 2, 64, 1),  # an extra trailing dimension
+    ],
+)
+def test_check_blocks_wrong_shape_names_both_shapes(shape: tuple[int, ...]) -> None:
+    layout = issue_layout(num_layers=2)
+    with pytest.raises(LayoutMismatchError) as info:
+        layout.check_blocks(torch.zeros(shape, dtype=torch.float16))
+    message = str(info.value)
+    assert f"shape {shape}" in message
+    assert "layout wants [n, 2, 2, 16, 2, 64]" in message
+
+
+def test_check_blocks_wrong_count_names_both_counts() -> None:
+    layout = issue_layout(num_layers=2)
+    blocks = torch.zeros((3, *layout.block_shape), dtype=torch.float16)
+    with pytest.raises(LayoutMismatchError, match="got 3 blocks for 4 keys"):
+        layout.check_blocks(blocks, num_blocks=4)
+
+
+def test_check_blocks_rejects_non_tensors() -> None:
+    layout = issue_layout(num_layers=2)
+    with pytest.raises(LayoutMismatchError, match=r"must be a torch\.Tensor, got list"):
+        layout.check_blocks([[0.0]])  # type: ignore[arg-type]
+    assert issubclass(LayoutMismatchError, ValueError)
+
+
+# ---------------------------------------------------------------------------------------------
+# Field validation.
+
+
+@pytest.mark.parametrize("field", ["num_layers", "num_kv_heads", "head_dim", "block_size", "tp_size"])
+@pytest.mark.parametrize("value", [0, -1, 1.0, "16", True, None])
+def test_invalid_positive_field_raises_config_error(field: str, value: Any) -> None:
+    with pytest.raises(ConfigError, match=rf"KVLayout\.{field} must be a positive int, got {value!r}"):
+        issue_layout(**{field: value})
+
+
+@pytest.mark.parametrize(("tp_rank", "tp_size"), [(-1, 1), (1, 1), (4, 4), (0.0, 2), ("0", 2), (None, 1)])
+def test_invalid_tp_rank_raises_config_error(tp_rank: Any, tp_size: int) -> None:
+    with pytest.raises(ConfigError, match=rf"KVLayout\.tp_rank must be in \[0, {tp_size}\), got {tp_rank!r}"):
+        issue_layout(tp_rank=tp_rank, tp_size=tp_size)
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.float64, torch.complex64, "float16", None])
+def test_unsupported_dtype_raises_config_error(dtype: Any) -> None:
+    with pytest.raises(ConfigError, match=r"KVLayout\.dtype .* is not one of .*float16"):
+        issue_layout(dtype=dtype)
+
+
+def test_layout_is_frozen() -> None:
+    layout = issue_layout()
+    with pytest.raises(AttributeError):
+        layout.num_layers = 2  # type: ignore[misc]
+
+
+def test_bool_tp_rank_raises_config_error() -> None:
+    """``tp_rank=True`` equals ``tp_rank=1`` as a dataclass but fingerprints as ``tpTrueof2``."""
+    with pytest.raises(ConfigError, match="tp_rank"):
+        issue_layout(tp_rank=True, tp_size=2)

@@ -1,0 +1,298 @@
+"""TieredStore: placement, exact eviction order, pins, promotion, policies, restart, bad input."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvstore import CapacityError, ConfigError, KVStoreError, LayoutMismatchError, StoreConfig
+
+from conftest import SLOT, blocks_for, chain, make_store
+
+
+def assert_exact(store, keys):  # type: ignore[no-untyped-def]
+    assert keys, "nothing to compare"
+    got = store.get(keys)
+    want = blocks_for(keys)
+    assert torch.equal(got, want), "store returned bytes other than those put"
+
+
+def test_put_get_lookup_roundtrip(tmp_path: Path) -> None:
+    store = make_store(tmp_path, host_blocks=8)
+    keys = chain(store, 3)
+    assert store.lookup(keys).num_blocks == 0
+    store.put(keys, blocks_for(keys))
+    m = store.lookup(keys)
+    assert (m.num_blocks, m.tiers) == (3, ("host", "host", "host"))
+    assert_exact(store, keys)
+    other = chain(store, 2, salt=1)
+    assert store.lookup(keys[:1] + other).num_blocks == 1  # stops at the first miss
+    stats = store.stats()
+    assert stats["host"]["num_blocks"] == 3
+    assert stats["host"]["used_bytes"] == 3 * SLOT
+    assert stats["host"]["capacity_bytes"] == 8 * SLOT
+    assert "disk" not in stats
+    store.check_integrity()
+    store.close()
+
+
+def test_get_names_first_missing_key(tmp_path: Path) -> None:
+    store = make_store(tmp_path)
+    keys = chain(store, 3)
+    store.put(keys[:1], blocks_for(keys[:1]))
+    with pytest.raises(KeyError, match=keys[1].hex()):
+        store.get(keys)
+
+
+def test_host_eviction_demotes_tails_first_to_disk(tmp_path: Path) -> None:
+    store = make_store(tmp_path, host_blocks=4, disk_blocks=8)
+    a = chain(store, 4, salt=1)
+    b = chain(store, 2, salt=2)
+    store.put(a, blocks_for(a))
+    store.put(b, blocks_for(b))
+    # Two slots were needed: A's two tail blocks left host for disk, A's head stayed.
+    assert store.lookup(a).tiers == ("host", "host", "disk", "disk")
+    assert store.lookup(b).tiers == ("host", "host")
+    assert store.stats()["host"]["evictions"] == 2
+    assert store.stats()["disk"]["num_blocks"] == 2
+    store.check_integrity()
+    # Disk keeps the same order: with 8 disk slots and room for 2 more, put C (4 blocks):
+    # host must evict 4 (b1, b0 were used after a1, a0 -> a1, a0 go first, then b1, b0).
+    c = chain(store, 4, salt=3)
+    store.put(c, blocks_for(c))
+    assert store.lookup(a).tiers == ("disk", "disk", "disk", "disk")
+    assert store.lookup(b).tiers == ("disk", "disk")
+    # Disk is full (6 of 8 used + 4 incoming would exceed): next put drops disk's LRU tails.
+    d = chain(store, 4, salt=4)
+    store.put(d, blocks_for(d))
+    assert store.stats()["disk"]["num_blocks"] == 8
+    assert store.lookup(a).num_blocks == 2  # a3, a2 were the oldest tails on disk
+    assert_exact(store, d)
+    for keys in (c, b, a):  # reads promote (and so demote others): whatever is found is exact
+        found = store.lookup(keys).num_blocks
+        if found:
+            assert_exact(store, keys[:found])
+    store.check_integrity()
+    store.close()
+
+
+def test_capacity_is_a_hard_limit_with_puts_larger_than_host(tmp_path: Path) -> None:
+    store = make_store(tmp_path, host_blocks=4, disk_blocks=6)
+    keys = chain(store, 20)
+    store.put(keys, blocks_for(keys))
+    stats = store.stats()
+    assert stats["host"]["num_blocks"] == 4 and stats["disk"]["num_blocks"] == 6
+    assert stats["host"]["used_bytes"] <= stats["host"]["capacity_bytes"]
+    assert stats["disk"]["used_bytes"] <= stats["disk"]["capacity_bytes"]
+    store.check_integrity()
+    store.close()
+
+
+def test_pinned_blocks_are_never_evicted(tmp_path: Path) -> None:
+    store = make_store(tmp_path, host_blocks=3)
+    a = chain(store, 2, salt=1)
+    store.put(a, blocks_for(a))
+    store.pin(a)
+    b = chain(store, 3, salt=2)
+    store.put(b, blocks_for(b))  # one unpinned slot left: b cycles through it, tail first
+    assert store.lookup(a).tiers == ("host", "host")
+    assert store.lookup(b).tiers == ("host",)  # the head stayed
+    store.pin(b[:1])
+    c = chain(store, 1, salt=3)
+    with pytest.raises(CapacityError, match=r"need 1 host slots, 0 free of 3 \(the rest pinned"):
+        store.put(c, blocks_for(c))
+    assert store.lookup(c).num_blocks == 0  # the failed put left nothing behind
+    store.unpin(a + b[:1])
+    with pytest.raises(ValueError, match="not pinned"):
+        store.unpin(a)
+    store.put(b, blocks_for(b))
+    assert store.lookup(a).num_blocks == 0  # unpinned, then evicted (no disk tier: dropped)
+    store.check_integrity()
+
+
+def test_pin_of_absent_key_raises(tmp_path: Path) -> None:
+    store = make_store(tmp_path)
+    with pytest.raises(KeyError):
+        store.pin(chain(store, 1))
+
+
+def test_get_promotes_disk_blocks_to_host(tmp_path: Path) -> None:
+    store = make_store(tmp_path, host_blocks=2, disk_blocks=8)
+    a, b = chain(store, 2, salt=1), chain(store, 2, salt=2)
+    store.put(a, blocks_for(a))
+    store.put(b, blocks_for(b))
+    assert store.lookup(a).tiers == ("disk", "disk")
+    assert_exact(store, a)
+    assert store.lookup(a).tiers == ("host", "host")
+    assert store.lookup(b).tiers == ("disk", "disk")
+    store.check_integrity()
+    store.close()
+
+
+def test_promotion_never_keeps_blocks_on_disk(tmp_path: Path) -> None:
+    store = make_store(tmp_path, host_blocks=2, disk_blocks=8, promotion="never")
+    a, b = chain(store, 2, salt=1), chain(store, 2, salt=2)
+    store.put(a, blocks_for(a))
+    store.put(b, blocks_for(b))
+    assert_exact(store, a)
+    assert store.lookup(a).tiers == ("disk", "disk")
+    store.close()
+
+
+def test_promotion_on_lookup_prefetches(tmp_path: Path) -> None:
+    store = make_store(tmp_path, host_blocks=2, disk_blocks=8, promotion="lookup")
+    a, b = chain(store, 2, salt=1), chain(store, 2, salt=2)
+    store.put(a, blocks_for(a))
+    store.put(b, blocks_for(b))
+    assert store.lookup(a).tiers == ("disk", "disk")  # the answer itself is a pure query
+    store._executor.submit(lambda: None).result()  # the prefetch was queued before this
+    store._executor.shutdown(wait=True)
+    assert store.lookup(a).tiers == ("host", "host")
+    store.check_integrity()
+
+
+def test_write_through_puts_reach_disk_before_returning(tmp_path: Path) -> None:
+    store = make_store(tmp_path, host_blocks=8, disk_blocks=8, write_policy="write_through")
+    keys = chain(store, 3)
+    store.put(keys, blocks_for(keys))
+    assert store.stats()["disk"]["num_blocks"] == 3
+    assert {d.key for d in store._disk.entries()} == set(keys)
+    store.check_integrity()
+    store.close()
+
+
+def test_seen_twice_admission(tmp_path: Path) -> None:
+    store = make_store(tmp_path, host_blocks=2, disk_blocks=8, disk_admission="seen_twice")
+    once, twice = chain(store, 1, salt=1), chain(store, 1, salt=2)
+    store.put(once, blocks_for(once))
+    store.put(twice, blocks_for(twice))
+    store.get(twice)  # second use
+    filler = chain(store, 2, salt=3)
+    store.put(filler, blocks_for(filler))
+    assert store.lookup(once).num_blocks == 0  # dropped, never written to disk
+    assert store.lookup(twice).tiers == ("disk",)
+    # a block put again after being dropped counts as seen twice
+    store.put(once, blocks_for(once))
+    store.put(chain(store, 2, salt=4), blocks_for(chain(store, 2, salt=4)))
+    assert store.lookup(once).tiers == ("disk",)
+    store.check_integrity()
+    store.close()
+
+
+def test_close_writes_back_and_reopen_finds_everything(tmp_path: Path) -> None:
+    store = make_store(tmp_path, host_blocks=4, disk_blocks=16)
+    chains = [chain(store, 3, salt=s) for s in range(4)]
+    for keys in chains:
+        store.put(keys, blocks_for(keys))
+    store.close()
+    with pytest.raises(KVStoreError, match="closed"):
+        store.lookup(chains[0])
+    store.close()  # idempotent
+    reopened = make_store(tmp_path, host_blocks=4, disk_blocks=16)
+    for keys in chains:
+        assert reopened.lookup(keys).tiers == ("disk",) * 3
+        assert_exact(reopened, keys)
+    reopened.check_integrity()
+    reopened.close()
+
+
+def test_close_with_small_disk_keeps_most_recent(tmp_path: Path) -> None:
+    store = make_store(tmp_path, host_blocks=8, disk_blocks=4)
+    old, new = chain(store, 4, salt=1), chain(store, 4, salt=2)
+    store.put(old, blocks_for(old))
+    store.put(new, blocks_for(new))
+    store.close()
+    reopened = make_store(tmp_path, host_blocks=8, disk_blocks=4)
+    assert reopened.lookup(new).num_blocks == 4
+    assert reopened.lookup(old).num_blocks == 0
+    reopened.close()
+
+
+def test_fetch_into_tensor(tmp_path: Path) -> None:
+    store = make_store(tmp_path, host_blocks=2, disk_blocks=8)
+    a, b = chain(store, 3, salt=1), chain(store, 1, salt=2)
+    store.put(a, blocks_for(a))
+    store.put(b, blocks_for(b))
+    into = torch.full((3, *store.layout.block_shape), float("nan"))
+    handle = store.fetch(a, into=into)
+    result = handle.result(timeout=10)
+    assert handle.done() and handle.wait(0)
+    assert result.num_blocks == 3 and set(result.tiers) <= {"host", "disk"}
+    assert torch.equal(into, blocks_for(a))
+    # a partly missing chain delivers its leading run only
+    missing = a[:1] + chain(store, 2, salt=9)
+    into = torch.zeros((3, *store.layout.block_shape))
+    assert store.fetch(missing, into=into).result(timeout=10).num_blocks == 1
+    store.check_integrity()
+    store.close()
+
+
+def test_bad_tensors_are_rejected(tmp_path: Path) -> None:
+    store = make_store(tmp_path)
+    keys = chain(store, 2)
+    good = blocks_for(keys)
+    with pytest.raises(LayoutMismatchError, match="dtype"):
+        store.put(keys, good.half())
+    with pytest.raises(LayoutMismatchError, match="shape"):
+        store.put(keys, good[:, :1])
+    with pytest.raises(LayoutMismatchError, match="got 1 blocks for 2 keys"):
+        store.put(keys, good[:1])
+    with pytest.raises(TypeError, match="32-byte"):
+        store.put([b"short", keys[1]], good)
+    with pytest.raises(ValueError, match="contiguous"):
+        store.fetch(keys, into=torch.empty((2, *store.layout.block_shape[::-1])).permute(0, 5, 4, 3, 2, 1))
+    assert len(store) == 0
+    store.check_integrity()
+
+
+def test_bad_configs_name_the_numbers(tmp_path: Path, small_layout) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(ConfigError, match=r"host_bytes=100 is smaller than one block slot \(4096"):
+        StoreConfig(layout=small_layout, host_bytes=100)
+    with pytest.raises(ConfigError, match="disk_bytes=10"):
+        StoreConfig(layout=small_layout, disk_path=tmp_path, disk_bytes=10)
+    with pytest.raises(ConfigError, match="write_policy"):
+        StoreConfig(layout=small_layout, write_policy="sometimes")
+    with pytest.raises(ConfigError, match="needs a disk tier"):
+        StoreConfig(layout=small_layout, write_policy="write_through")
+    with pytest.raises(ConfigError, match="host_policy"):
+        StoreConfig(layout=small_layout, host_policy="random")
+
+
+def test_missing_or_unwritable_disk_path(tmp_path: Path) -> None:
+    from kvstore import TierError
+
+    with pytest.raises((TierError, OSError, ValueError), match="nope"):
+        make_store(None, disk_path=tmp_path / "nope" / "deeper" / "x", disk_bytes=4 * SLOT)
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    with pytest.raises((TierError, OSError, ValueError), match="file"):
+        make_store(None, disk_path=blocker, disk_bytes=4 * SLOT)
+
+
+def test_tenants_never_share_blocks(tmp_path: Path) -> None:
+    store = make_store(tmp_path)
+    a = chain(store, 2, tenant="acme")
+    b = chain(store, 2, tenant="globex")
+    store.put(a, blocks_for(a))
+    assert store.lookup(b).num_blocks == 0
+    assert set(a).isdisjoint(b)
+
+
+def test_contains_and_delete(tmp_path: Path) -> None:
+    store = make_store(tmp_path, host_blocks=2, disk_blocks=8)
+    a, b = chain(store, 2, salt=1), chain(store, 2, salt=2)
+    store.put(a, blocks_for(a))
+    store.put(b, blocks_for(b))  # a is on disk now
+    assert store.contains([a[1], b[0], chain(store, 1, salt=3)[0]]) == [True, True, False]
+    store.pin(b[:1])
+    with pytest.raises(CapacityError, match="pinned or being read"):
+        store.delete(b)
+    assert store.contains(b) == [True, True]  # nothing deleted
+    store.unpin(b[:1])
+    assert store.delete(a[1:] + b + a[1:]) == 3
+    assert store.contains(a + b) == [True, False, False, False]
+    assert store.lookup(a).num_blocks == 1
+    store.check_integrity()
+    store.close()

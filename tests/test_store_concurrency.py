@@ -1,0 +1,131 @@
+"""TieredStore under several threads, and held against a plain-dict model (Hypothesis)."""
+
+from __future__ import annotations
+
+import random
+import shutil
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from conftest import blocks_for, chain, make_store
+
+
+def test_threads_put_get_lookup_fetch_concurrently(tmp_path: Path) -> None:
+    store = make_store(tmp_path, host_blocks=12, disk_blocks=40)
+    chains = [chain(store, 1 + s % 4, salt=s) for s in range(30)]
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def worker(seed: int) -> None:
+        rng = random.Random(seed)
+        try:
+            for _ in range(150):
+                keys = rng.choice(chains)
+                op = rng.random()
+                if op < 0.35:
+                    store.put(keys, blocks_for(keys))
+                elif op < 0.6:
+                    found = store.lookup(keys).num_blocks
+                    if found:
+                        try:
+                            got = store.get(keys[:found])
+                        except KeyError:
+                            continue  # evicted between lookup and get: a miss, never wrong bytes
+                        assert torch.equal(got, blocks_for(keys[:found]))
+                elif op < 0.85:
+                    into = torch.full((len(keys), *store.layout.block_shape), float("nan"))
+                    n = store.fetch(keys, into=into).result(timeout=30).num_blocks
+                    assert torch.equal(into[:n], blocks_for(keys[:n]))
+                else:
+                    try:
+                        store.pin(keys)
+                    except KeyError:
+                        continue
+                    store.unpin(keys)
+        except BaseException as exc:  # reported to the main thread
+            errors.append(exc)
+            stop.set()
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors[0]
+    stats = store.stats()
+    assert stats["host"]["used_bytes"] <= stats["host"]["capacity_bytes"]
+    assert stats["disk"]["used_bytes"] <= stats["disk"]["capacity_bytes"]
+    store.check_integrity()
+    store.close()
+
+
+NUM_CHAINS = 6
+
+
+class StoreModel(RuleBasedStateMachine):
+    """The store against a dict of what was put: found keys always hold exactly those bytes.
+
+    The disk tier is large enough to hold every block, so nothing is ever dropped: with
+    write-back, every block put is found (host or disk), also after close and reopen.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dir = Path(tempfile.mkdtemp(prefix="kvstore-model-"))
+        self.host_blocks = 3
+        self.store = make_store(self.dir, host_blocks=self.host_blocks, disk_blocks=64)
+        self.chains = [chain(self.store, 1 + s % 3, salt=s) for s in range(NUM_CHAINS)]
+        self.model: dict[bytes, torch.Tensor] = {}
+
+    @rule(c=st.integers(0, NUM_CHAINS - 1), n=st.integers(1, 3))
+    def put(self, c: int, n: int) -> None:
+        keys = self.chains[c][:n]
+        self.store.put(keys, blocks_for(keys))
+        for key in keys:
+            self.model[key] = blocks_for([key])[0]
+
+    @rule(c=st.integers(0, NUM_CHAINS - 1))
+    def lookup_and_get(self, c: int) -> None:
+        keys = self.chains[c]
+        expected = 0
+        while expected < len(keys) and keys[expected] in self.model:
+            expected += 1
+        match = self.store.lookup(keys)
+        assert match.num_blocks == expected
+        if expected:
+            got = self.store.get(keys[:expected])
+            assert torch.equal(got, torch.stack([self.model[k] for k in keys[:expected]]))
+
+    @precondition(lambda self: bool(self.model))
+    @rule(data=st.data())
+    def pin_unpin(self, data: st.DataObject) -> None:
+        key = data.draw(st.sampled_from(sorted(self.model)))
+        self.store.pin([key])
+        self.store.unpin([key])
+
+    @rule()
+    def reopen(self) -> None:
+        self.store.close()
+        self.store = make_store(self.dir, host_blocks=self.host_blocks, disk_blocks=64)
+
+    @invariant()
+    def integrity(self) -> None:
+        self.store.check_integrity()
+        assert self.store.stats()["host"]["num_blocks"] <= self.host_blocks
+
+    def teardown(self) -> None:
+        self.store.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+StoreModel.TestCase.settings = settings(
+    max_examples=25, stateful_step_count=20, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+test_store_matches_dict_model = StoreModel.TestCase

@@ -1,0 +1,143 @@
+"""Host tier: one preallocated pool of fixed-size slots in RAM (pinned when CUDA is available)."""
+
+from __future__ import annotations
+
+import heapq
+import mmap
+import os
+from collections.abc import Sequence
+
+import torch
+
+from tiers.errors import TierFullError
+
+PAGE = 4096
+
+
+def round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+class HostTier:
+    """A pool of ``num_slots`` slots of ``slot_bytes`` each (payload rounded up to 4 KiB).
+
+    Every slot starts on a page boundary, so the disk tier can read into it with O_DIRECT.
+    Without CUDA the pool is an anonymous mmap (page-aligned by construction).
+    Free slots are handed out lowest first, so a run of blocks tends to get adjacent slots and
+    moves as one copy.
+
+    With ``shared=True`` the pool is a memfd mapped ``MAP_SHARED`` (never pinned): other
+    processes of the same user can map it through ``shm_path`` (the daemon's same-host fast
+    path). Closing the tier, or the process exiting, frees it; nothing is left in /dev/shm.
+    """
+
+    def __init__(
+        self, capacity_bytes: int, payload_bytes: int, *, pin_memory: bool | None = None, shared: bool = False
+    ) -> None:
+        if payload_bytes <= 0:
+            raise ValueError(f"payload_bytes must be positive, got {payload_bytes}")
+        self.payload_bytes = payload_bytes
+        self.slot_bytes = round_up(payload_bytes, PAGE)
+        self.num_slots = capacity_bytes // self.slot_bytes
+        if self.num_slots < 1:
+            raise TierFullError(
+                f"host capacity {capacity_bytes} bytes is smaller than one slot ({self.slot_bytes} bytes)"
+            )
+        self.capacity_bytes = self.num_slots * self.slot_bytes
+        if pin_memory is None:
+            pin_memory = torch.cuda.is_available()
+        self.pinned = bool(pin_memory) and not shared
+        self._mmap: mmap.mmap | None = None
+        self._shm_fd: int | None = None
+        if shared:
+            fd = os.memfd_create("kvstore-host-pool", os.MFD_CLOEXEC)
+            try:
+                os.ftruncate(fd, self.capacity_bytes)
+                flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+                self._mmap = mmap.mmap(fd, self.capacity_bytes, flags=flags)
+            except OSError:
+                os.close(fd)
+                raise
+            self._shm_fd = fd
+            self.pool = torch.frombuffer(self._mmap, dtype=torch.uint8).view(self.num_slots, self.slot_bytes)
+        elif self.pinned:
+            self.pool = torch.empty((self.num_slots, self.slot_bytes), dtype=torch.uint8, pin_memory=True)
+        else:
+            # MAP_POPULATE commits the pages now: the capacity is really ours, and the first
+            # put does not pay page faults.
+            flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
+            self._mmap = mmap.mmap(-1, self.capacity_bytes, flags=flags)
+            self.pool = torch.frombuffer(self._mmap, dtype=torch.uint8).view(self.num_slots, self.slot_bytes)
+        self._free: list[int] = list(range(self.num_slots))  # a heap; sorted is a valid heap
+
+    @property
+    def shm_path(self) -> str | None:
+        """Where another process of this user can open the shared pool (None unless shared)."""
+        if self._shm_fd is None:
+            return None
+        return f"/proc/{os.getpid()}/fd/{self._shm_fd}"
+
+    def close(self) -> None:
+        """Close the shared pool's file descriptor (the mapping lives until garbage collected)."""
+        if self._shm_fd is not None:
+            os.close(self._shm_fd)
+            self._shm_fd = None
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_slots - len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        """Take ``n`` free slots, lowest first. Raises TierFullError when fewer are free."""
+        if n > len(self._free):
+            raise TierFullError(f"need {n} host slots, {len(self._free)} free of {self.num_slots}")
+        return [heapq.heappop(self._free) for _ in range(n)]
+
+    def release(self, slots: Sequence[int]) -> None:
+        """Return slots to the free pool. The caller guarantees nobody reads them any more."""
+        for slot in slots:
+            heapq.heappush(self._free, slot)
+
+    def slot_view(self, slot: int) -> torch.Tensor:
+        """The whole slot (``slot_bytes``, page-aligned) as a uint8 tensor sharing the pool."""
+        return self.pool[slot]
+
+    def write(self, slots: Sequence[int], src: torch.Tensor) -> None:
+        """Copy ``src`` ([n, payload_bytes] uint8, any device) into the slots, one copy per run."""
+        for start, stop, first in _runs(slots):
+            self.pool[first : first + stop - start, : self.payload_bytes].copy_(src[start:stop])
+
+    def read(self, slots: Sequence[int], dst: torch.Tensor, non_blocking: bool = False) -> None:
+        """Copy the slots' payloads into ``dst`` ([n, payload_bytes] uint8), one copy per run."""
+        for start, stop, first in _runs(slots):
+            dst[start:stop].copy_(self.pool[first : first + stop - start, : self.payload_bytes], non_blocking)
+
+    def check_integrity(self, used_slots: Sequence[int]) -> None:
+        """Assert that ``used_slots`` (the owner's view) and the free heap partition the pool."""
+        free = set(self._free)
+        assert len(free) == len(self._free), "host free list holds a slot twice"
+        used = set(used_slots)
+        assert len(used) == len(used_slots), "a host slot is used by two blocks"
+        assert not (free & used), f"host slots both free and used: {sorted(free & used)[:8]}"
+        assert len(free) + len(used) == self.num_slots, (
+            f"host slots leak: {len(free)} free + {len(used)} used != {self.num_slots}"
+        )
+
+
+def _runs(slots: Sequence[int]) -> list[tuple[int, int, int]]:
+    """Split ``slots`` into runs of consecutive ids: (start index, stop index, first slot).
+
+    slots  = [7, 8, 9, 3, 4, 12]
+    runs   = (0, 3, 7), (3, 5, 3), (5, 6, 12)
+    """
+    runs: list[tuple[int, int, int]] = []
+    start = 0
+    for i in range(1, len(slots) + 1):
+        if i == len(slots) or slots[i] != slots[i - 1] + 1:
+            runs.append((start, i, slots[start]))
+            start = i
+    return runs
