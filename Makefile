@@ -26,7 +26,7 @@ $(VENV)/.stamp-test: $(VENV)/.stamp-base
 venv: $(VENV)/.stamp-base
 
 serve: $(VENV)/.stamp-base
-	$(VENV)/bin/kvstore demo
+	$(VENV)/bin/kvstore serve
 
 test: $(VENV)/.stamp-test
 	$(PY) -m pytest -q tests

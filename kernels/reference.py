@@ -28,7 +28,10 @@ def _gather_paged(cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: tor
     # Entries past ceil(seq_len / block_size) are never meaningful (padding such as -1).
     in_use = torch.arange(num_cols, device=table.device) < ((lens + block_size - 1) // block_size)[:, None]
     table = torch.where(in_use, table, 0)
-    rows = cache[table].float().flatten(1, 2)[:, :max_len]  # [num_seqs, max_len, kv_heads, head_dim]
+    # index_select reads only the chosen blocks of the strided per-layer view; plain advanced
+    # indexing (cache[table]) first materialises the whole layer slice of the pool.
+    picked = cache.index_select(0, table.flatten()).view(num_seqs, num_cols, *cache.shape[1:])
+    rows = picked.float().flatten(1, 2)[:, :max_len]  # [num_seqs, max_len, kv_heads, head_dim]
     in_seq = torch.arange(max_len, device=rows.device) < lens[:, None]
     return torch.where(in_seq[:, :, None, None], rows, 0.0)
 
@@ -118,13 +121,39 @@ def store_kv(
 ) -> None:
     """Reference of ``kernels.store_kv``: row t goes to slot ``slot_mapping[t]`` (-1: skipped)."""
     _checks.check_store_kv(key, value, k_cache, v_cache, slot_mapping)
-    block_size = k_cache.shape[1]
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
-    blocks, offsets = slots // block_size, slots % block_size
-    # Indexing the strided per-layer views writes through into the pool.
-    k_cache[blocks, offsets] = key[keep]
-    v_cache[blocks, offsets] = value[keep]
+    for cache, rows in ((k_cache, key[keep]), (v_cache, value[keep])):
+        if _has_token_rows(cache):
+            _token_rows(cache).index_copy_(0, _row_ids(cache, slots), rows)
+        else:  # an unusual stride pattern: index the 4-d view (slower, same result)
+            block_size = cache.shape[1]
+            cache[slots // block_size, slots % block_size] = rows
+
+
+def _has_token_rows(cache: torch.Tensor) -> bool:
+    row = cache.stride(1)
+    return cache.stride(3) == 1 and cache.stride(2) == cache.shape[3] and row == cache.shape[2] * cache.shape[3] \
+        and cache.stride(0) % row == 0 and cache.stride(0) >= cache.shape[1] * row
+
+
+def _token_rows(cache: torch.Tensor) -> torch.Tensor:
+    """The strided per-layer view as one row per token slot of the pool: ``[rows, kv_heads, head_dim]``.
+
+    In the block-major pool a layer's block b starts ``stride(0)`` elements after block b - 1 and
+    its tokens are ``stride(1)`` apart, so every token row of every block is a row of this view
+    (rows between blocks belong to other layers and are never addressed). Writing through it is
+    a plain index_copy; advanced indexing on the 4-d view would copy the whole layer slice.
+    """
+    num_blocks, block_size, heads, dim = cache.shape
+    row = cache.stride(1)
+    num_rows = (num_blocks - 1) * (cache.stride(0) // row) + block_size
+    return cache.as_strided((num_rows, heads, dim), (row, dim, 1))
+
+
+def _row_ids(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    block_size = cache.shape[1]
+    return (slots // block_size) * (cache.stride(0) // cache.stride(1)) + slots % block_size
 
 
 def gather_blocks(pool: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -8,6 +8,8 @@ Embedded use::
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from kvstore.config import StoreConfig
 from kvstore.errors import (
     CapacityError,
@@ -24,6 +26,9 @@ from kvstore.keys import BlockHasher, Namespace
 from kvstore.layout import KVLayout
 from kvstore.store import TieredStore
 from kvstore.transfer import FetchHandle, FetchResult
+
+if TYPE_CHECKING:
+    from kvstore.daemon.client import connect
 
 __version__ = "0.1.0"
 

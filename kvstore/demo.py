@@ -62,6 +62,11 @@ def print_tiers(store: TieredStore) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """The engine's chat workload (engine/demo.py), or with --store-only this store-only one."""
+    if not args.store_only:
+        from engine.demo import run as run_engine_demo
+
+        return run_engine_demo(args)
     rng = random.Random(args.seed)
     data_dir = Path(args.data_dir)
     if args.fresh and (data_dir / "demo").exists():
@@ -102,6 +107,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--disk-blocks", type=int, default=2048, help="disk tier capacity in blocks (default 2048)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--fresh", action="store_true", help="start from an empty disk tier")
+    parser.add_argument("--store-only", action="store_true",
+                        help="run the store alone with stand-in KV (no model); default: the engine")
+    from engine.demo import add_arguments
+
+    add_arguments(parser)
     parser.set_defaults(func=lambda args: run(args) if _check(args) else 2)
 
 

@@ -59,6 +59,10 @@ class EvictionPolicy(ABC):
     @abstractmethod
     def __contains__(self, key: object) -> bool: ...
 
+    def check_integrity(self) -> None:
+        """Assert the policy's internal invariants (tests and idle ticks call it); cheap to skip."""
+        return None
+
 
 class LRUPolicy(EvictionPolicy):
     """Least recently used, tail blocks first.
@@ -98,7 +102,152 @@ class LRUPolicy(EvictionPolicy):
         return key in self._order
 
 
-POLICIES: dict[str, Callable[[], EvictionPolicy]] = {"lru": LRUPolicy}
+def _bucket(interval: int) -> int:
+    """Log-scale histogram bucket: four buckets per power of two (intervals below 8 exact)."""
+    n = interval.bit_length()
+    return interval if n <= 3 else (n << 2) | ((interval >> (n - 3)) & 3)
+
+
+def _bucket_top(bucket: int) -> int:
+    """The largest interval that falls in ``bucket`` (inverse of ``_bucket``)."""
+    if bucket < 8:
+        return bucket
+    n, m = bucket >> 2, bucket & 3
+    return ((5 + m) << (n - 3)) - 1
+
+
+class ReusePolicy(EvictionPolicy):
+    """LRU that protects reused blocks for about as long as reuses are observed to take.
+
+    Blocks seen once sit in ``once``, blocks seen twice or more (a ghost list remembers evicted
+    keys and their use counts) in ``reused``; both queues are LRU ordered by a touch clock. The
+    victim is the head of ``once``, unless the head of ``reused`` is older than it AND older
+    than the protection horizon: the ``quantile`` of reuse intervals (in block touches) recently
+    observed on reused blocks. Horizon 0 is exactly tail-first LRU; an infinite one always
+    sacrifices once-seen blocks first. The horizon starts at 0 and is learned online, so the
+    policy falls back to LRU where reused blocks come back quickly or the tier is large.
+    Leaves first: within one call a parent gets a use count >= its child's (so it never sits
+    in a lower class) and a later stamp; ``insert`` re-stamps the tracked ancestors of the
+    blocks it adds, so a found prefix accessed before its new tail is inserted stays newer.
+    """
+
+    name = "reuse"
+
+    def __init__(self, quantile: float = 0.97, ghost_factor: float = 4.0, min_samples: int = 32) -> None:
+        self.quantile, self.ghost_factor, self.min_samples = quantile, ghost_factor, min_samples
+        self._once: OrderedDict[Key, int] = OrderedDict()  # key -> last touch stamp; front = oldest
+        self._reused: OrderedDict[Key, int] = OrderedDict()
+        self._uses: dict[Key, int] = {}  # every tracked key: its use count (capped)
+        self._parents: dict[Key, Key] = {}  # tracked key -> parent, where one was given
+        self._ghost: OrderedDict[Key, tuple[int, int]] = OrderedDict()  # evicted: (uses, stamp)
+        self._clock = 0  # one tick per block touched
+        self._high_water = 0  # the most blocks tracked at once: the tier's size once it filled
+        self._histogram = [0.0] * 256  # reuse intervals of reused blocks, decayed (see _observe)
+        self._num_samples = 0
+        self.horizon = 0  # protection horizon in block touches; 0 until min_samples are seen
+
+    def insert(self, keys: Sequence[Key], parents: Sequence[Key | None]) -> None:
+        self._touch(keys, parents)
+        if keys and parents and parents[0] is not None:
+            self._restamp_ancestors(parents[0], self._uses[keys[0]])
+        self._high_water = max(self._high_water, len(self._uses))
+
+    def access(self, keys: Sequence[Key]) -> None:
+        self._touch(keys, None)
+
+    def _touch(self, keys: Sequence[Key], parents: Sequence[Key | None] | None) -> None:
+        once, reused, uses, ghost = self._once, self._reused, self._uses, self._ghost
+        clock, floor = self._clock, 0
+        for i in range(len(keys) - 1, -1, -1):  # tail first: the head gets the newest stamp
+            key = keys[i]
+            clock += 1
+            stamp = once.pop(key, None)
+            if stamp is None:
+                stamp = reused.pop(key, None)
+            if stamp is not None:
+                count = uses[key]
+            else:  # new to this tier (access of an unknown key is treated the same, as LRU does)
+                count, stamp = ghost.pop(key, (0, 0))
+                if parents is not None and parents[i] is not None:
+                    self._parents[key] = parents[i]
+            if count >= 2:
+                self._observe(clock - stamp)
+            count = max(count + 1 if count < 255 else count, floor)  # a parent never below its child
+            floor = uses[key] = count
+            (reused if count >= 2 else once)[key] = clock
+        self._clock = clock
+
+    def _restamp_ancestors(self, parent: Key | None, floor: int) -> None:
+        # The new blocks' tracked prefix counts as touched with them, after them: O(depth).
+        # The step bound only guards against a parent cycle, which chained keys cannot form.
+        for _ in range(len(self._uses)):
+            if parent is None or parent not in self._uses:
+                break
+            self._clock += 1
+            floor = max(self._uses[parent], floor)
+            self._uses[parent] = floor
+            self._once.pop(parent, None)
+            self._reused.pop(parent, None)
+            (self._reused if floor >= 2 else self._once)[parent] = self._clock
+            parent = self._parents.get(parent)
+
+    def _observe(self, interval: int) -> None:
+        self._histogram[_bucket(interval)] += 1.0
+        self._num_samples += 1
+        if self._num_samples % 256 == 0 and self._num_samples >= self.min_samples:
+            # Recompute the quantile, then decay: recent reuse behaviour dominates.
+            target, seen = self.quantile * sum(self._histogram), 0.0
+            for bucket, weight in enumerate(self._histogram):
+                seen += weight
+                if seen >= target:
+                    self.horizon = _bucket_top(bucket)
+                    break
+            self._histogram = [w * 0.9 for w in self._histogram]
+
+    def remove(self, key: Key) -> None:
+        if self._once.pop(key, None) is None:
+            self._reused.pop(key, None)
+        self._uses.pop(key, None)
+        self._parents.pop(key, None)
+
+    def pop_victim(self, can_evict: Callable[[Key], bool] | None = None) -> Key | None:
+        first_once = next((k for k in self._once if can_evict is None or can_evict(k)), None)
+        first_reused = next((k for k in self._reused if can_evict is None or can_evict(k)), None)
+        if first_reused is None:
+            if first_once is None:
+                return None
+            victim, queue = first_once, self._once
+        elif first_once is None:
+            victim, queue = first_reused, self._reused
+        else:
+            stamp = self._reused[first_reused]
+            if stamp < self._once[first_once] and self._clock - stamp > self.horizon:
+                victim, queue = first_reused, self._reused
+            else:
+                victim, queue = first_once, self._once
+        self._ghost[victim] = (self._uses.pop(victim), queue.pop(victim))
+        self._parents.pop(victim, None)
+        if len(self._ghost) > self.ghost_factor * max(self._high_water, 64):
+            self._ghost.popitem(last=False)
+        return victim
+
+    def __len__(self) -> int:
+        return len(self._uses)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._uses
+
+    def check_integrity(self) -> None:
+        assert len(self._once) + len(self._reused) == len(self._uses), "queues and counts disagree"
+        for queue, reused in ((self._once, False), (self._reused, True)):
+            stamps = list(queue.values())
+            assert stamps == sorted(stamps), "a queue is out of stamp order"
+            assert all((self._uses[k] >= 2) == reused for k in queue), "a block sits in the wrong queue"
+        assert self._parents.keys() <= self._uses.keys(), "parent links of untracked blocks"
+        assert not any(k in self._uses for k in self._ghost), "a tracked block is also a ghost"
+
+
+POLICIES: dict[str, Callable[[], EvictionPolicy]] = {"lru": LRUPolicy, "reuse": ReusePolicy}
 DEFAULT_POLICY = "lru"
 
 

@@ -550,6 +550,9 @@ class TieredStore:
         """
         with self._lock:
             self._check_open()
+            if n > self._host.num_slots - self._reserved_host:  # hopeless: evict nothing
+                raise CapacityError(f"need {n} host slots, {self._host.num_slots} in the pool, "
+                                    f"{self._reserved_host} of them reserved")
             if self._host.num_free < n:
                 self._evict_host(n - self._host.num_free)
             if self._host.num_free < n:

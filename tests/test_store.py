@@ -9,7 +9,7 @@ import torch
 
 from kvstore import CapacityError, ConfigError, KVStoreError, LayoutMismatchError, StoreConfig
 
-from conftest import SLOT, blocks_for, chain, make_store
+from factories import SLOT, SMALL_LAYOUT, blocks_for, chain, make_store
 
 
 def assert_exact(store, keys):  # type: ignore[no-untyped-def]
@@ -247,7 +247,8 @@ def test_bad_tensors_are_rejected(tmp_path: Path) -> None:
     store.check_integrity()
 
 
-def test_bad_configs_name_the_numbers(tmp_path: Path, small_layout) -> None:  # type: ignore[no-untyped-def]
+def test_bad_configs_name_the_numbers(tmp_path: Path) -> None:
+    small_layout = SMALL_LAYOUT
     with pytest.raises(ConfigError, match=r"host_bytes=100 is smaller than one block slot \(4096"):
         StoreConfig(layout=small_layout, host_bytes=100)
     with pytest.raises(ConfigError, match="disk_bytes=10"):

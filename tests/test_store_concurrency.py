@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from conftest import blocks_for, chain, make_store
+from factories import blocks_for, chain, make_store
 
 
 def test_threads_put_get_lookup_fetch_concurrently(tmp_path: Path) -> None:

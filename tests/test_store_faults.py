@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import blocks_for, chain, make_store
+from factories import blocks_for, chain, make_store
 
 
 def _put_storm(disk_dir: str, first_salt: int, conn) -> None:  # type: ignore[no-untyped-def]
@@ -32,7 +32,7 @@ def _put_storm(disk_dir: str, first_salt: int, conn) -> None:  # type: ignore[no
 def test_kill_9_during_put_storm_never_yields_corrupt_blocks(tmp_path: Path) -> None:
     # A forkserver imports torch once; every child is a cheap fork of that clean process.
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "kvstore", "conftest"])
+    ctx.set_forkserver_preload(["torch", "kvstore", "factories"])
     rng = random.Random(7)
     acknowledged: list[int] = []
     next_salt = 0

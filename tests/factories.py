@@ -1,11 +1,14 @@
-"""Shared factories for the suite: small layouts, deterministic block payloads, stores."""
+"""Store factories shared by the store tests: small layouts, deterministic payloads, stores.
+
+A plain module, not conftest.py: the engine tests have a conftest of their own, and two
+modules named ``conftest`` cannot both be imported by name.
+"""
 
 from __future__ import annotations
 
 import hashlib
 from pathlib import Path
 
-import pytest
 import torch
 
 from kvstore import KVLayout, StoreConfig, TieredStore
@@ -50,8 +53,3 @@ def chain(store: TieredStore, num_blocks: int, salt: int = 0, tenant: str = "") 
     bs = store.layout.block_size
     tokens = [salt * 100_000 + i for i in range(num_blocks * bs)]
     return store.block_keys(tokens, tenant=tenant)
-
-
-@pytest.fixture
-def small_layout() -> KVLayout:
-    return SMALL_LAYOUT

@@ -1,0 +1,176 @@
+"""BlockManager: the device tier. Owns the KV pool's blocks, their reference counts, the device
+prefix cache (key -> block) and the LRU of free-but-cached blocks; demotes evictions to the store.
+
+A block is in exactly one of three states:
+  in use    ref_count > 0 (held by sequences; never evicted or overwritten)
+  cached    ref_count == 0, has a key: findable by lookup, in ``evictable`` (LRU first)
+  free      ref_count == 0, no key: in the DevicePool's free list
+Sequences release their blocks tail first, so a prefix's tail is evicted before its head.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+import kernels
+from kvstore.errors import KVStoreError
+from tiers.device import DevicePool
+
+
+class Block:
+    __slots__ = ("block_id", "key", "parent_key", "ref_count", "tenant")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_count = 0
+        self.key: bytes | None = None
+        self.parent_key: bytes | None = None
+        self.tenant = ""
+
+
+class BlockManager:
+    """Device block allocation, sharing and eviction (single-threaded: the engine loop)."""
+
+    def __init__(self, pool: DevicePool, block_size: int, store: Any = None) -> None:
+        self.pool = pool
+        self.block_size = block_size
+        self.store = store  # TieredStore-like; None: evicted blocks are dropped
+        self.blocks = [Block(i) for i in range(pool.num_blocks)]
+        self.cached: dict[bytes, int] = {}
+        self.evictable: OrderedDict[int, None] = OrderedDict()
+        self.num_demoted = 0
+        self.num_dropped = 0
+
+    @property
+    def num_available(self) -> int:
+        """Blocks an allocation can get: free ones plus cached ones it may evict."""
+        return self.pool.num_free + len(self.evictable)
+
+    def match(self, keys: Sequence[bytes]) -> list[int]:
+        """Pure query: block ids of the leading run of ``keys`` cached on the device."""
+        ids: list[int] = []
+        for key in keys:
+            block_id = self.cached.get(key)
+            if block_id is None:
+                break
+            ids.append(block_id)
+        return ids
+
+    def num_reusable(self, block_ids: Sequence[int]) -> int:
+        """How many of ``block_ids`` are cached but unreferenced (acquiring them uses availability)."""
+        return sum(1 for b in block_ids if self.blocks[b].ref_count == 0)
+
+    def acquire(self, block_ids: Sequence[int]) -> None:
+        """Add a reference to each block (device prefix hits, forked samples)."""
+        for b in block_ids:
+            block = self.blocks[b]
+            if block.ref_count == 0:
+                del self.evictable[b]
+            block.ref_count += 1
+
+    def allocate(self, n: int) -> list[int]:
+        """``n`` fresh blocks with one reference each; evicts cached blocks LRU first if needed."""
+        if n > self.num_available:
+            raise KVStoreError(f"need {n} device blocks, {self.num_available} available of {self.pool.num_blocks}")
+        short = n - self.pool.num_free
+        if short > 0:
+            self._evict(short)
+        ids = self.pool.allocate(n)
+        for b in ids:
+            self.blocks[b].ref_count = 1
+        return ids
+
+    def release(self, block_ids: Sequence[int]) -> None:
+        """Drop one reference of each block, tail first: keyed blocks stay cached, others free."""
+        freed: list[int] = []
+        for b in reversed(block_ids):
+            block = self.blocks[b]
+            assert block.ref_count > 0, f"block {b} released more often than acquired"
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                if block.key is not None:
+                    self.evictable[b] = None
+                else:
+                    freed.append(b)
+        self.pool.release(freed)
+
+    def seal(self, block_id: int, key: bytes, parent_key: bytes | None, tenant: str) -> None:
+        """Publish a full block under its key. A key already cached elsewhere keeps that block;
+        this one stays private and is freed with its sequence."""
+        block = self.blocks[block_id]
+        if block.key is not None or key in self.cached:
+            return
+        block.key, block.parent_key, block.tenant = key, parent_key, tenant
+        self.cached[key] = block_id
+
+    def copy_on_write(self, block_id: int) -> int:
+        """A private copy of a shared block (the caller's reference moves to the copy)."""
+        (new,) = self.allocate(1)
+        self.pool.pool[new].copy_(self.pool.pool[block_id])
+        self.release([block_id])
+        return new
+
+    def _evict(self, n: int) -> None:
+        victims = [self.evictable.popitem(last=False)[0] for _ in range(n)]
+        self._demote(victims)
+        for b in victims:
+            block = self.blocks[b]
+            del self.cached[block.key]  # type: ignore[arg-type]
+            block.key = block.parent_key = None
+        self.pool.release(victims)
+
+    def evict_all(self) -> int:
+        """Push every cached-but-unused block out of the device (to the store); returns how many."""
+        n = len(self.evictable)
+        if n:
+            self._evict(n)
+        return n
+
+    def write_back(self) -> None:
+        """Copy every keyed block the store lacks to the store, keeping it on the device."""
+        self._demote([b.block_id for b in self.blocks if b.key is not None])
+
+    def _demote(self, block_ids: list[int]) -> None:
+        """Put the blocks' bytes in the store, one put per chain run (heads before tails)."""
+        if self.store is None or not block_ids:
+            self.num_dropped += len(block_ids) if self.store is None else 0
+            return
+        blocks = [self.blocks[b] for b in block_ids]
+        present = self.store.contains([b.key for b in blocks])
+        todo = [b for b, p in zip(blocks, present, strict=True) if not p]
+        # Tails come first in eviction order; reversed, a chain reads head to tail.
+        todo.reverse()
+        runs: list[list[Block]] = []
+        for b in todo:
+            if runs and runs[-1][-1].key == b.parent_key and runs[-1][-1].tenant == b.tenant:
+                runs[-1].append(b)
+            else:
+                runs.append([b])
+        for run in runs:
+            ids = torch.tensor([b.block_id for b in run], dtype=torch.long)
+            payload = kernels.gather_blocks(self.pool.pool, ids)
+            try:
+                self.store.put([b.key for b in run], payload, tenant=run[0].tenant)
+                self.num_demoted += len(run)
+            except KVStoreError:
+                self.num_dropped += len(run)  # the store is full of pinned or in-flight blocks
+
+    def stats(self) -> dict[str, int]:
+        in_use = sum(1 for b in self.blocks if b.ref_count > 0)
+        bpb = self.pool.bytes_per_block
+        return {"capacity_bytes": self.pool.capacity_bytes, "used_bytes": (in_use + len(self.evictable)) * bpb,
+                "num_blocks": in_use + len(self.evictable), "num_in_use": in_use, "num_cached": len(self.cached),
+                "num_free": self.pool.num_free, "demoted": self.num_demoted, "dropped": self.num_dropped}
+
+    def check_integrity(self) -> None:
+        used = [b.block_id for b in self.blocks if b.ref_count > 0 or b.key is not None]
+        self.pool.check_integrity(used)
+        for key, b in self.cached.items():
+            assert self.blocks[b].key == key, f"cached key of block {b} disagrees"
+        for b in self.evictable:
+            assert self.blocks[b].ref_count == 0 and self.blocks[b].key is not None, f"block {b} wrongly evictable"
+        assert sum(1 for b in self.blocks if b.ref_count == 0 and b.key is not None) == len(self.evictable)

@@ -1,0 +1,86 @@
+"""EngineConfig: every knob of an LLMEngine, validated once, frozen."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvstore.errors import ConfigError
+
+FETCH_POLICIES = ("auto", "always", "never")
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+DEVICES = ("cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Configuration of an LLMEngine.
+
+    Attributes:
+        model: a Hugging Face checkpoint directory (config.json + *.safetensors), or None for a
+            small model with seeded random weights (see ``random_model``).
+        device: "cpu" or "cuda" (or "cuda:N").
+        dtype: weights and KV dtype: float32, float16 or bfloat16.
+        kv_cache_bytes: size of the device KV pool (the device tier).
+        host_bytes: host RAM tier of the embedded store; 0: no lower tiers at all.
+        disk_path, disk_bytes: the store's disk tier (None: none).
+        fetch_policy: "auto" (fetch a lower-tier run when its estimated fetch time beats its
+            estimated recompute time), "always", or "never" (recompute whatever is not on device).
+        store: a TieredStore-like object to use instead of an embedded one, or a
+            "unix://..." address of a kvstore daemon; None builds one from host/disk settings.
+        block_size: tokens per KV block.
+        max_num_batched_tokens: the per-step token budget (decode tokens + prefill chunks).
+        max_num_seqs: most sequences running at once.
+        max_model_len: context limit; None: the model's max_position_embeddings.
+        enable_prefix_caching: look up and share cached prefix blocks (False: compute everything).
+        model_id: names the model in the key namespace; None derives one from the checkpoint.
+        random_model: overrides of the random model's config (only with ``model=None``).
+        seed: seed of the random model's weights.
+    """
+
+    model: str | os.PathLike[str] | None = None
+    device: str = "cpu"
+    dtype: torch.dtype = torch.float32
+    kv_cache_bytes: int = 1 << 28
+    host_bytes: int = 1 << 30
+    disk_path: str | os.PathLike[str] | None = None
+    disk_bytes: int = 0
+    fetch_policy: str = "auto"
+    store: Any = None
+    block_size: int = 16
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    model_id: str | None = None
+    random_model: dict[str, Any] | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype must be one of float32/float16/bfloat16, got {self.dtype!r}")
+        if str(self.device).split(":")[0] not in DEVICES:
+            raise ConfigError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if str(self.device).startswith("cuda") and not torch.cuda.is_available():
+            raise ConfigError(f"device={self.device!r} but CUDA is not available")
+        if self.fetch_policy not in FETCH_POLICIES:
+            raise ConfigError(f"fetch_policy must be one of {list(FETCH_POLICIES)}, got {self.fetch_policy!r}")
+        for name in ("kv_cache_bytes", "block_size", "max_num_batched_tokens", "max_num_seqs"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"{name} must be a positive int, got {value!r}")
+        for name in ("host_bytes", "disk_bytes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ConfigError(f"{name} must be an int >= 0, got {value!r}")
+        if self.disk_path is not None and self.host_bytes == 0 and self.store is None:
+            raise ConfigError("a disk tier needs a host tier: set host_bytes > 0 with disk_path")
+        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 1):
+            raise ConfigError(f"max_model_len must be a positive int or None, got {self.max_model_len!r}")
+        if self.random_model is not None and self.model is not None:
+            raise ConfigError("random_model overrides apply only to model=None")
+        if self.store is not None and (self.host_bytes and self.disk_path is not None):
+            raise ConfigError("pass either store= or host_bytes/disk_path for an embedded store, not both")

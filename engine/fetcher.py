@@ -1,0 +1,128 @@
+"""Fetching prefix blocks from the store's lower tiers into device blocks, and the fetch policy.
+
+``fetch_policy="auto"`` fetches the leading run of k lower-tier blocks that maximises
+``recompute_time(k) - fetch_time(k)`` when that is positive, where
+
+  fetch_time(k)     = LATENCY_S + sum over the k blocks of bytes_per_block / bandwidth[tier]
+  recompute_time(k) = k * block_size / prefill_tokens_per_s
+
+Bandwidths and the prefill rate are exponential moving averages of what this engine measured
+(fetch submit to completion; prefill tokens per second of steps that prefilled at least one
+block), starting from the documented defaults below until the first measurement.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+import kernels
+
+LATENCY_S = 5e-4  # fixed cost of one fetch: thread hand-off, lookups, the scatter launch
+DEFAULT_BANDWIDTH = {"host": 2e9, "disk": 3e8}  # bytes/s until measured
+DEFAULT_PREFILL_RATE = {"cpu": 2e3, "cuda": 2e4}  # tokens/s until measured
+EMA = 0.3  # weight of the newest measurement
+
+
+@dataclass
+class Loading:
+    """A fetch in flight: ``keys`` land in ``block_ids`` (the sequence's blocks after its device hits)."""
+
+    handle: Any
+    keys: list[bytes]
+    block_ids: list[int]
+    tiers: tuple[str, ...]
+    staging: torch.Tensor
+    started_s: float
+    finished_s: list[float] = field(default_factory=list)
+
+
+class Fetcher:
+    """Plans, starts and completes fetches for one engine; keeps the running estimates."""
+
+    def __init__(self, store: Any, pool: torch.Tensor, policy: str, block_size: int) -> None:
+        self.store = store
+        self.pool = pool
+        self.policy = policy
+        self.block_size = block_size
+        self.bytes_per_block = pool[0].numel() * pool.element_size()
+        self.bandwidth = dict(DEFAULT_BANDWIDTH)
+        self.prefill_rate = DEFAULT_PREFILL_RATE["cuda" if pool.is_cuda else "cpu"]
+        self._measured: set[str] = set()  # estimates replaced by a measurement at least once
+        self.num_fetched_blocks = 0
+        self.num_failed_blocks = 0
+
+    def fetch_time(self, tiers: Sequence[str]) -> float:
+        return LATENCY_S + sum(self.bytes_per_block / self.bandwidth[t] for t in tiers) if tiers else 0.0
+
+    def recompute_time(self, num_blocks: int) -> float:
+        return num_blocks * self.block_size / self.prefill_rate
+
+    def plan(self, tiers: Sequence[str]) -> int:
+        """How many of the leading lower-tier blocks (``tiers`` from a lookup) to fetch."""
+        if self.policy == "always":
+            return len(tiers)
+        if self.policy == "never" or not tiers:
+            return 0
+        best, best_gain, fetch = 0, 0.0, LATENCY_S
+        per_block = self.block_size / self.prefill_rate
+        for k, tier in enumerate(tiers, start=1):
+            fetch += self.bytes_per_block / self.bandwidth[tier]
+            gain = k * per_block - fetch
+            if gain > best_gain:
+                best, best_gain = k, gain
+        return best
+
+    def start(self, keys: list[bytes], block_ids: list[int], tiers: tuple[str, ...]) -> Loading:
+        staging = torch.empty((len(keys), *self.pool.shape[1:]), dtype=self.pool.dtype, device=self.pool.device)
+        loading = Loading(None, keys, block_ids, tiers, staging, time.perf_counter())
+        loading.handle = self.store.fetch(keys, into=staging)
+        loading.handle.add_done_callback(lambda _h: loading.finished_s.append(time.perf_counter()))
+        return loading
+
+    def finish(self, loading: Loading) -> tuple[str, ...]:
+        """Copy what arrived into the device blocks; returns the tiers of the delivered leading run.
+
+        A failed fetch (I/O error, checksum mismatch, evicted meanwhile) delivers a shorter run,
+        possibly empty; the caller recomputes the rest.
+        """
+        try:
+            tiers = tuple(loading.handle.result().tiers)
+        except Exception:  # an error inside the transfer thread: recompute everything
+            tiers = ()
+        n = len(tiers)
+        if n:
+            ids = torch.tensor(loading.block_ids[:n], dtype=torch.long)
+            kernels.scatter_blocks(self.pool, ids, loading.staging[:n])
+            elapsed = (loading.finished_s[0] if loading.finished_s else time.perf_counter()) - loading.started_s
+            self._measure(tiers, elapsed)
+        self.num_fetched_blocks += n
+        self.num_failed_blocks += len(loading.keys) - n
+        return tiers
+
+    def _measure(self, tiers: tuple[str, ...], seconds: float) -> None:
+        seconds = max(seconds - LATENCY_S, 1e-6)
+        num_disk = sum(1 for t in tiers if t == "disk")
+        num_host = len(tiers) - num_disk
+        if num_disk == 0:
+            self._update("host", num_host * self.bytes_per_block / seconds)
+        else:  # disk dominates a mixed fetch: charge host its estimated share, disk the rest
+            host_s = num_host * self.bytes_per_block / self.bandwidth["host"]
+            self._update("disk", num_disk * self.bytes_per_block / max(seconds - host_s, 1e-6))
+
+    def _update(self, tier: str, value: float) -> None:
+        self.bandwidth[tier] = self._blend(tier, self.bandwidth[tier], value)
+
+    def _blend(self, name: str, old: float, new: float) -> float:
+        if name not in self._measured:  # the first measurement replaces the default outright
+            self._measured.add(name)
+            return new
+        return (1 - EMA) * old + EMA * new
+
+    def record_prefill(self, num_tokens: int, seconds: float) -> None:
+        if num_tokens >= self.block_size and seconds > 0:
+            self.prefill_rate = self._blend("prefill", self.prefill_rate, num_tokens / seconds)

@@ -1,0 +1,94 @@
+"""ModelRunner: turns a step's scheduled chunks into packed tensors, runs the model, samples.
+
+Rows are packed decode first (chunks of one token, attended with the decode kernel), then the
+prefill chunks one sequence after another (the prefill kernel). Only rows whose logits are
+needed (a chunk's last row when it reaches its sequence's end, or prompt rows that asked for
+``prompt_logits``) go through the LM head.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.model import AttentionBatch, LlamaModel
+from engine.sampling import sample
+from engine.scheduler import Scheduled
+from engine.sequence import Sequence
+
+
+def _table(seqs: list[Sequence]) -> torch.Tensor:
+    width = max((len(s.block_table) for s in seqs), default=0)
+    return torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs],
+                        dtype=torch.int32).reshape(len(seqs), width)
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, kv_pool: torch.Tensor, block_size: int) -> None:
+        self.model = model
+        self.kv_pool = kv_pool
+        self.block_size = block_size
+        self.device = kv_pool.device
+
+    def prepare(self, items: list[Scheduled]) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch, int]:
+        bs = self.block_size
+        decodes = [it for it in items if it.num_tokens == 1]
+        prefills = [it for it in items if it.num_tokens > 1]
+        ids: list[int] = []
+        pos_parts: list[torch.Tensor] = []
+        slot_parts: list[torch.Tensor] = []
+        if decodes:
+            dec_pos = [it.start for it in decodes]
+            ids += [it.seq.token_ids[it.start] for it in decodes]
+            pos_parts.append(torch.tensor(dec_pos, dtype=torch.long))
+            slot_parts.append(torch.tensor([it.seq.block_table[p // bs] * bs + p % bs
+                                            for it, p in zip(decodes, dec_pos, strict=True)], dtype=torch.long))
+        cu = [0]
+        for it in prefills:
+            ids += it.seq.token_ids[it.start : it.start + it.num_tokens]
+            pos = torch.arange(it.start, it.start + it.num_tokens)
+            table = torch.tensor(it.seq.block_table, dtype=torch.long)
+            pos_parts.append(pos)
+            slot_parts.append(table[pos // bs] * bs + pos % bs)
+            cu.append(cu[-1] + it.num_tokens)
+        dev = self.device
+        positions = torch.cat(pos_parts)
+        batch = AttentionBatch(
+            slot_mapping=torch.cat(slot_parts).to(dev),
+            num_decode=len(decodes),
+            decode_block_tables=_table([it.seq for it in decodes]).to(dev),
+            decode_seq_lens=torch.tensor([it.start + 1 for it in decodes], dtype=torch.int32).to(dev),
+            prefill_block_tables=_table([it.seq for it in prefills]).to(dev),
+            prefill_seq_lens=torch.tensor([it.start + it.num_tokens for it in prefills], dtype=torch.int32).to(dev),
+            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32).to(dev),
+            max_query_len=max((it.num_tokens for it in prefills), default=0),
+        )
+        max_pos = int(positions.max())
+        return torch.tensor(ids, dtype=torch.long).to(dev), positions.to(dev), batch, max_pos
+
+    def run(self, items: list[Scheduled]) -> tuple[list[Scheduled], torch.Tensor]:
+        """Run one step; returns the chunks that reached their sequence's end and their logits
+        (float32 ``[len(chunks), vocab]``). Prompt logits asked for are kept on the request."""
+        items = [it for it in items if it.num_tokens == 1] + [it for it in items if it.num_tokens > 1]
+        input_ids, positions, batch, max_pos = self.prepare(items)
+        hidden = self.model.forward(input_ids, positions, batch, self.kv_pool, max_pos)
+        rows: list[int] = []
+        done: list[Scheduled] = []
+        offset = 0
+        for it in items:
+            request = it.seq.request
+            if request.params.prompt_logits and it.seq.index == 0:
+                have = sum(c.shape[0] for c in request.prompt_logit_chunks)
+                lo, hi = max(have, it.start), min(request.num_prompt_tokens, it.start + it.num_tokens)
+                if lo < hi:
+                    part = hidden[offset + lo - it.start : offset + hi - it.start]
+                    request.prompt_logit_chunks.append(self.model.logits(part).cpu())
+            if it.completes:
+                done.append(it)
+                rows.append(offset + it.num_tokens - 1)
+            offset += it.num_tokens
+        logits = self.model.logits(hidden[torch.tensor(rows, dtype=torch.long, device=self.device)])
+        return done, logits
+
+    @staticmethod
+    def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+        return sample(logits, [s.request.params for s in seqs], [s.generator for s in seqs])

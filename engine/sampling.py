@@ -1,0 +1,83 @@
+"""SamplingParams and the sampler: greedy, temperature, top-k, top-p, per-request seeds."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to generate for one prompt.
+
+    Attributes:
+        max_tokens: tokens to generate at most (> 0).
+        temperature: 0 is greedy; otherwise logits are divided by it before sampling.
+        top_p: nucleus sampling: keep the smallest set of tokens whose probability reaches it.
+        top_k: keep the k most likely tokens (0 or -1: all).
+        seed: seeds this request's generator (sample i of n uses seed + i); None: random.
+        n: independent samples of the prompt; they share the prompt's KV blocks.
+        stop_token_ids: more tokens that end a sample (the stop token is kept in the output).
+        ignore_eos: keep generating past the model's EOS.
+        prompt_logits: also return the prompt's logits (float32 ``[num_prompt_tokens, vocab]``,
+            row t predicts token t + 1); the prompt is then computed, not read from the cache.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    n: int = 1
+    stop_token_ids: tuple[int, ...] = field(default=())
+    ignore_eos: bool = False
+    prompt_logits: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens <= 0:
+            raise ValueError(f"max_tokens must be a positive int, got {self.max_tokens!r}")
+        if not isinstance(self.temperature, int | float) or self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            raise ValueError(f"top_k must be -1, 0 (all) or a positive int, got {self.top_k!r}")
+        if not isinstance(self.n, int) or self.n < 1:
+            raise ValueError(f"n must be a positive int, got {self.n!r}")
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def make_generator(params: SamplingParams, index: int) -> torch.Generator | None:
+    """The CPU generator of sample ``index`` of a request (None for greedy or unseeded)."""
+    if params.greedy or params.seed is None:
+        return None
+    return torch.Generator().manual_seed(params.seed + index)
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:
+    """One token per row of float32 ``logits`` ``[rows, vocab]``; greedy rows batched together."""
+    tokens = logits.argmax(dim=-1).tolist()
+    for i, p in enumerate(params):
+        if not p.greedy:
+            tokens[i] = _sample_row(logits[i], p, generators[i])
+    return tokens
+
+
+def _sample_row(row: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
+    row = row.float().cpu() / p.temperature
+    if p.top_k > 0 and p.top_k < row.shape[0]:
+        kth = torch.topk(row, p.top_k).values[-1]
+        row = row.masked_fill(row < kth, float("-inf"))
+    probs = torch.softmax(row, dim=-1)
+    if p.top_p < 1:
+        sorted_probs, order = probs.sort(descending=True)
+        # keep a token while the mass before it is below top_p (the first is always kept)
+        drop = sorted_probs.cumsum(0) - sorted_probs >= p.top_p
+        sorted_probs[drop] = 0
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+    return int(torch.multinomial(probs, 1, generator=gen))

@@ -1,0 +1,160 @@
+"""``kvstore bench daemon``: the daemon's block protocol against same-run baselines.
+
+On loopback, 64 blocks of 192 KiB per batch: get/put over the Unix socket vs redis-server
+(GET/SET of the same bytes through redis-py, pipelined, over redis's own Unix socket); get/put
+over the shared-memory path vs a plain memcpy of the same bytes; the round trip of a lookup of
+a 2,000-block chain. The daemon runs host-only (as redis does, in memory, no persistence).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from kvstore.bench import BENCH_LAYOUT, Row, best_of, machine, write_section
+
+NUM_BLOCKS = 64
+
+
+def best_pair(ours: Callable[[], object], base: Callable[[], object], repeat: int) -> tuple[float, float]:
+    """Best-of times of two functions run alternately, so load on a shared machine hits both."""
+    a, b = [], []
+    for _ in range(repeat):
+        for fn, times in ((ours, a), (base, b)):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return min(a), min(b)
+
+
+def _start_daemon(tmp: Path, host_bytes: int) -> tuple[subprocess.Popen[str], str]:
+    cmd = [sys.executable, "-m", "kvstore.daemon", "serve", "--data-dir", str(tmp / "data"), "--disk", "0",
+           "--host-mem", str(host_bytes), "--max-namespaces", "1", "--socket", str(tmp / "kv.sock"),
+           "--listen", "", "--http", ""]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if "ready" in line:
+            return proc, f"unix://{tmp / 'kv.sock'}"
+    raise RuntimeError(f"the daemon did not start (exit {proc.wait()})")
+
+
+def _start_redis(tmp: Path) -> tuple[subprocess.Popen[bytes], str]:
+    sock = tmp / "redis.sock"
+    proc = subprocess.Popen(["redis-server", "--port", "0", "--unixsocket", str(sock), "--save", "",
+                             "--appendonly", "no", "--dir", str(tmp)], stdout=subprocess.DEVNULL)
+    for _ in range(200):
+        if sock.exists():
+            return proc, str(sock)
+        time.sleep(0.05)
+    raise RuntimeError("redis-server did not start")
+
+
+def run(repeat: int) -> list[Row]:
+    import redis
+
+    from kvstore.daemon.client import connect
+
+    layout, n = BENCH_LAYOUT, NUM_BLOCKS
+    payload = layout.bytes_per_block
+    blocks = torch.randn((n, *layout.block_shape)).to(layout.dtype)
+    raw = blocks.view(torch.uint8).reshape(n, payload)
+    size = f"{n} x {payload // 1024} KiB"
+    rows: list[Row] = []
+    with tempfile.TemporaryDirectory(prefix="kvstore-bench-daemon-") as tmp_name:
+        tmp = Path(tmp_name)
+        daemon, url = _start_daemon(tmp, (2 * repeat + 4) * n * 4096 * -(-payload // 4096))
+        rserver, rsock = _start_redis(tmp)
+        try:
+            sock_client = connect(url, layout=layout, model_id="bench", shm=False)
+            shm_client = connect(url, layout=layout, model_id="bench", shm=True)
+            assert shm_client.uses_shm, "the daemon did not offer shared memory"
+            chains = [sock_client.block_keys(list(range(r * 10**6, r * 10**6 + n * layout.block_size)))
+                      for r in range(2 * repeat + 2)]
+            it = iter(chains)
+            out = torch.empty_like(blocks)
+            dst = torch.empty_like(blocks)
+            dst.copy_(blocks)  # touch the pages, as the host pool's are
+
+            r = redis.Redis(unix_socket_path=rsock)
+            values = [bytes(raw[i].numpy()) for i in range(n)]  # redis-py needs bytes objects
+            out_rows = out.view(torch.uint8).reshape(n, payload)
+
+            def redis_set() -> None:
+                pipe = r.pipeline(transaction=False)
+                for i, v in enumerate(values):
+                    pipe.set(f"blk{i}", v)
+                pipe.execute()
+
+            def redis_get() -> None:
+                pipe = r.pipeline(transaction=False)
+                for i in range(n):
+                    pipe.get(f"blk{i}")
+                for i, v in enumerate(pipe.execute()):  # into the caller's buffer, as our get does
+                    out_rows[i].copy_(torch.frombuffer(bytearray(v), dtype=torch.uint8))
+
+            def memcpy() -> None:
+                dst.copy_(blocks)
+
+            put_sock, set_s = best_pair(lambda: sock_client.put(next(it), blocks), redis_set, repeat)
+            put_shm, copy_put_s = best_pair(lambda: shm_client.put(next(it), blocks), memcpy, repeat)
+            get_sock, get_s = best_pair(lambda: sock_client.get(chains[0], out=out), redis_get, repeat)
+            sock_client.get(chains[0], out=out)
+            assert torch.equal(out, blocks), "socket get returned other bytes"
+            get_shm, copy_get_s = best_pair(lambda: shm_client.get(chains[0], out=out), memcpy, repeat)
+            assert torch.equal(out, blocks), "shared-memory get returned other bytes"
+            long_chain = sock_client.block_keys(list(range(2000 * layout.block_size)))
+            sock_client.put(long_chain[:1], blocks[:1])
+            lookup_s = best_of(lambda: sock_client.lookup(long_chain), max(repeat, 20))
+            sock_client.close()
+            shm_client.close()
+        finally:
+            daemon.terminate()
+            rserver.terminate()
+            daemon.wait(10)
+            rserver.wait(10)
+    rows += [
+        Row(f"put over Unix socket, {size}", put_sock, set_s, "redis-server SET, redis-py pipeline", ">= 1.5x"),
+        Row(f"get over Unix socket, {size}", get_sock, get_s, "redis-server GET, redis-py pipeline", ">= 1.5x"),
+        Row(f"put over shared memory, {size}", put_shm, copy_put_s, "memcpy (torch copy_) of the same bytes", ">= 0.7x"),
+        Row(f"get over shared memory, {size}", get_shm, copy_get_s, "memcpy (torch copy_) of the same bytes", ">= 0.7x"),
+        Row("lookup of a 2,000-block chain, round trip", lookup_s, 2e-3, "2 ms budget", "< 2 ms", "budget"),
+    ]
+    return rows
+
+
+def render(rows: list[Row], where: str) -> str:
+    from kvstore.bench import render as render_rows
+
+    text = render_rows(rows, where)
+    return text.replace("## Tiers (`kvstore bench tiers`)", "## Daemon (`kvstore bench daemon`)", 1).replace(
+        "Layout: 24 layers", "Loopback, one process per side. Layout: 24 layers", 1)
+
+
+def run_daemon_bench(args: argparse.Namespace) -> int:
+    if shutil.which("redis-server") is None:
+        print("kvstore bench daemon: needs redis-server (Debian package redis-server) for the baseline")
+        return 2
+    rows = run(args.repeat)
+    text = render(rows, machine())
+    print(text)
+    if not args.no_write:
+        write_section("daemon", text)
+        print("wrote docs/benchmarks.md (daemon section)")
+    return 0
+
+
+def register_target(targets: argparse._SubParsersAction) -> None:
+    """Add ``daemon`` to ``kvstore bench``'s targets."""
+    p = targets.add_parser("daemon", help="daemon get/put/lookup vs redis-server and memcpy")
+    p.add_argument("--repeat", type=int, default=7, help="repetitions; the best is kept (default 7)")
+    p.add_argument("--no-write", action="store_true", help="print only; leave docs/ untouched")
+    p.set_defaults(func=run_daemon_bench)

@@ -1,0 +1,336 @@
+"""The daemon's client: ``kvstore.connect(url, ...)`` -> StoreClient, TieredStore's semantics.
+
+A client is one connection, one request at a time (thread-safe behind a lock; open one
+client per thread for parallel traffic). Over a Unix socket it maps the daemon's host pool
+when offered and copies leased slots itself (docs/protocol.md, "Shared memory").
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import socket
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+from urllib.parse import urlparse
+
+import numpy as np
+import torch
+
+from kvstore import env
+from kvstore.daemon.protocol import (
+    DEFAULT_MAX_FRAME,
+    VERSION,
+    Code,
+    RemoteBadRequest,
+    RemoteError,
+    encode,
+    recv_exact,
+    recv_into_view,
+    recv_meta,
+)
+from kvstore.daemon.registry import layout_to_dict
+from kvstore.errors import CapacityError, LayoutMismatchError
+from kvstore.index import HOST, PrefixMatch
+from kvstore.keys import BlockHasher, ExtraKey, Namespace
+from kvstore.layout import KVLayout
+from kvstore.transfer import FetchHandle, FetchResult
+
+TIER_NAMES = {"h": "host", "d": "disk"}
+
+
+def connect(url: str, token: str | None = None, *, layout: KVLayout, model_id: str,
+            hash_algo: str = "sha256", shm: bool | None = None, timeout: float = 30.0) -> StoreClient:
+    """Open a client of the daemon at ``url`` for one namespace (model id + KV layout).
+
+    Args:
+        url: ``unix:///path/kvstore.sock`` or ``tcp://HOST:PORT``.
+        token: the caller's token (or KVSTORE_TOKEN); it decides the tenant.
+        layout, model_id, hash_algo: the namespace, as for a TieredStore.
+        shm: use the shared-memory path when the daemon offers it (default: on Unix sockets,
+            unless KVSTORE_NO_SHM=1).
+        timeout: seconds one request may take.
+
+    Raises:
+        RemoteError: the daemon refused the hello (bad token, version, layout, no slot).
+        OSError: nothing listens at ``url``.
+    """
+    return StoreClient(url, token if token is not None else env.token(), layout, model_id, hash_algo, shm, timeout)
+
+
+class StoreClient:
+    """A TieredStore-like view of one namespace in a daemon."""
+
+    def __init__(self, url: str, token: str | None, layout: KVLayout, model_id: str, hash_algo: str,
+                 shm: bool | None, timeout: float) -> None:
+        parsed = urlparse(url)
+        if parsed.scheme == "unix":
+            self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            address: Any = parsed.path
+        elif parsed.scheme == "tcp" and parsed.hostname and parsed.port:
+            self._sock = socket.create_connection((parsed.hostname, parsed.port), timeout=timeout)
+            self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            address = None
+        else:
+            raise ValueError(f"url must be unix:///path or tcp://host:port, got {url!r}")
+        self._sock.settimeout(timeout)
+        for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+            self._sock.setsockopt(socket.SOL_SOCKET, opt, 4 << 20)
+        if address is not None:
+            self._sock.connect(address)
+        self.url = url
+        self.layout = layout
+        self.model_id = model_id
+        self.hasher = BlockHasher(Namespace(model_id, layout, hash_algo))
+        self._payload = layout.bytes_per_block
+        self._lock = threading.Lock()
+        self._next_id = 0
+        self._pending = 0  # replies to _post() requests not read yet
+        self._max_frame = DEFAULT_MAX_FRAME
+        self._pool: torch.Tensor | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        want_shm = (parsed.scheme == "unix") if shm is None else shm
+        want_shm = want_shm and not env.shm_disabled()
+        hello = self._call({"op": "hello", "version": VERSION, "token": token, "model_id": model_id,
+                            "layout": layout_to_dict(layout), "hash_algo": hash_algo, "shm": want_shm})[0]
+        self.tenant: str = hello["tenant"]
+        self.namespace_id: str = hello["namespace"]
+        self._max_frame = hello["max_frame"]
+        self.max_blocks: int = hello["max_blocks"]
+        self.max_keys: int = hello["max_keys"]
+        self._lease_s: float = hello["lease_s"]
+        if hello.get("shm"):
+            self._map_pool(hello["shm"])
+
+    def _map_pool(self, info: dict[str, Any]) -> None:
+        fd = os.open(info["path"], os.O_RDWR)
+        try:
+            size = info["slot_bytes"] * info["num_slots"]
+            # MAP_POPULATE builds the page tables now: a lease's copy then takes no page faults
+            self._mmap = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+        finally:
+            os.close(fd)
+        self._pool = torch.frombuffer(self._mmap, dtype=torch.uint8).view(info["num_slots"], info["slot_bytes"])
+
+    @property
+    def uses_shm(self) -> bool:
+        return self._pool is not None
+
+    # ------------------------------------------------------------------------ transport
+
+    def _call(self, meta: dict[str, Any], data: Any = b"", into: memoryview | None = None) -> tuple[dict[str, Any], bytes]:
+        """One request and its response; the response's data goes to ``into`` when given."""
+        with self._lock:
+            self._drain_pending()
+            self._next_id += 1
+            meta["id"] = self._next_id
+            self._sock.sendall(encode(meta, len(data)))
+            if len(data):
+                self._sock.sendall(data)
+            reply, data_len = recv_meta(self._sock, self._max_frame)
+            if into is not None and data_len <= len(into):
+                recv_into_view(self._sock, into[:data_len])
+                body = b""
+            else:
+                body = bytes(recv_exact(self._sock, data_len)) if data_len else b""
+        error = reply.get("error")
+        if error is not None:
+            raise _as_exception(int(error.get("code", 0)), str(error.get("message", "")))
+        return reply, body
+
+    def _post(self, meta: dict[str, Any]) -> None:
+        """Send a request whose reply is read (and dropped) before the next call's."""
+        with self._lock:
+            self._next_id += 1
+            meta["id"] = self._next_id
+            self._sock.sendall(encode(meta))
+            self._pending += 1
+
+    def _drain_pending(self) -> None:
+        while self._pending:
+            self._pending -= 1
+            _reply, data_len = recv_meta(self._sock, self._max_frame)
+            if data_len:
+                recv_exact(self._sock, data_len)
+
+    def _keys_blob(self, keys: Sequence[bytes]) -> bytes:
+        n = self.hasher.key_bytes
+        for key in keys:
+            if not isinstance(key, bytes) or len(key) != n:
+                raise TypeError(f"keys must be {n}-byte strings from block_keys(), got {key!r:.60}")
+        return b"".join(keys)
+
+    # ------------------------------------------------------------------------ the store API
+
+    def block_keys(self, token_ids: Sequence[int] | np.ndarray, extra_keys: Sequence[Sequence[ExtraKey] | None]
+                   | None = None, parent: bytes | None = None) -> list[bytes]:
+        """One chained key per full block; the tenant salt is the token's (set by the daemon)."""
+        return self.hasher.block_keys(token_ids, self.tenant, extra_keys, parent)
+
+    def lookup(self, keys: Sequence[bytes]) -> PrefixMatch:
+        """The leading run of ``keys`` the daemon holds, and the fastest tier of each."""
+        tiers: list[str] = []
+        for start in range(0, len(keys), self.max_keys):
+            chunk = keys[start : start + self.max_keys]
+            reply = self._call({"op": "lookup", "keys": self._keys_blob(chunk)})[0]
+            tiers += [TIER_NAMES[c] for c in reply["tiers"]]
+            if reply["num_blocks"] < len(chunk):
+                break
+        return PrefixMatch(len(tiers), tuple(tiers))
+
+    def put(self, keys: Sequence[bytes], blocks: torch.Tensor) -> None:
+        """Store ``blocks[i]`` under ``keys[i]`` (CapacityError when the daemon has no room)."""
+        self.layout.check_blocks(blocks, len(keys))
+        src = blocks.detach().to("cpu").contiguous().view(torch.uint8).reshape(len(keys), self._payload)
+        for start in range(0, len(keys), self.max_blocks):
+            stop = min(len(keys), start + self.max_blocks)
+            if self._pool is None or not self._put_shm(keys[start:stop], src[start:stop]):
+                data = src[start:stop].numpy().data.cast("B")
+                self._call({"op": "put", "keys": self._keys_blob(keys[start:stop])}, data)
+
+    def _put_shm(self, keys: Sequence[bytes], src: torch.Tensor) -> bool:
+        assert self._pool is not None
+        try:
+            reply = self._call({"op": "reserve", "keys": self._keys_blob(keys)})[0]
+        except CapacityError:
+            return False  # the socket path may still overflow to disk
+        deadline = time.monotonic() + 0.5 * reply["lease_s"]
+        if time.monotonic() < deadline:  # never start writing a slot past the lease
+            _copy_runs(reply["slots"], src, self._pool, to_pool=True)
+        try:
+            self._call({"op": "commit", "lease": reply["lease"]})
+        except RemoteError as exc:
+            if exc.code != Code.LEASE:
+                raise
+            return False
+        return True
+
+    def get(self, keys: Sequence[bytes], out: torch.Tensor | None = None) -> torch.Tensor:
+        """The blocks under ``keys``; KeyError naming the first one the daemon lacks."""
+        if out is None:
+            out = torch.empty((len(keys), *self.layout.block_shape), dtype=self.layout.dtype)
+        else:
+            self.layout.check_blocks(out, len(keys))
+            if out.device.type != "cpu" or not out.is_contiguous():
+                raise ValueError("get(out=...) needs a contiguous CPU tensor; use fetch() for devices")
+        n = self._read(keys, out).num_blocks
+        if n < len(keys):
+            raise KeyError(f"block {keys[n].hex()} (#{n}) is not in the store")
+        return out
+
+    def fetch(self, keys: Sequence[bytes], into: torch.Tensor) -> FetchHandle:
+        """Copy the leading run of found blocks into ``into`` on a background thread."""
+        self.layout.check_blocks(into, len(keys))
+        if not into.is_contiguous():
+            raise ValueError("fetch(into=...) needs a contiguous tensor")
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="kvstore-client")
+        keys = list(keys)
+
+        def run() -> FetchResult:
+            if into.device.type == "cpu":
+                return self._read(keys, into)
+            staging = torch.empty((len(keys), *self.layout.block_shape), dtype=self.layout.dtype)
+            result = self._read(keys, staging)
+            into[: result.num_blocks].copy_(staging[: result.num_blocks])
+            return result
+
+        return FetchHandle(self._executor.submit(run), len(keys))
+
+    def _read(self, keys: Sequence[bytes], out: torch.Tensor) -> FetchResult:
+        dst = out.view(torch.uint8).reshape(len(keys), self._payload)
+        tiers: list[str] = []
+        for start in range(0, len(keys), self.max_blocks):
+            chunk = keys[start : start + self.max_blocks]
+            got = self._read_chunk(chunk, dst[start : start + len(chunk)])
+            tiers += got
+            if len(got) < len(chunk):
+                break
+        return FetchResult(len(tiers), tuple(tiers))
+
+    def _read_chunk(self, keys: Sequence[bytes], dst: torch.Tensor) -> list[str]:
+        tiers: list[str] = []
+        if self._pool is not None:
+            # The daemon's lease started after sent_at, so a copy done before sent_at + lease_s
+            # was done under the lease; then the release needs no answer (it is pipelined).
+            sent_at = time.monotonic()
+            reply = self._call({"op": "get", "keys": self._keys_blob(keys), "shm": True})[0]
+            n, deadline = reply["num_blocks"], sent_at + 0.5 * reply["lease_s"]
+            if n and time.monotonic() < deadline:
+                _copy_runs(reply["slots"], dst[:n], self._pool, to_pool=False)
+            if time.monotonic() < deadline:
+                self._post({"op": "release", "lease": reply["lease"]})
+                tiers = [HOST] * n
+            elif self._call({"op": "release", "lease": reply["lease"]})[0]["valid"]:
+                tiers = [HOST] * n
+            if len(tiers) == len(keys):
+                return tiers
+        rest = keys[len(tiers) :]
+        view = dst[len(tiers) :].numpy().data.cast("B")
+        reply = self._call({"op": "get", "keys": self._keys_blob(rest)}, into=view)[0]
+        return tiers + [TIER_NAMES[c] for c in reply.get("tiers", "h" * reply["num_blocks"])]
+
+    def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        return list(self._call({"op": "exists", "keys": self._keys_blob(keys)})[0]["found"])
+
+    def exists(self, keys: Sequence[bytes]) -> list[bool]:
+        return self.contains(keys)
+
+    def delete(self, keys: Sequence[bytes]) -> int:
+        return int(self._call({"op": "delete", "keys": self._keys_blob(keys)})[0]["num_deleted"])
+
+    def pin(self, keys: Sequence[bytes]) -> None:
+        """Protect blocks from eviction while this connection lives (or until unpin)."""
+        self._call({"op": "pin", "keys": self._keys_blob(keys)})
+
+    def unpin(self, keys: Sequence[bytes]) -> None:
+        self._call({"op": "unpin", "keys": self._keys_blob(keys)})
+
+    def stats(self) -> dict[str, dict[str, int]]:
+        """Per tier of this namespace, as TieredStore.stats()."""
+        return dict(self._call({"op": "stats"})[0]["tiers"])
+
+    def daemon_stats(self) -> dict[str, Any]:
+        """stats() plus this tenant's counters in this namespace."""
+        return self._call({"op": "stats"})[0]
+
+    def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+        self._pool = None
+        self._sock.close()
+
+    def __enter__(self) -> StoreClient:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _copy_runs(slots: list[int], rows: torch.Tensor, pool: torch.Tensor, *, to_pool: bool) -> None:
+    """Copy ``rows[i]`` <-> ``pool[slots[i]]`` one run of consecutive slots at a time."""
+    payload = rows.shape[1]
+    start = 0
+    for i in range(1, len(slots) + 1):
+        if i == len(slots) or slots[i] != slots[i - 1] + 1:
+            first, count = slots[start], i - start
+            if to_pool:
+                pool[first : first + count, :payload].copy_(rows[start:i])
+            else:
+                rows[start:i].copy_(pool[first : first + count, :payload])
+            start = i
+
+
+def _as_exception(code: int, message: str) -> Exception:
+    if code == Code.NOT_FOUND:
+        return KeyError(message)
+    if code == Code.CAPACITY:
+        return CapacityError(message)
+    if code == Code.LAYOUT:
+        return LayoutMismatchError(message)
+    if code == Code.BAD_REQUEST:
+        return RemoteBadRequest(code, message)
+    return RemoteError(code, message)

@@ -1,0 +1,63 @@
+"""Prometheus exposition: per-tier gauges and counters (label ``tier``, ``namespace``), read
+from the stores at scrape time, plus the daemon's request and error counters."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from kvstore.daemon.registry import Registry
+
+GAUGES = {"capacity_bytes": "Capacity of the tier in bytes", "used_bytes": "Bytes the tier's blocks occupy",
+          "num_blocks": "Blocks the tier holds"}
+COUNTERS = {"hits": "Blocks found in the tier by lookups and reads",
+            "misses": "Blocks asked of the tier and not found", "evictions": "Blocks evicted from the tier",
+            "bytes_read": "Bytes read from the tier", "bytes_written": "Bytes written to the tier",
+            "errors": "I/O and checksum errors of the tier"}
+
+
+class StoreCollector(Collector):
+    def __init__(self, registry: Registry, daemon: Any = None) -> None:
+        self.registry = registry
+        self.daemon = daemon
+
+    def collect(self) -> Iterator[Any]:
+        rows = [(s.id, tier, stats) for s in self.registry.namespaces() for tier, stats in s.store.stats().items()]
+        for name, doc in GAUGES.items():
+            g = GaugeMetricFamily(f"kvstore_tier_{name}", doc, labels=["tier", "namespace"])
+            for ns, tier, stats in rows:
+                g.add_metric([tier, ns], stats[name])
+            yield g
+        for name, doc in COUNTERS.items():
+            c = CounterMetricFamily(f"kvstore_tier_{name}", doc, labels=["tier", "namespace"])
+            for ns, tier, stats in rows:
+                c.add_metric([tier, ns], stats[name])
+            yield c
+        tenants = CounterMetricFamily("kvstore_tenant_requests", "Block protocol requests per tenant",
+                                      labels=["tenant"])
+        for tenant, counters in self.registry.tenant_counters().items():
+            tenants.add_metric([tenant], counters["requests"])
+        yield tenants
+        if self.daemon is not None:
+            ops = CounterMetricFamily("kvstore_daemon_requests", "Block protocol requests by op", labels=["op"])
+            for op, n in sorted(self.daemon.ops.requests.items()):
+                ops.add_metric([op], n)
+            yield ops
+            errors = CounterMetricFamily("kvstore_daemon_errors", "Error frames sent, by code", labels=["code"])
+            for code, n in sorted(self.daemon.ops.errors.items()):
+                errors.add_metric([code], n)
+            yield errors
+            yield GaugeMetricFamily("kvstore_daemon_connections", "Open block protocol connections",
+                                    value=self.daemon.num_connections)
+            yield GaugeMetricFamily("kvstore_daemon_leases", "Live shared-memory leases", value=len(self.daemon.leases))
+
+
+def render(registry: Registry, daemon: Any = None) -> bytes:
+    """The text exposition format, from a private registry (no global state)."""
+    prom = CollectorRegistry(auto_describe=False)
+    prom.register(StoreCollector(registry, daemon))
+    return generate_latest(prom)

@@ -1,0 +1,244 @@
+"""The block protocol's operations: one synchronous handler per op, run on a worker thread.
+
+Each handler takes the session (who is asking, in which namespace), the request's meta map
+and its raw data, and returns the response's meta map and raw data. Every failure becomes a
+ProtocolError with a code; the server turns it into an error frame.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvstore.daemon.config import DaemonConfig
+from kvstore.daemon.protocol import VERSION, Code, ProtocolError, field_of, split_keys
+from kvstore.daemon.registry import AuthError, NamespaceState, Principal, Registry, layout_from_dict
+from kvstore.daemon.shm import Leases
+from kvstore.errors import CapacityError, ConfigError, KVStoreError, LayoutMismatchError
+from kvstore.transfer import FetchResult
+
+MAX_KEYS = 1 << 16  # keys in one request
+META_ROOM = 1 << 16  # bytes of a frame kept for its meta when sizing block batches
+log = logging.getLogger("kvstore.daemon")
+warnings.filterwarnings("ignore", message="The given buffer is not writable")
+
+Reply = tuple[dict[str, Any], Any]
+
+
+@dataclass
+class Session:
+    """One connection's state: set by hello, read by every later op."""
+
+    conn_id: int
+    transport: str  # "unix" or "tcp"
+    principal: Principal | None = None
+    state: NamespaceState | None = None
+    shm: bool = False
+    pins: Counter[bytes] = field(default_factory=Counter)  # pins this connection holds
+
+    def unpin_all(self) -> None:
+        """A connection's pins end with it: a dead client cannot pin blocks forever."""
+        if self.state is not None and self.pins:
+            keys = [k for k, n in self.pins.items() for _ in range(n)]
+            self.pins.clear()
+            try:
+                self.state.store.unpin(keys)
+            except (KeyError, ValueError, KVStoreError):
+                log.warning("could not unpin %d blocks of a closed connection", len(keys))
+
+
+@dataclass
+class Ops:
+    config: DaemonConfig
+    registry: Registry
+    leases: Leases
+    requests: Counter[str] = field(default_factory=Counter)
+    errors: Counter[str] = field(default_factory=Counter)
+
+    def handle(self, session: Session, meta: dict[str, Any], data: bytes) -> Reply:
+        """Run one request; returns (meta, data) of the response or of an error frame."""
+        rid = meta.get("id")
+        op = meta.get("op")
+        try:
+            if not isinstance(op, str):
+                raise ProtocolError(Code.BAD_REQUEST, "field 'op' must be a string")
+            handler: Callable[[Session, dict[str, Any], bytes], Reply] | None = getattr(self, f"op_{op}", None)
+            if handler is None:
+                raise ProtocolError(Code.UNKNOWN_OP, f"unknown op {op[:40]!r}")
+            if op == "hello" and session.principal is not None:
+                raise ProtocolError(Code.STATE, "hello was already sent on this connection")
+            if op != "hello" and session.principal is None:
+                raise ProtocolError(Code.STATE, f"op {op!r} before hello")
+            self.requests[op] += 1
+            out, payload = handler(session, meta, data)
+            out["id"] = rid
+            return out, payload
+        except ProtocolError as exc:
+            code, message = exc.code, exc.message
+        except KeyError as exc:
+            code, message = Code.NOT_FOUND, str(exc.args[0] if exc.args else exc)
+        except CapacityError as exc:
+            code, message = Code.CAPACITY, str(exc)
+        except (LayoutMismatchError, ConfigError) as exc:
+            code, message = Code.LAYOUT, str(exc)
+        except KVStoreError as exc:
+            code, message = Code.SHUTDOWN, str(exc)
+        except (TypeError, ValueError) as exc:
+            code, message = Code.BAD_REQUEST, str(exc)
+        except Exception as exc:  # a bug: report it, keep serving
+            log.exception("op %r failed", op)
+            code, message = Code.INTERNAL, f"{type(exc).__name__}: {exc}"
+        self.errors[code.name] += 1
+        if session.state is not None and session.principal is not None:
+            session.state.count(session.principal.tenant, errors=1)
+        rid = rid if isinstance(rid, int) and not isinstance(rid, bool) else None
+        return {"id": rid, "error": {"code": int(code), "message": message[:2000]}}, b""
+
+    # --------------------------------------------------------------------------- helpers
+
+    def _keys(self, session: Session, meta: dict[str, Any]) -> tuple[NamespaceState, str, list[bytes]]:
+        state, principal = session.state, session.principal
+        assert state is not None and principal is not None
+        blob = field_of(meta, "keys", bytes)
+        keys = split_keys(blob, state.store.hasher.key_bytes)
+        if len(keys) > MAX_KEYS:
+            raise ProtocolError(Code.BAD_REQUEST, f"{len(keys)} keys in one request, the limit is {MAX_KEYS}")
+        return state, principal.tenant, state.scope(principal.tenant, keys)
+
+    def max_blocks(self, state: NamespaceState) -> int:
+        return max(1, (self.config.max_frame - META_ROOM) // state.layout.bytes_per_block)
+
+    def _check_batch(self, state: NamespaceState, n: int) -> None:
+        if n > self.max_blocks(state):
+            raise ProtocolError(Code.BAD_REQUEST, f"{n} blocks in one request, at most {self.max_blocks(state)} "
+                                f"fit a {self.config.max_frame}-byte frame")
+
+    # --------------------------------------------------------------------------- ops
+
+    def op_hello(self, session: Session, meta: dict[str, Any], data: bytes) -> Reply:
+        version = field_of(meta, "version", int)
+        if version != VERSION:
+            raise ProtocolError(Code.VERSION, f"protocol version {version} is not supported; this daemon speaks {VERSION}")
+        try:
+            principal = self.registry.tokens.authenticate(field_of(meta, "token", (str, type(None)), None))
+        except AuthError as exc:
+            raise ProtocolError(Code.AUTH, str(exc)) from None
+        model_id = field_of(meta, "model_id", str)
+        if not model_id or len(model_id) > 256:
+            raise ProtocolError(Code.BAD_REQUEST, "model_id must be 1 to 256 characters")
+        layout = layout_from_dict(field_of(meta, "layout", dict))
+        state = self.registry.open(model_id, layout, field_of(meta, "hash_algo", str, "sha256"))
+        pool = state.store.shared_pool
+        want_shm = field_of(meta, "shm", bool, False)
+        session.principal, session.state = principal, state
+        session.shm = bool(want_shm and pool and session.transport == "unix" and principal.shm and self.config.shm)
+        shm = {"path": pool[0], "slot_bytes": pool[1], "num_slots": pool[2]} if session.shm and pool else None
+        return {"version": VERSION, "tenant": principal.tenant, "namespace": state.id,
+                "key_bytes": state.store.hasher.key_bytes, "block_bytes": layout.bytes_per_block,
+                "max_frame": self.config.max_frame, "max_inflight": self.config.max_inflight,
+                "max_blocks": self.max_blocks(state), "max_keys": MAX_KEYS, "lease_s": self.config.lease_s,
+                "shm": shm, "pid": os.getpid()}, b""
+
+    def op_lookup(self, session: Session, meta: dict[str, Any], data: bytes) -> Reply:
+        state, tenant, keys = self._keys(session, meta)
+        match = state.store.lookup(keys)
+        state.count(tenant, requests=1, lookup_blocks=len(keys), hit_blocks=match.num_blocks)
+        return {"num_blocks": match.num_blocks, "tiers": "".join(t[0] for t in match.tiers)}, b""
+
+    def op_exists(self, session: Session, meta: dict[str, Any], data: bytes) -> Reply:
+        state, tenant, keys = self._keys(session, meta)
+        state.count(tenant, requests=1)
+        return {"found": state.store.contains(keys)}, b""
+
+    def op_get(self, session: Session, meta: dict[str, Any], data: bytes) -> Reply:
+        state, tenant, keys = self._keys(session, meta)
+        self._check_batch(state, len(keys))
+        if field_of(meta, "shm", bool, False):
+            if not session.shm:
+                raise ProtocolError(Code.BAD_REQUEST, "this connection has no shared-memory path")
+            lease = self.leases.grant_read(session.conn_id, state, keys, tenant)
+            n = len(lease.slots)
+            state.count(tenant, requests=1, get_blocks=n)
+            return {"num_blocks": n, "lease": lease.id, "slots": lease.slots, "lease_s": self.leases.lease_s}, b""
+        layout = state.layout
+        out = torch.empty((len(keys), *layout.block_shape), dtype=layout.dtype)
+        try:  # the common case, all found: no hop to the store's transfer thread
+            state.store.get(keys, out=out)
+            result = FetchResult(len(keys), ("h",) * len(keys))
+        except KeyError:
+            result = state.store.fetch(keys, into=out).result()
+        n = result.num_blocks
+        size = n * layout.bytes_per_block
+        state.count(tenant, requests=1, get_blocks=n, bytes_out=size)
+        return {"num_blocks": n, "tiers": "".join(t[0] for t in result.tiers)}, out.view(torch.uint8).numpy().data.cast("B")[:size]
+
+    def op_put(self, session: Session, meta: dict[str, Any], data: bytes) -> Reply:
+        state, tenant, keys = self._keys(session, meta)
+        layout = state.layout
+        if len(data) != len(keys) * layout.bytes_per_block:
+            raise ProtocolError(Code.BAD_REQUEST, f"{len(data)} data bytes for {len(keys)} blocks of "
+                                f"{layout.bytes_per_block} bytes")
+        if keys:
+            blocks = torch.frombuffer(data, dtype=torch.uint8).view(layout.dtype).view(len(keys), *layout.block_shape)
+            state.store.put(keys, blocks, tenant=tenant)
+        state.count(tenant, requests=1, put_blocks=len(keys), bytes_in=len(data))
+        return {"num_blocks": len(keys)}, b""
+
+    def op_reserve(self, session: Session, meta: dict[str, Any], data: bytes) -> Reply:
+        state, tenant, keys = self._keys(session, meta)
+        self._check_batch(state, len(keys))
+        if not session.shm:
+            raise ProtocolError(Code.BAD_REQUEST, "this connection has no shared-memory path")
+        lease = self.leases.grant_write(session.conn_id, state, keys, tenant)
+        return {"lease": lease.id, "slots": lease.slots, "lease_s": self.leases.lease_s}, b""
+
+    def op_commit(self, session: Session, meta: dict[str, Any], data: bytes) -> Reply:
+        lease = self.leases.take(session.conn_id, field_of(meta, "lease", int), "write")
+        if lease is None:
+            raise ProtocolError(Code.LEASE, "unknown or expired write lease; put the blocks again")
+        try:
+            lease.state.store.commit_host(lease.keys, lease.slots, tenant=lease.tenant)
+        except BaseException:
+            lease.state.store.cancel_host(lease.slots)
+            raise
+        lease.state.count(lease.tenant, requests=1, put_blocks=len(lease.keys))
+        return {"num_blocks": len(lease.keys)}, b""
+
+    def op_release(self, session: Session, meta: dict[str, Any], data: bytes) -> Reply:
+        lease = self.leases.take(session.conn_id, field_of(meta, "lease", int), "read")
+        if lease is not None:
+            lease.state.store.release_host(lease.keys)
+        return {"valid": lease is not None}, b""
+
+    def op_pin(self, session: Session, meta: dict[str, Any], data: bytes) -> Reply:
+        state, tenant, keys = self._keys(session, meta)
+        state.store.pin(keys)
+        session.pins.update(keys)
+        state.count(tenant, requests=1)
+        return {"num_blocks": len(keys)}, b""
+
+    def op_unpin(self, session: Session, meta: dict[str, Any], data: bytes) -> Reply:
+        state, tenant, keys = self._keys(session, meta)
+        state.store.unpin(keys)
+        session.pins.subtract(keys)
+        session.pins = +session.pins  # drop counts at or below zero (pins of other connections)
+        state.count(tenant, requests=1)
+        return {"num_blocks": len(keys)}, b""
+
+    def op_delete(self, session: Session, meta: dict[str, Any], data: bytes) -> Reply:
+        state, tenant, keys = self._keys(session, meta)
+        state.count(tenant, requests=1)
+        return {"num_deleted": state.store.delete(keys)}, b""
+
+    def op_stats(self, session: Session, meta: dict[str, Any], data: bytes) -> Reply:
+        state, principal = session.state, session.principal
+        assert state is not None and principal is not None
+        return {"namespace": state.id, "tiers": state.store.stats(),
+                "tenant": dict(state.counters[principal.tenant])}, b""

@@ -1,0 +1,267 @@
+"""Registry: the daemon's namespaces (one TieredStore each), its tokens, its counters.
+
+Capacity rule: the configured host and disk sizes are hard totals. They are cut into
+``max_namespaces`` equal slots; a namespace takes one slot on its first hello (or at start,
+when its disk directory already exists) and keeps it for the daemon's life.
+
+Tenant isolation: a connection's tenant comes from its token. Every key a tenant sends is
+scoped before it reaches a store: ``stored = SHA-256(SCOPE_TAG || lp(tenant) || key)``
+(truncated to the key size), so no key a tenant can send names another tenant's block,
+whatever salt it hashed its prompt with.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+import sys
+import threading
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvstore.config import PAGE, StoreConfig
+from kvstore.daemon.config import DaemonConfig
+from kvstore.daemon.protocol import Code, ProtocolError
+from kvstore.errors import ConfigError
+from kvstore.keys import HASHES, Namespace
+from kvstore.layout import DTYPES_BY_NAME, KVLayout
+from kvstore.store import TieredStore
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+SCOPE_TAG = b"kvstore/tenant-scope/v1\x00"
+SCOPE_MEMO = 1 << 16  # memoised scoped keys per tenant (~13 MB at most)
+SCOPE_MEMO_TENANTS = 64
+COUNTERS = ("requests", "lookup_blocks", "hit_blocks", "put_blocks", "get_blocks",
+            "bytes_in", "bytes_out", "errors")
+
+
+@dataclass(frozen=True)
+class Principal:
+    """Who a token authenticates: a tenant, whether it is the admin, whether it may map shm."""
+
+    tenant: str
+    admin: bool = False
+    shm: bool = True
+
+
+class AuthError(Exception):
+    """Missing or unknown token."""
+
+
+class Tokens:
+    """token -> Principal. Open (anonymous tenant "") only when no token is configured."""
+
+    def __init__(self, admin_token: str | None, tokens_file: str | None) -> None:
+        self._by_digest: dict[bytes, Principal] = {}
+        if admin_token:
+            self._by_digest[_digest(admin_token)] = Principal("", admin=True)
+        if tokens_file:
+            for token, principal in _read_tokens_file(tokens_file):
+                self._by_digest[_digest(token)] = principal
+        self.is_open = not self._by_digest
+        self.has_admin = bool(admin_token)
+
+    def authenticate(self, token: str | None) -> Principal:
+        if self.is_open and not token:
+            return Principal("")
+        principal = self._by_digest.get(_digest(token or ""))
+        if principal is None:
+            raise AuthError("missing token" if not token else "unknown token")
+        return principal
+
+
+def _digest(token: str) -> bytes:
+    return hashlib.sha256(token.encode("utf-8", "replace")).digest()
+
+
+def _read_tokens_file(path: str) -> list[tuple[str, Principal]]:
+    """``[[tenant]]`` tables: ``name = "acme"``, ``tokens = ["..."]``, optional ``shm = false``."""
+    try:
+        with open(path, "rb") as f:
+            doc = tomllib.load(f)
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"cannot read tokens file {path}: {exc}") from None
+    out: list[tuple[str, Principal]] = []
+    for i, item in enumerate(doc.get("tenant", [])):
+        name, tokens = item.get("name"), item.get("tokens")
+        if not isinstance(name, str) or not isinstance(tokens, list) or not all(isinstance(t, str) and t for t in tokens):
+            raise ConfigError(f"{path}: tenant #{i} needs name = \"...\" and tokens = [\"...\"]")
+        out += [(t, Principal(name, shm=bool(item.get("shm", True)))) for t in tokens]
+    return out
+
+
+def layout_to_dict(layout: KVLayout) -> dict[str, Any]:
+    return {"num_layers": layout.num_layers, "num_kv_heads": layout.num_kv_heads, "head_dim": layout.head_dim,
+            "block_size": layout.block_size, "dtype": layout.dtype_name, "tp_rank": layout.tp_rank,
+            "tp_size": layout.tp_size}
+
+
+def layout_from_dict(d: Any) -> KVLayout:
+    """ConfigError for anything but the dict layout_to_dict writes."""
+    if not isinstance(d, dict) or set(d) != set(layout_to_dict(KVLayout(1, 1, 1))):
+        raise ConfigError(f"layout must be a map with keys {sorted(layout_to_dict(KVLayout(1, 1, 1)))}")
+    if d["dtype"] not in DTYPES_BY_NAME:
+        raise ConfigError(f"layout dtype must be one of {sorted(DTYPES_BY_NAME)}, got {d['dtype']!r}")
+    return KVLayout(**{**d, "dtype": DTYPES_BY_NAME[d["dtype"]]})
+
+
+@dataclass
+class NamespaceState:
+    """One namespace the daemon serves: its store and its per-tenant counters."""
+
+    id: str
+    model_id: str
+    layout: KVLayout
+    hash_algo: str
+    store: TieredStore
+    scoped: bool = True
+    counters: dict[str, dict[str, int]] = field(default_factory=lambda: defaultdict(lambda: dict.fromkeys(COUNTERS, 0)))
+    _memo: dict[str, dict[bytes, bytes]] = field(default_factory=dict, repr=False)
+
+    def scope(self, tenant: str, keys: list[bytes]) -> list[bytes]:
+        """The stored keys for a tenant's keys (identity for an embedded, unscoped store).
+
+        Results are memoised per tenant (a bounded dict, cleared when full): engines look up
+        the same prefixes again and again, and a hash costs more than a dict hit.
+        """
+        if not self.scoped:
+            return keys
+        memo = self._memo.get(tenant)
+        if memo is None or len(memo) > SCOPE_MEMO:
+            memo = self._memo[tenant] = {}
+            if len(self._memo) > SCOPE_MEMO_TENANTS:
+                self._memo.clear()
+                self._memo[tenant] = memo
+        n = self.store.hasher.key_bytes
+        base = None
+        out = []
+        for key in keys:
+            stored = memo.get(key)
+            if stored is None:
+                if base is None:
+                    base = hashlib.sha256(SCOPE_TAG + struct.pack("<I", len(tenant.encode())) + tenant.encode())
+                h = base.copy()
+                h.update(key)
+                stored = memo[key] = h.digest()[:n]
+            out.append(stored)
+        return out
+
+    def count(self, tenant: str, **deltas: int) -> None:
+        row = self.counters[tenant]
+        for name, value in deltas.items():
+            row[name] += value
+
+    def describe(self) -> dict[str, Any]:
+        tiers = self.store.stats()
+        return {"id": self.id, "model_id": self.model_id, "layout": layout_to_dict(self.layout),
+                "hash_algo": self.hash_algo, "block_bytes": self.layout.bytes_per_block,
+                "num_blocks": len(self.store),
+                "capacity_bytes": {t: s["capacity_bytes"] for t, s in tiers.items()}}
+
+
+class Registry:
+    """Namespaces by id, created on first use within the configured totals. Thread-safe."""
+
+    def __init__(self, config: DaemonConfig | None, tokens: Tokens) -> None:
+        self.config = config
+        self.tokens = tokens
+        self._lock = threading.Lock()
+        self._namespaces: dict[str, NamespaceState] = {}
+
+    @classmethod
+    def embedded(cls, store: TieredStore, tokens: Tokens | None = None) -> Registry:
+        """A registry over one existing store (REST mounted in an embedding process)."""
+        reg = cls(None, tokens or Tokens(None, None))
+        ns = store.namespace
+        reg._namespaces[ns.id] = NamespaceState(ns.id, ns.model_id, ns.layout, ns.hash_algo, store, scoped=False)
+        return reg
+
+    def reopen_existing(self) -> None:
+        """Open every namespace whose directory a previous run left (the catalog is the truth)."""
+        assert self.config is not None
+        root = self.config.data_dir / "namespaces"
+        for manifest in sorted(root.glob("*/namespace.json")) if root.exists() else []:
+            d = json.loads(manifest.read_text())
+            self.open(d["model_id"], layout_from_dict(d["layout"]), d["hash_algo"])
+
+    def open(self, model_id: str, layout: KVLayout, hash_algo: str = "sha256") -> NamespaceState:
+        """The namespace of (model, layout, hash), opened on first use.
+
+        Raises:
+            ProtocolError: LAYOUT when all namespace slots are taken or the store cannot open.
+        """
+        if hash_algo not in HASHES:
+            raise ProtocolError(Code.LAYOUT, f"hash_algo must be one of {sorted(HASHES)}, got {hash_algo!r}")
+        ns = Namespace(model_id, layout, hash_algo)
+        with self._lock:
+            state = self._namespaces.get(ns.id)
+            if state is not None:
+                return state
+            cfg = self.config
+            if cfg is None or len(self._namespaces) >= cfg.max_namespaces:
+                limit = cfg.max_namespaces if cfg else 1
+                raise ProtocolError(Code.LAYOUT, f"all {limit} namespace slots are taken; cannot open "
+                                    f"{model_id} {layout.fingerprint()}")
+            store = TieredStore(self._store_config(ns))
+            state = NamespaceState(ns.id, model_id, layout, hash_algo, store)
+            self._namespaces[ns.id] = state
+            return state
+
+    def _store_config(self, ns: Namespace) -> StoreConfig:
+        cfg = self.config
+        assert cfg is not None
+        slot = -(-ns.layout.bytes_per_block // PAGE) * PAGE
+        host, disk = cfg.host_bytes_per_namespace, cfg.disk_bytes_per_namespace
+        if host < slot:
+            raise ProtocolError(Code.CAPACITY, f"host share of {host} bytes per namespace is below one "
+                                f"{slot}-byte block of {ns.layout.fingerprint()}")
+        kwargs: dict[str, Any] = {"layout": ns.layout, "model_id": ns.model_id, "host_bytes": host,
+                                  "hash_algo": ns.hash_algo, "shared_host": cfg.shm, "pin_host_memory": False}
+        if disk >= slot:
+            where = cfg.data_dir / "namespaces" / ns.id
+            where.mkdir(parents=True, exist_ok=True)
+            manifest = {"model_id": ns.model_id, "layout": layout_to_dict(ns.layout), "hash_algo": ns.hash_algo}
+            (where / "namespace.json").write_text(json.dumps(manifest, indent=1) + "\n")
+            kwargs.update(disk_path=where / "disk", disk_bytes=disk, write_policy=cfg.write_policy)
+        return StoreConfig(**kwargs)
+
+    def namespaces(self) -> list[NamespaceState]:
+        with self._lock:
+            return list(self._namespaces.values())
+
+    def get(self, ns_id: str) -> NamespaceState | None:
+        with self._lock:
+            return self._namespaces.get(ns_id)
+
+    def find_model(self, model: str) -> list[NamespaceState]:
+        """Namespaces whose model id (or namespace id) is ``model``."""
+        return [s for s in self.namespaces() if model in (s.model_id, s.id)]
+
+    def tiers(self) -> dict[str, dict[str, int]]:
+        """Per tier name, every counter summed over the namespaces."""
+        out: dict[str, dict[str, int]] = {}
+        for state in self.namespaces():
+            for tier, row in state.store.stats().items():
+                acc = out.setdefault(tier, dict.fromkeys(row, 0))
+                for name, value in row.items():
+                    acc[name] = acc.get(name, 0) + value
+        return out
+
+    def tenant_counters(self) -> dict[str, dict[str, int]]:
+        out: dict[str, dict[str, int]] = {}
+        for state in self.namespaces():
+            for tenant, row in list(state.counters.items()):
+                acc = out.setdefault(tenant, dict.fromkeys(COUNTERS, 0))
+                for name, value in row.items():
+                    acc[name] += value
+        return out
+
+    def close(self) -> None:
+        for state in self.namespaces():
+            state.store.close()

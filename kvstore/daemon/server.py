@@ -1,0 +1,291 @@
+"""The daemon: asyncio servers for the block protocol (Unix socket, TCP) and REST (uvicorn).
+
+Lifecycle: start (reopen namespaces, bind, print where it listens) -> serve, with a tick
+every second (expire leases; check integrity when idle) -> SIGTERM/SIGINT: stop accepting,
+finish in-flight requests (up to ``drain_s``), close the stores, exit 0; a second signal
+exits at once. Store calls run on a worker pool; the event loop only frames bytes.
+
+Back-pressure: a connection reads its next frame only while it has fewer than
+``max_inflight`` requests in flight, and a response waits for the socket to drain before
+its slot frees; so one connection holds at most ``max_inflight`` requests and responses,
+each at most ``max_frame`` bytes, however slowly its client reads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from kvstore.daemon.config import DaemonConfig, parse_hostport
+from kvstore.daemon.ops import Ops, Session
+from kvstore.daemon.protocol import HEADER, Code, ProtocolError, encode, read_frame
+from kvstore.daemon.registry import Registry, Tokens
+from kvstore.daemon.shm import Leases
+
+log = logging.getLogger("kvstore.daemon")
+INTEGRITY_EVERY_S = 60.0
+STREAM_LIMIT = 4 << 20  # a connection buffers at most 2x this of unread input before pausing
+SOCKET_BUFFER = 4 << 20
+
+
+class Daemon:
+    """One ``kvstore serve`` process."""
+
+    def __init__(self, config: DaemonConfig) -> None:
+        self.config = config
+        self.registry = Registry(config, Tokens(config.token, config.tokens_file))
+        self.leases = Leases(config.lease_s, max_per_conn=2 * config.max_inflight)
+        self.ops = Ops(config, self.registry, self.leases)
+        self.pool = ThreadPoolExecutor(max(4, 2 * (os.cpu_count() or 2)), thread_name_prefix="kvstore-op")
+        self.addresses: list[str] = []
+        self.num_inflight = 0
+        self.num_connections = 0
+        self.started = time.time()
+        self._ids = itertools.count(1)
+        self._servers: list[asyncio.AbstractServer] = []
+        self._readers: set[asyncio.Task[None]] = set()
+        self._handlers: set[asyncio.Task[None]] = set()
+        self._http: Any = None
+        self._stop = asyncio.Event()
+
+    # ------------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        cfg = self.config
+        cfg.data_dir.mkdir(parents=True, exist_ok=True)
+        await asyncio.get_running_loop().run_in_executor(self.pool, self.registry.reopen_existing)
+        if cfg.socket_path:
+            path = Path(cfg.socket_path)
+            _remove_stale_socket(path)
+            server = await asyncio.start_unix_server(lambda r, w: self._accept(r, w, "unix"), path=str(path),
+                                                     limit=STREAM_LIMIT)
+            os.chmod(path, 0o600)
+            self._servers.append(server)
+            self.addresses.append(f"unix://{path.resolve()}")
+        if cfg.listen:
+            host, port = parse_hostport(cfg.listen)
+            server = await asyncio.start_server(lambda r, w: self._accept(r, w, "tcp"), host, port, limit=STREAM_LIMIT)
+            self._servers.append(server)
+            self.addresses.append(f"tcp://{_fmt(server.sockets[0].getsockname())}")
+        if cfg.http:
+            self.addresses.append(await self._start_http(*parse_hostport(cfg.http)))
+
+    async def _start_http(self, host: str, port: int) -> str:
+        import uvicorn
+
+        from kvstore.daemon.rest import create_app
+
+        class _Server(uvicorn.Server):
+            @contextlib.contextmanager
+            def capture_signals(self) -> Iterator[None]:  # the daemon owns the signals
+                yield
+
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        app = create_app(self.registry, admin_token=self.config.token, daemon=self)
+        self._http = _Server(uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False))
+        self._http_task = asyncio.create_task(self._http.serve(sockets=[sock]))
+        for _ in range(1000):  # "ready" is printed only once REST accepts connections
+            if self._http.started or self._http_task.done():
+                break
+            await asyncio.sleep(0.01)
+        if not self._http.started:
+            raise RuntimeError(f"the REST server did not start on {host}:{port}")
+        return f"http://{_fmt(sock.getsockname())}"
+
+    async def run(self) -> int:
+        """Start, serve until a signal, drain, close. Returns the exit status."""
+        loop = asyncio.get_running_loop()
+        signals = 0
+
+        def on_signal() -> None:
+            nonlocal signals
+            signals += 1
+            if signals > 1:
+                os._exit(1)
+            self._stop.set()
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, on_signal)
+        await self.start()
+        print(f"kvstore serve: listening on {', '.join(self.addresses)} (pid {os.getpid()}); ready", flush=True)
+        tick = asyncio.create_task(self._tick())
+        await self._stop.wait()
+        deadline = time.monotonic() + self.config.drain_s
+        tick.cancel()
+        await self.shutdown(deadline)
+        print("kvstore serve: stopped", flush=True)
+        return 0
+
+    async def shutdown(self, deadline: float) -> None:
+        for server in self._servers:
+            server.close()
+        if self._http is not None:
+            self._http.should_exit = True
+        for task in list(self._readers):
+            task.cancel()
+        while self._handlers and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        for task in list(self._handlers):
+            task.cancel()
+        if self._http is not None:
+            with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
+                await asyncio.wait_for(self._http_task, max(0.1, deadline - time.monotonic()))
+        loop = asyncio.get_running_loop()
+        closing = loop.run_in_executor(self.pool, self.registry.close)
+        try:
+            await asyncio.wait_for(closing, max(0.5, deadline + 0.8 - time.monotonic()))
+        except asyncio.TimeoutError:
+            print("kvstore serve: stores did not close in time; exiting (unacknowledged data only is lost)",
+                  file=sys.stderr, flush=True)
+        if self.config.socket_path:
+            with contextlib.suppress(OSError):
+                os.unlink(self.config.socket_path)
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+    async def _tick(self) -> None:
+        loop = asyncio.get_running_loop()
+        last_check = time.monotonic()
+        while True:
+            await asyncio.sleep(1.0)
+            await loop.run_in_executor(self.pool, self.leases.expire)
+            if self.num_inflight == 0 and time.monotonic() - last_check > INTEGRITY_EVERY_S:
+                last_check = time.monotonic()
+                await loop.run_in_executor(self.pool, self._check_integrity)
+
+    def _check_integrity(self) -> None:
+        for state in self.registry.namespaces():
+            try:
+                state.store.check_integrity()
+            except AssertionError as exc:
+                log.error("integrity check failed for namespace %s: %s", state.id, exc)
+                print(f"kvstore serve: INTEGRITY CHECK FAILED in {state.id}: {exc}", file=sys.stderr, flush=True)
+
+    # ------------------------------------------------------------------------ connections
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, transport: str) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        if self._stop.is_set() or self.num_connections >= self.config.max_connections:
+            why = "draining" if self._stop.is_set() else f"{self.num_connections} connections, the limit"
+            code = Code.SHUTDOWN if self._stop.is_set() else Code.BUSY
+            writer.write(encode({"id": None, "error": {"code": int(code), "message": why}}))
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(writer.drain(), 1.0)
+            writer.close()
+            return
+        sock = writer.get_extra_info("socket")
+        if transport == "tcp":
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER)
+        writer.transport.set_write_buffer_limits(high=1 << 20)
+        self._readers.add(task)
+        self.num_connections += 1
+        session = Session(next(self._ids), transport)
+        slots = asyncio.Semaphore(self.config.max_inflight)
+        mine: set[asyncio.Task[None]] = set()
+        try:
+            await self._read_loop(reader, writer, session, slots, mine)
+        except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError):
+            pass
+        finally:
+            self._readers.discard(task)
+            if mine:
+                await asyncio.wait(mine, timeout=max(0.0, self.config.drain_s))
+            self.num_connections -= 1
+            loop = asyncio.get_running_loop()
+            with contextlib.suppress(Exception):
+                await loop.run_in_executor(self.pool, self._end_session, session)
+            writer.close()
+
+    def _end_session(self, session: Session) -> None:
+        self.leases.drop_connection(session.conn_id)
+        session.unpin_all()
+
+    async def _read_loop(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, session: Session,
+                         slots: asyncio.Semaphore, mine: set[asyncio.Task[None]]) -> None:
+        while True:
+            await slots.acquire()  # back-pressure: no new frame is read while max_inflight run
+            try:
+                frame = await read_frame(reader, self.config.max_frame)
+            except ProtocolError as exc:
+                slots.release()
+                self.ops.errors[exc.code.name] += 1
+                await self._send(writer, {"id": None, "error": {"code": int(exc.code), "message": exc.message}}, b"")
+                if exc.code == Code.TOO_LARGE:
+                    return  # the stream is out of step: close
+                continue
+            if frame is None:
+                slots.release()
+                return
+            meta, data = frame
+            if session.principal is None:  # nothing runs concurrently with hello
+                await self._serve(session, meta, data, writer, slots)
+                continue
+            task = asyncio.create_task(self._serve(session, meta, data, writer, slots))
+            mine.add(task)
+            self._handlers.add(task)
+            task.add_done_callback(mine.discard)
+            task.add_done_callback(self._handlers.discard)
+
+    async def _serve(self, session: Session, meta: dict[str, Any], data: bytes,
+                     writer: asyncio.StreamWriter, slots: asyncio.Semaphore) -> None:
+        self.num_inflight += 1
+        try:
+            loop = asyncio.get_running_loop()
+            out, payload = await loop.run_in_executor(self.pool, self.ops.handle, session, meta, data)
+            await self._send(writer, out, payload)
+        except (ConnectionError, RuntimeError):
+            writer.close()
+        finally:
+            self.num_inflight -= 1
+            slots.release()
+
+    async def _send(self, writer: asyncio.StreamWriter, meta: dict[str, Any], payload: Any) -> None:
+        head = encode(meta, len(payload))
+        assert len(head) - HEADER.size + len(payload) <= self.config.max_frame
+        writer.write(head)
+        if len(payload):
+            writer.write(payload)
+        await writer.drain()
+
+
+def _remove_stale_socket(path: Path) -> None:
+    """Remove a socket file left by a dead daemon; refuse to steal a live one's."""
+    if not path.exists():
+        return
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(str(path))
+    except OSError:
+        path.unlink()
+    else:
+        raise RuntimeError(f"another daemon is listening on {path}")
+    finally:
+        probe.close()
+
+
+def _fmt(addr: Any) -> str:
+    host, port = addr[0], addr[1]
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def serve(config: DaemonConfig) -> int:
+    """Run the daemon in this process until SIGTERM/SIGINT; returns the exit status."""
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    return asyncio.run(Daemon(config).run())

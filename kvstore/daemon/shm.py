@@ -1,0 +1,118 @@
+"""Shared-memory leases: a same-host client copies blocks straight from/to the host pool.
+
+A read lease holds blocks in host RAM (``TieredStore.acquire_host``) while the client copies
+their slots out; ``release`` tells the client whether the lease was still valid when it
+finished (if not, it discards what it copied). A write lease is a set of reserved free slots
+(``reserve_host``) the client fills; ``commit`` publishes them. Leases expire after
+``lease_s``: an expired read lease is released at once; an expired write lease's slots are
+quarantined for one more ``lease_s`` before they are reused, so a slow client that still
+writes cannot overwrite a published block (the client never starts a copy past its deadline).
+A closed connection ends all its leases, so a dead client cannot hold memory.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from dataclasses import dataclass
+
+from kvstore.daemon.protocol import Code, ProtocolError
+from kvstore.daemon.registry import NamespaceState
+
+
+@dataclass
+class Lease:
+    id: int
+    kind: str  # "read" or "write"
+    conn: int
+    state: NamespaceState
+    keys: list[bytes]  # stored (tenant-scoped) keys
+    slots: list[int]
+    tenant: str
+    deadline: float
+
+
+class Leases:
+    """Every live lease of the daemon. Thread-safe; store calls happen outside its lock."""
+
+    def __init__(self, lease_s: float, max_per_conn: int) -> None:
+        self.lease_s = lease_s
+        self.max_per_conn = max_per_conn
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._live: dict[int, Lease] = {}
+        self._quarantine: list[Lease] = []
+        self.num_expired = 0
+
+    def _add(self, lease: Lease) -> Lease:
+        with self._lock:
+            self._live[lease.id] = lease
+        return lease
+
+    def _check_room(self, conn: int) -> None:
+        with self._lock:
+            held = sum(1 for lease in self._live.values() if lease.conn == conn)
+        if held >= self.max_per_conn:
+            raise ProtocolError(Code.LEASE, f"connection holds {held} leases, the limit is {self.max_per_conn}")
+
+    def grant_read(self, conn: int, state: NamespaceState, keys: list[bytes], tenant: str) -> Lease:
+        """Hold the leading run of ``keys`` that is (or can be brought) in host RAM."""
+        self._check_room(conn)
+        slots = state.store.acquire_host(keys)
+        lease = Lease(next(self._ids), "read", conn, state, keys[: len(slots)], slots, tenant,
+                      time.monotonic() + self.lease_s)
+        return self._add(lease)
+
+    def grant_write(self, conn: int, state: NamespaceState, keys: list[bytes], tenant: str) -> Lease:
+        """Reserve one free host slot per key (CapacityError when none can be freed)."""
+        self._check_room(conn)
+        slots = state.store.reserve_host(len(keys))
+        lease = Lease(next(self._ids), "write", conn, state, keys, slots, tenant, time.monotonic() + self.lease_s)
+        return self._add(lease)
+
+    def take(self, conn: int, lease_id: int, kind: str) -> Lease | None:
+        """Remove and return a live lease of this connection; None if unknown or expired."""
+        with self._lock:
+            lease = self._live.get(lease_id)
+            if lease is None or lease.conn != conn or lease.kind != kind:
+                return None
+            if time.monotonic() > lease.deadline:
+                return None  # expire() releases it
+            return self._live.pop(lease_id)
+
+    def expire(self, now: float | None = None) -> int:
+        """Release expired read leases; quarantine, then free, expired write leases."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            dead = [lease for lease in self._live.values() if now > lease.deadline]
+            for lease in dead:
+                del self._live[lease.id]
+            free = [lease for lease in self._quarantine if now > lease.deadline + self.lease_s]
+            self._quarantine = [lease for lease in self._quarantine if now <= lease.deadline + self.lease_s]
+            self._quarantine += [lease for lease in dead if lease.kind == "write"]
+            self.num_expired += len(dead)
+        for lease in dead:
+            if lease.kind == "read":
+                lease.state.store.release_host(lease.keys)
+        for lease in free:
+            lease.state.store.cancel_host(lease.slots)
+        return len(dead)
+
+    def drop_connection(self, conn: int) -> None:
+        """End every lease of a closed connection (its process can no longer write)."""
+        with self._lock:
+            mine = [lease for lease in self._live.values() if lease.conn == conn]
+            mine += [lease for lease in self._quarantine if lease.conn == conn]
+            for lease in mine:
+                self._live.pop(lease.id, None)
+            self._quarantine = [lease for lease in self._quarantine if lease.conn != conn]
+        for lease in mine:
+            if lease.kind == "read":
+                lease.state.store.release_host(lease.keys)
+            else:
+                lease.state.store.cancel_host(lease.slots)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._live) + len(self._quarantine)

@@ -1,0 +1,138 @@
+"""The daemon end to end: a real process, real sockets, the client's TieredStore semantics."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from daemon_helpers import LAYOUT, ROOT, DaemonProc, blocks, daemon_fixture, prompt, shared_daemon_fixture  # noqa: F401
+
+from kvstore import CapacityError, KVLayout, LayoutMismatchError
+from kvstore.daemon.protocol import Code, RemoteError
+
+
+@pytest.mark.parametrize("transport", ["unix-shm", "unix", "tcp"])
+def test_put_lookup_get_fetch_roundtrip(shared_daemon: DaemonProc, transport: str) -> None:
+    daemon = shared_daemon
+    url = daemon.tcp if transport == "tcp" else daemon.unix
+    with daemon.connect(url=url, shm=transport == "unix-shm") as s:
+        assert s.uses_shm == (transport == "unix-shm")
+        keys = s.block_keys(prompt(len(transport), 12))
+        held_before = s.stats()["host"]["num_blocks"]  # the daemon is shared by the module
+        assert s.lookup(keys).num_blocks == 0
+        s.put(keys, blocks(keys))
+        m = s.lookup(keys)
+        assert m.num_blocks == 12 and set(m.tiers) == {"host"}
+        assert torch.equal(s.get(keys), blocks(keys))
+        into = torch.full((12, *LAYOUT.block_shape), float("nan"))
+        result = s.fetch(keys, into=into).result(timeout=10)
+        assert result.num_blocks == 12 and torch.equal(into, blocks(keys))
+        assert s.contains(keys[:2] + s.block_keys(prompt(99, 1))) == [True, True, False]
+        s.pin(keys[:3])
+        with pytest.raises(CapacityError):
+            s.delete(keys[:3])
+        s.unpin(keys[:3])
+        with pytest.raises(ValueError):
+            s.unpin(keys[:1])  # not pinned
+        assert s.delete(keys[6:]) == 6
+        with pytest.raises(KeyError):
+            s.get(keys)
+        assert s.fetch(keys, into=into).result(timeout=10).num_blocks == 6
+        stats = s.stats()
+        assert stats["host"]["num_blocks"] == held_before + 6
+        assert stats["host"]["used_bytes"] == (held_before + 6) * 4096
+        with pytest.raises(LayoutMismatchError):
+            s.put(keys[:1], torch.zeros((2, *LAYOUT.block_shape)))
+
+
+def test_blocks_demote_to_disk_and_survive_restart(tmp_path: Path) -> None:
+    # 1 MiB host over 4 namespace slots = 64 host slots of 4 KiB; disk 2 MiB = 128 slots.
+    d = DaemonProc(tmp_path / "data")
+    with d.connect() as s:
+        chains = [s.block_keys(prompt(i, 16)) for i in range(6)]  # 96 blocks > 64 host slots
+        for keys in chains:
+            s.put(keys, blocks(keys))
+        tiers = [t for keys in chains for t in s.lookup(keys).tiers]
+        assert len(tiers) == 96 and "disk" in tiers
+        for keys in chains:
+            assert torch.equal(s.get(keys), blocks(keys))
+    t0 = time.monotonic()
+    assert d.stop() == 0
+    assert time.monotonic() - t0 < 5.0
+    d.start()
+    with d.connect() as s:
+        for keys in chains:
+            assert s.lookup(keys).num_blocks == 16
+            assert torch.equal(s.get(keys), blocks(keys))
+    assert d.stop() == 0
+
+
+def test_tenants_never_meet(tmp_path: Path) -> None:
+    tokens = tmp_path / "tokens.toml"
+    tokens.write_text('[[tenant]]\nname = "acme"\ntokens = ["tok-acme"]\n\n'
+                      '[[tenant]]\nname = "globex"\ntokens = ["tok-globex"]\n')
+    d = DaemonProc(tmp_path / "data", "--tokens", str(tokens), "--token", "tok-admin")
+    try:
+        a, b = d.connect("tok-acme"), d.connect("tok-globex", url=d.tcp)
+        assert (a.tenant, b.tenant) == ("acme", "globex")
+        ka = a.block_keys(prompt(5, 70))  # more than the host share: reaches disk too
+        a.put(ka, blocks(ka))
+        # globex sends the very keys acme used (as if it knew acme's salt and prompt)
+        assert b.lookup(ka).num_blocks == 0 and b.contains(ka) == [False] * 70
+        with pytest.raises(KeyError):
+            b.get(ka[:1])
+        assert b.delete(ka) == 0
+        kb = b.block_keys(prompt(5, 70))  # same prompt, globex's own salt
+        assert kb != ka and b.lookup(kb).num_blocks == 0
+        a.close()
+        b.close()
+        assert d.stop() == 0
+        d.start()
+        a, b = d.connect("tok-acme"), d.connect("tok-globex")
+        assert a.lookup(ka).num_blocks == 70 and torch.equal(a.get(ka), blocks(ka))
+        assert b.lookup(ka).num_blocks == 0 and b.lookup(kb).num_blocks == 0
+        with pytest.raises(RemoteError) as err:
+            d.connect("wrong-token")
+        assert err.value.code == Code.AUTH
+        with pytest.raises(RemoteError):
+            d.connect(None)
+        a.close()
+        b.close()
+    finally:
+        d.stop()
+
+
+def test_namespaces_share_the_daemon_within_the_total(daemon: DaemonProc) -> None:
+    other = KVLayout(num_layers=1, num_kv_heads=2, head_dim=8, block_size=4, dtype=torch.float16)
+    with daemon.connect() as s1, daemon.connect(layout=other, model_id="m2") as s2:
+        assert s1.namespace_id != s2.namespace_id
+        k1, k2 = s1.block_keys(prompt(1, 2)), s2.block_keys(prompt(1, 2))
+        s1.put(k1, blocks(k1))
+        s2.put(k2, blocks(k2, other))
+        assert s2.lookup(k1).num_blocks == 0 and torch.equal(s2.get(k2), blocks(k2, other))
+        host = s1.stats()["host"]["capacity_bytes"] + s2.stats()["host"]["capacity_bytes"]
+        assert host <= (1 << 20) // 2
+    extra = [daemon.connect(model_id=f"x{i}") for i in range(2)]  # fills slots 3 and 4
+    with pytest.raises(LayoutMismatchError, match="namespace slots"):
+        daemon.connect(model_id="one-too-many")
+    for c in extra:
+        c.close()
+    # SIGTERM with a client still connected: drains and exits 0 within 5 s
+    s = daemon.connect()
+    keys = s.block_keys(prompt(3, 8))
+    s.put(keys, blocks(keys))
+    t0 = time.monotonic()
+    assert daemon.stop() == 0  # a client still connected does not hold it up
+    assert time.monotonic() - t0 < 5.0
+    assert "stopped" in daemon.output
+
+
+def test_off_loopback_needs_a_token(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "kvstore.daemon", "serve", "--data-dir", str(tmp_path),
+                           "--listen", "0.0.0.0:0", "--http", "", "--socket", "", "--host-mem", "1MiB"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "token is required" in proc.stderr

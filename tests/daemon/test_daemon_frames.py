@@ -1,0 +1,176 @@
+"""Hostile input on the block protocol: every bad frame gets an error frame or a closed
+connection, the daemon keeps serving others, and its memory stays bounded."""
+
+from __future__ import annotations
+
+import random
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import pytest
+import torch
+from daemon_helpers import LAYOUT, DaemonProc, blocks, prompt, shared_daemon_fixture  # noqa: F401
+
+from kvstore.daemon.protocol import HEADER, VERSION, Code, encode
+from kvstore.daemon.registry import layout_to_dict
+
+HELLO = {"op": "hello", "version": VERSION, "model_id": "test-model", "layout": layout_to_dict(LAYOUT)}
+
+
+def raw(d: DaemonProc) -> socket.socket:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(10)
+    s.connect(d.unix[len("unix://"):])
+    return s
+
+
+def reply(s: socket.socket) -> dict[str, Any] | None:
+    """The next frame's meta, or None when the daemon closed the connection."""
+    try:
+        head = s.recv(HEADER.size, socket.MSG_WAITALL)
+        if len(head) < HEADER.size:
+            return None
+        meta_len, data_len = HEADER.unpack(head)
+        meta = msgpack.unpackb(s.recv(meta_len, socket.MSG_WAITALL))
+        if data_len:
+            s.recv(data_len, socket.MSG_WAITALL)
+        return meta
+    except ConnectionResetError:
+        return None
+
+
+def frame(meta_bytes: bytes, data: bytes = b"") -> bytes:
+    return HEADER.pack(len(meta_bytes), len(data)) + meta_bytes + data
+
+
+def rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmRSS")
+
+
+def code_of(meta: dict[str, Any] | None) -> int | None:
+    return None if meta is None else meta.get("error", {}).get("code")
+
+
+def assert_serving(d: DaemonProc) -> None:
+    with d.connect() as c:
+        keys = c.block_keys(prompt(777, 2))
+        c.put(keys, blocks(keys))
+        assert torch.equal(c.get(keys), blocks(keys))
+
+
+def test_error_frames_for_bad_requests(shared_daemon: DaemonProc) -> None:
+    s = raw(shared_daemon)
+    s.sendall(encode({"op": "lookup", "id": 1, "keys": b""}))
+    assert code_of(reply(s)) == Code.STATE  # before hello
+    s.sendall(encode({**HELLO, "version": 99}))
+    assert code_of(reply(s)) == Code.VERSION
+    s.sendall(encode({**HELLO, "layout": {"num_layers": "two"}}))
+    assert code_of(reply(s)) == Code.LAYOUT
+    s.sendall(encode({**HELLO, "layout": [1, 2]}))
+    assert code_of(reply(s)) == Code.BAD_REQUEST
+    s.sendall(encode(HELLO))
+    assert reply(s)["tenant"] == ""  # type: ignore[index]
+    cases = [
+        ({"op": "lookup", "keys": "not bytes"}, Code.BAD_REQUEST),
+        ({"op": "lookup", "keys": b"x" * 31}, Code.BAD_REQUEST),
+        ({"op": "lookup"}, Code.BAD_REQUEST),
+        ({"op": 5}, Code.BAD_REQUEST),
+        ({"op": "frobnicate"}, Code.UNKNOWN_OP),
+        ({"op": "hello", **HELLO}, Code.STATE),
+        ({"op": "get", "keys": b"k" * 32 * 100_000}, Code.BAD_REQUEST),
+        ({"op": "pin", "keys": b"k" * 32}, Code.NOT_FOUND),
+        ({"op": "commit", "lease": 12345}, Code.LEASE),
+        ({"op": "release", "lease": True}, Code.BAD_REQUEST),
+        ({"op": "get", "keys": b"k" * 32, "shm": "yes"}, Code.BAD_REQUEST),
+    ]
+    for meta, code in cases:
+        s.sendall(encode(meta))
+        assert code_of(reply(s)) == code, meta
+    s.sendall(encode({"op": "put", "keys": b"k" * 64}, 3) + b"abc")  # data does not match the keys
+    assert code_of(reply(s)) == Code.BAD_REQUEST
+    for body in [msgpack.packb([1, 2, 3]), b"\xc1", msgpack.packb(msgpack.ExtType(5, b"x")),
+                 b"[" * 10, b"\x91" * 100_000, msgpack.packb({1: 2}), b""]:
+        s.sendall(frame(body))
+        assert code_of(reply(s)) == Code.BAD_FRAME, body[:20]
+    s.sendall(encode({"op": "stats"}))  # still in step, still served
+    assert "tiers" in reply(s)  # type: ignore[operator]
+    s.close()
+
+
+def test_garbage_truncated_oversized_close_the_connection(shared_daemon: DaemonProc) -> None:
+    d = shared_daemon
+    before = rss_kib(d.proc.pid)
+    for _ in range(50):
+        s = raw(d)
+        s.sendall(HEADER.pack(1 << 31, 1 << 31))  # 4 GiB claimed: refused before any body read
+        assert code_of(reply(s)) == Code.TOO_LARGE
+        assert reply(s) is None
+        s.close()
+    s = raw(d)
+    s.sendall(bytes(random.Random(1).getrandbits(8) for _ in range(4096)))
+    assert code_of(reply(s)) in (Code.TOO_LARGE, Code.BAD_FRAME, None)
+    s.close()
+    for cut in (3, 8, 20):  # truncated inside the header, the meta, the data
+        s = raw(d)
+        s.sendall((encode(HELLO, 4) + b"data")[:cut])
+        s.shutdown(socket.SHUT_WR)
+        assert reply(s) is None or code_of(reply(s)) is not None
+        s.close()
+    rng = random.Random(7)
+    s = raw(d)
+    s.sendall(encode(HELLO))
+    reply(s)
+    for _ in range(300):  # random bodies inside well-formed frames: one error frame each
+        s.sendall(frame(bytes(rng.getrandbits(8) for _ in range(rng.randrange(1, 64)))))
+        assert "error" in reply(s)  # type: ignore[operator]
+    s.close()
+    assert_serving(d)
+    assert rss_kib(d.proc.pid) - before < 64 * 1024
+
+
+def test_a_client_that_never_reads_cannot_grow_the_daemon(shared_daemon: DaemonProc) -> None:
+    d = shared_daemon
+    with d.connect() as c:
+        keys = c.block_keys(prompt(4242, 60))
+        c.put(keys, blocks(keys))
+    s = raw(d)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.sendall(encode(HELLO))
+    reply(s)
+    before = rss_kib(d.proc.pid)
+    request = encode({"op": "get", "keys": b"".join(keys)})  # ~30 KiB of blocks per response
+    s.setblocking(False)
+    pending = request * 40_000  # ~77 MB of requests, ~1.2 GB of replies if all were served
+    sent = 0
+    deadline = time.monotonic() + 2
+    while time.monotonic() < deadline and sent < len(pending):  # pipeline, never read a reply
+        try:
+            sent += s.send(pending[sent : sent + (1 << 16)])
+        except BlockingIOError:
+            time.sleep(0.05)
+    # the daemon stopped reading: socket buffers plus its 8 MiB input bound, then our sends block
+    assert len(request) * 8 < sent < 32 << 20
+    assert rss_kib(d.proc.pid) - before < 64 * 1024
+    assert_serving(d)
+    s.close()
+
+
+@pytest.mark.parametrize("depth", [200, 5000])
+def test_deeply_nested_frames(shared_daemon: DaemonProc, depth: int) -> None:
+    s = raw(shared_daemon)
+    body = b"\x91" * depth + b"\xc0"  # [[[...[nil]...]]]
+    s.sendall(frame(body))
+    assert code_of(reply(s)) == Code.BAD_FRAME
+    nested_map = b"\x81\xa1a" * depth + b"\xc0"
+    s.sendall(frame(nested_map))
+    assert code_of(reply(s)) in (Code.BAD_FRAME, Code.BAD_REQUEST)
+    s.sendall(encode(HELLO))
+    assert "tenant" in reply(s)  # type: ignore[operator]
+    s.close()
+

@@ -1,0 +1,212 @@
+"""The same greedy output whether the prefix is computed, shared on device, fetched from host,
+or read from disk after a restart; tenants never share; waste stays under one partial block."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from engine import SamplingParams
+from tests.engine.conftest import GREEDY, PROMPTS, make_engine
+
+LONG = [list(range(3, 3 + 29)), [*list(range(40, 40 + 22)), 7], [11, 12] * 9]  # 29, 23, 18 tokens
+
+
+@pytest.fixture(scope="module")
+def expected(llama_dir: Path) -> list[list[int]]:
+    llm = make_engine(llama_dir, enable_prefix_caching=False, host_bytes=0)
+    try:
+        outs = llm.generate(LONG, GREEDY)
+        assert all(sum(o.metrics.cached_tokens.values()) == 0 for o in outs)
+        assert [o.metrics.num_computed_tokens for o in outs] == [len(p) for p in LONG]
+        return [o.token_ids for o in outs]
+    finally:
+        llm.close()
+
+
+def full_blocks(prompt: list[int], block_size: int = 4) -> int:
+    return (len(prompt) - 1) // block_size  # the last token is always computed
+
+
+def test_device_hits(llama_dir: Path, expected: list[list[int]]) -> None:
+    llm = make_engine(llama_dir)
+    try:
+        assert [o.token_ids for o in llm.generate(LONG, GREEDY)] == expected
+        again = llm.generate(LONG, GREEDY)
+        assert [o.token_ids for o in again] == expected
+        for prompt, out in zip(LONG, again, strict=True):
+            assert out.metrics.cached_tokens == {"device": 4 * full_blocks(prompt), "host": 0, "disk": 0}
+            assert out.metrics.num_computed_tokens == len(prompt) - 4 * full_blocks(prompt)
+        llm.check_integrity()
+    finally:
+        llm.close()
+
+
+def test_host_hits_after_device_eviction(llama_dir: Path, expected: list[list[int]]) -> None:
+    llm = make_engine(llama_dir)
+    try:
+        llm.generate(LONG, GREEDY)
+        assert llm.evict_device_cache() > 0
+        assert llm.stats()["device"]["num_cached"] == 0
+        again = llm.generate(LONG, GREEDY)
+        assert [o.token_ids for o in again] == expected
+        for prompt, out in zip(LONG, again, strict=True):
+            assert out.metrics.cached_tokens == {"device": 0, "host": 4 * full_blocks(prompt), "disk": 0}
+        llm.check_integrity()
+        llm.store.check_integrity()
+    finally:
+        llm.close()
+
+
+def test_disk_hits_after_restart(llama_dir: Path, tmp_path: Path, expected: list[list[int]]) -> None:
+    disk = dict(disk_path=tmp_path / "kv", disk_bytes=256 * 4096)
+    llm = make_engine(llama_dir, **disk)
+    assert [o.token_ids for o in llm.generate(LONG, GREEDY)] == expected
+    llm.close()  # device blocks written back to the store, the store to disk
+    llm = make_engine(llama_dir, **disk)
+    try:
+        again = llm.generate(LONG, GREEDY)
+        assert [o.token_ids for o in again] == expected
+        for prompt, out in zip(LONG, again, strict=True):
+            assert out.metrics.cached_tokens == {"device": 0, "host": 0, "disk": 4 * full_blocks(prompt)}
+    finally:
+        llm.close()
+
+
+def test_fetch_policy_never_recomputes(llama_dir: Path, expected: list[list[int]]) -> None:
+    llm = make_engine(llama_dir, fetch_policy="never")
+    try:
+        llm.generate(LONG, GREEDY)
+        llm.evict_device_cache()
+        again = llm.generate(LONG, GREEDY)
+        assert [o.token_ids for o in again] == expected
+        assert all(o.metrics.cached_tokens["host"] == 0 for o in again)
+    finally:
+        llm.close()
+
+
+class FailingStore:
+    """A real TieredStore whose fetches deliver only the first ``keep`` blocks (as after an I/O
+    error, a checksum mismatch or an eviction in between)."""
+
+    def __init__(self, store: Any, keep: int) -> None:
+        self._store, self.keep = store, keep
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+    def fetch(self, keys: list[bytes], into: Any) -> Any:
+        return self._store.fetch(keys[: self.keep] if self.keep else keys[:1], into=into[: max(self.keep, 1)]) \
+            if self.keep else _Failed()
+
+
+class _Failed:
+    def done(self) -> bool:
+        return True
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return True
+
+    def result(self, timeout: float | None = None) -> Any:
+        raise OSError("simulated I/O error")
+
+    def add_done_callback(self, fn: Any) -> None:
+        fn(self)
+
+
+@pytest.mark.parametrize("keep", [0, 2])
+def test_failed_fetch_falls_back_to_recompute(llama_dir: Path, expected: list[list[int]], keep: int) -> None:
+    from engine import LLMEngine
+
+    first = make_engine(llama_dir)
+    first.generate(LONG, GREEDY)
+    first.evict_device_cache()  # the store now holds every full block
+    llm = LLMEngine(str(llama_dir), block_size=4, kv_cache_bytes=64 * 2048, fetch_policy="always",
+                    store=FailingStore(first.store, keep))
+    try:
+        again = llm.generate(LONG, GREEDY)
+        assert [o.token_ids for o in again] == expected
+        for prompt, out in zip(LONG, again, strict=True):
+            assert out.metrics.cached_tokens["host"] == 4 * keep
+            assert out.metrics.num_computed_tokens == len(prompt) - 4 * keep
+        assert llm.stats()["engine"]["failed_fetch_blocks"] > 0
+        llm.check_integrity()
+    finally:
+        llm.close()
+        first.close()
+
+
+def test_tenants_never_share(llama_dir: Path) -> None:
+    llm = make_engine(llama_dir)
+    try:
+        prompt = LONG[0]
+        a = llm.generate(prompt, GREEDY, tenant="acme")[0]
+        b = llm.generate(prompt, GREEDY, tenant="globex")[0]
+        assert a.token_ids == b.token_ids
+        assert sum(b.metrics.cached_tokens.values()) == 0
+        llm.evict_device_cache()
+        c = llm.generate(prompt, GREEDY, tenant="initech")[0]
+        assert sum(c.metrics.cached_tokens.values()) == 0
+        again = llm.generate(prompt, GREEDY, tenant="acme")[0]
+        assert again.metrics.cached_tokens["host"] == 4 * full_blocks(prompt)
+    finally:
+        llm.close()
+
+
+def test_fragmentation_under_one_partial_block(llama_dir: Path) -> None:
+    llm = make_engine(llama_dir)
+    try:
+        ids = [llm.add_request(p, SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True)) for p in PROMPTS]
+        steps = 0
+        while llm.has_unfinished_requests():
+            llm.step()
+            steps += 1
+            for seq in llm.scheduler.running:
+                waste = len(seq.block_table) * 4 - seq.num_cached_tokens
+                assert 0 <= waste < 4, f"sequence {seq.seq_id} wastes {waste} slots"
+        assert steps >= 9 and len(ids) == len(PROMPTS)
+    finally:
+        llm.close()
+
+
+def test_n_samples_share_prompt_blocks_and_copy_on_write(llama_dir: Path) -> None:
+    llm = make_engine(llama_dir)
+    try:
+        prompt = LONG[1]  # 23 tokens: 5 full blocks and a partial one that the samples must copy
+        params = SamplingParams(max_tokens=6, temperature=1.0, seed=7, n=3, ignore_eos=True)
+        rid = llm.add_request(prompt, params)
+        llm.step()  # prefill; the samples fork sharing every prompt block
+        request = llm._requests[rid]
+        tables = [s.block_table for s in request.seqs]
+        assert len(tables) == 3 and tables[0] == tables[1] == tables[2]
+        assert all(llm.block_manager.blocks[b].ref_count == 3 for b in tables[0])
+        llm.step()  # first decode: each sample writes into the partial block -> copies
+        tables = [s.block_table for s in request.seqs]
+        assert tables[0][:5] == tables[1][:5] == tables[2][:5]
+        assert len({t[5] for t in tables}) == 3
+        out = None
+        while llm.has_unfinished_requests():
+            for o in llm.step():
+                out = o
+        assert out is not None and out.finished and len(out.outputs) == 3
+        seeded = make_engine(llama_dir).generate(prompt, params)[0]
+        assert [c.token_ids for c in seeded.outputs] == [c.token_ids for c in out.outputs]
+        llm.check_integrity()
+    finally:
+        llm.close()
+
+
+def test_preemption_keeps_output(llama_dir: Path, expected: list[list[int]]) -> None:
+    # 12 blocks of 4 tokens for three prompts needing 8 + 6 + 5 blocks at the end: someone waits
+    # or is preempted; its prefix comes back from the device cache or the host tier.
+    llm = make_engine(llama_dir, kv_cache_bytes=12 * 2048)
+    try:
+        outs = llm.generate(LONG, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+        assert [o.token_ids for o in outs] == expected
+        assert llm.stats()["engine"]["preemptions"] > 0
+        assert sum(o.metrics.num_preemptions for o in outs) > 0
+        llm.check_integrity()
+    finally:
+        llm.close()
