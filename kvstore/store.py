@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvstore import leases
 from kvstore.config import StoreConfig
 from kvstore.errors import CapacityError, KVStoreError, TierError
 from kvstore.eviction import EvictionPolicy, make_policy
@@ -488,116 +489,32 @@ class TieredStore:
         return entry
 
     # ----------------------------------------------------------------------------- leases
-    # Zero-copy access for a process that maps the shared host pool (StoreConfig.shared_host).
-    # A read lease holds blocks like an in-flight get (readers += 1: never evicted, never
-    # deleted); a write lease is a set of reserved free slots that hold no block until
-    # commit_host publishes them, so no lookup can see a half-written slot.
+    # Zero-copy host-slot access for the daemon's shared-memory clients: see kvstore/leases.py.
 
     @property
     def shared_pool(self) -> tuple[str, int, int] | None:
         """``(path, slot_bytes, num_slots)`` of the shared host pool, or None if not shared."""
-        path = self._host.shm_path
-        return None if path is None else (path, self._host.slot_bytes, self._host.num_slots)
+        return leases.shared_pool(self)
 
     def acquire_host(self, keys: Sequence[bytes]) -> list[int]:
-        """Hold the leading run of ``keys`` in host RAM and return its host slot ids.
-
-        Disk-only blocks of the run are promoted first (as by get). The run stops at the
-        first block that is missing or could not be brought to host. Counted like a get.
-
-        Returns:
-            Host slot ids of blocks ``keys[:n]``; each is held (never evicted, deleted or
-            reused) until ``release_host(keys[:n])``.
-        """
-        keys = self._check_keys(keys)
-        with self._lock:
-            self._check_open()
-            match = self._index.match(keys)
-            self._count_lookup(match, len(keys))
-        if DISK in match.tiers:
-            self._read_into(keys[: match.num_blocks], None)
-        with self._lock:
-            self._check_open()
-            held: list[BlockEntry] = []
-            for key in keys[: match.num_blocks]:
-                entry = self._index.get(key)
-                if entry is None or entry.host_slot is None:
-                    break
-                entry.readers += 1
-                self._note_use(entry)
-                held.append(entry)
-            if held:
-                self._host_policy.access([e.key for e in held])
-            self._counters[HOST].bytes_read += len(held) * self._payload
-            return [e.host_slot for e in held]  # type: ignore[misc]
+        """Hold the leading run of ``keys`` in host RAM; their slot ids (see leases.acquire_host)."""
+        return leases.acquire_host(self, keys)
 
     def release_host(self, keys: Sequence[bytes]) -> None:
         """End a read lease: undo one ``acquire_host`` of each of ``keys``."""
-        keys = self._check_keys(keys)
-        with self._lock:
-            for key in keys:
-                entry = self._index.entries[key]
-                assert entry.readers > 0, f"block {key.hex()} released but not held"
-                entry.readers -= 1
-                if entry.best_tier is None and entry.readers == 0:
-                    self._forget(entry)
+        leases.release_host(self, keys)
 
     def reserve_host(self, n: int) -> list[int]:
-        """Take ``n`` free host slots (evicting as a put would) for a writer outside the store.
-
-        Raises:
-            CapacityError: fewer than ``n`` slots can be freed (the rest pinned or in flight).
-        """
-        with self._lock:
-            self._check_open()
-            if n > self._host.num_slots - self._reserved_host:  # hopeless: evict nothing
-                raise CapacityError(f"need {n} host slots, {self._host.num_slots} in the pool, "
-                                    f"{self._reserved_host} of them reserved")
-            if self._host.num_free < n:
-                self._evict_host(n - self._host.num_free)
-            if self._host.num_free < n:
-                raise CapacityError(f"need {n} host slots, {self._host.num_free} free of "
-                                    f"{self._host.num_slots} (the rest pinned or being read)")
-            self._reserved_host += n
-            return self._host.allocate(n)
+        """Take ``n`` free host slots for a writer outside the store (see leases.reserve_host)."""
+        return leases.reserve_host(self, n)
 
     def cancel_host(self, slots: Sequence[int]) -> None:
         """Give reserved slots back unpublished."""
-        with self._lock:
-            self._reserved_host -= len(slots)
-            self._host.release(slots)
+        leases.cancel_host(self, slots)
 
     def commit_host(self, keys: Sequence[bytes], slots: Sequence[int], *, tenant: str = "") -> None:
-        """Publish ``keys[i]`` as the bytes just written into reserved ``slots[i]``.
-
-        Same semantics as put: a key already in host RAM keeps its copy (the reserved slot is
-        freed); under write-through the new blocks reach disk before this returns.
-        """
-        keys = self._check_keys(keys)
-        if len(keys) != len(slots):
-            raise ValueError(f"{len(keys)} keys for {len(slots)} slots")
-        with self._lock:
-            self._check_open()
-            self._reserved_host -= len(slots)
-            now = time.time()
-            placed: list[BlockEntry] = []
-            for i, (key, slot) in enumerate(zip(keys, slots, strict=True)):
-                entry = self._index.get(key)
-                if entry is None:
-                    entry = BlockEntry(key, keys[i - 1] if i > 0 else None, tenant, now)
-                    self._index.add(entry)
-                self._note_use(entry)
-                if entry.host_slot is not None:
-                    self._host.release([slot])
-                    self._host_policy.access([key])
-                    continue
-                entry.host_slot = slot
-                placed.append(entry)
-            self._counters[HOST].bytes_written += len(placed) * self._payload
-            self._host_policy.insert([e.key for e in placed], [e.parent for e in placed])
-            if self.config.write_policy == "write_through":
-                on_host = [e for e in placed if e.disk_slot is None]
-                self._write_disk(on_host, [self._host.slot_view(e.host_slot) for e in on_host])  # type: ignore[arg-type]
+        """Publish ``keys[i]`` as the bytes written into reserved ``slots[i]`` (like put)."""
+        leases.commit_host(self, keys, slots, tenant=tenant)
 
     # ----------------------------------------------------------------------------- inspection
 
