@@ -185,12 +185,22 @@ class BlockHasher:
         key = self.root(tenant) if parent is None else parent
         keys: list[BlockKey] = []
         append = keys.append
-        if self.namespace.hash_algo == "sha256":
-            # Hot path, inlined: ~1 us per block. The context already holds BLOCK_TAG.
-            base = _SHA256_BLOCK_BASE
-            for i in range(num_blocks):
-                h = base.copy()
-                h.update(key + count + raw[i * stride : (i + 1) * stride] + tails[i])
+        if self.namespace.hash_algo == "sha256" and all(t is _NO_EXTRAS for t in tails):
+            # Hot path: every block's body (u32 count, tokens, u32 0) is built by one numpy
+            # copy, so the loop does a context copy, one update and a digest: ~1 us a block.
+            width = self.block_size + 2
+            bodies = np.empty((num_blocks, width), dtype="<u4")
+            bodies[:, 0] = self.block_size
+            bodies[:, 1:-1] = np.frombuffer(raw, dtype="<u4", count=num_blocks * self.block_size).reshape(
+                num_blocks, self.block_size
+            )
+            bodies[:, -1] = 0
+            flat = bodies.tobytes()
+            new_context = _SHA256_BLOCK_BASE.copy  # already holds BLOCK_TAG
+            size = 4 * width
+            for start in range(0, num_blocks * size, size):
+                h = new_context()
+                h.update(key + flat[start : start + size])
                 key = h.digest()
                 append(key)
         else:
