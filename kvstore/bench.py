@@ -253,9 +253,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                        "must not be tmpfs for O_DIRECT)")
     tiers.add_argument("--no-write", action="store_true", help="print only; leave docs/ untouched")
     tiers.set_defaults(func=run_tiers)
-    from kvstore.daemon.bench_daemon import register_target
-
-    register_target(targets)
     # Other packages add their own targets (engine, daemon) where they are installed.
     for module in BENCH_TARGET_MODULES:
         if importlib.util.find_spec(module.rsplit(".", 1)[0]) and importlib.util.find_spec(module):
