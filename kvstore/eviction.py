@@ -142,6 +142,7 @@ class ReusePolicy(EvictionPolicy):
         self._ghost: OrderedDict[Key, tuple[int, int]] = OrderedDict()  # evicted: (uses, stamp)
         self._clock = 0  # one tick per block touched
         self._high_water = 0  # the most blocks tracked at once: the tier's size once it filled
+        self._ghost_limit = int(ghost_factor * 64)  # ghost_factor x high water (at least 64)
         self._histogram = [0.0] * 256  # reuse intervals of reused blocks, decayed (see _observe)
         self._num_samples = 0
         self.horizon = 0  # protection horizon in block touches; 0 until min_samples are seen
@@ -150,7 +151,9 @@ class ReusePolicy(EvictionPolicy):
         self._touch(keys, parents)
         if keys and parents and parents[0] is not None:
             self._restamp_ancestors(parents[0], self._uses[keys[0]])
-        self._high_water = max(self._high_water, len(self._uses))
+        if len(self._uses) > self._high_water:
+            self._high_water = len(self._uses)
+            self._ghost_limit = int(self.ghost_factor * max(self._high_water, 64))
 
     def access(self, keys: Sequence[Key]) -> None:
         self._touch(keys, None)
@@ -172,7 +175,10 @@ class ReusePolicy(EvictionPolicy):
                     self._parents[key] = parents[i]
             if count >= 2:
                 self._observe(clock - stamp)
-            count = max(count + 1 if count < 255 else count, floor)  # a parent never below its child
+            if count < 255:
+                count += 1
+            if count < floor:  # a parent never sits below its child
+                count = floor
             floor = uses[key] = count
             (reused if count >= 2 else once)[key] = clock
         self._clock = clock
@@ -211,23 +217,34 @@ class ReusePolicy(EvictionPolicy):
         self._parents.pop(key, None)
 
     def pop_victim(self, can_evict: Callable[[Key], bool] | None = None) -> Key | None:
-        first_once = next((k for k in self._once if can_evict is None or can_evict(k)), None)
-        first_reused = next((k for k in self._reused if can_evict is None or can_evict(k)), None)
+        once, reused = self._once, self._reused
+        first_once = first_reused = None
+        if can_evict is None:
+            first_once, first_reused = next(iter(once), None), next(iter(reused), None)
+        else:  # hot path: plain loops, no generators
+            for key in once:
+                if can_evict(key):
+                    first_once = key
+                    break
+            for key in reused:
+                if can_evict(key):
+                    first_reused = key
+                    break
         if first_reused is None:
             if first_once is None:
                 return None
-            victim, queue = first_once, self._once
+            victim, queue = first_once, once
         elif first_once is None:
-            victim, queue = first_reused, self._reused
+            victim, queue = first_reused, reused
         else:
-            stamp = self._reused[first_reused]
-            if stamp < self._once[first_once] and self._clock - stamp > self.horizon:
-                victim, queue = first_reused, self._reused
+            stamp = reused[first_reused]
+            if stamp < once[first_once] and self._clock - stamp > self.horizon:
+                victim, queue = first_reused, reused
             else:
-                victim, queue = first_once, self._once
+                victim, queue = first_once, once
         self._ghost[victim] = (self._uses.pop(victim), queue.pop(victim))
         self._parents.pop(victim, None)
-        if len(self._ghost) > self.ghost_factor * max(self._high_water, 64):
+        if len(self._ghost) > self._ghost_limit:
             self._ghost.popitem(last=False)
         return victim
 
@@ -248,7 +265,7 @@ class ReusePolicy(EvictionPolicy):
 
 
 POLICIES: dict[str, Callable[[], EvictionPolicy]] = {"lru": LRUPolicy, "reuse": ReusePolicy}
-DEFAULT_POLICY = "lru"
+DEFAULT_POLICY = "reuse"
 
 
 def make_policy(name: str) -> EvictionPolicy:

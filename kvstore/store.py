@@ -114,17 +114,19 @@ class TieredStore:
             else:
                 refreshed.append(keys[i])
             self._note_use(self._index.entries[keys[i]])
-        if refreshed:
-            self._host_policy.access(refreshed)
-        if not fresh:
-            return
         entries = [self._index.entries[keys[i]] for i in fresh]
-        for entry in entries:  # in flight: making room must not evict what is being put
+        busy = entries + [self._index.entries[k] for k in refreshed]
+        for entry in busy:  # in flight: making room must not evict what is being put
             entry.readers += 1
         try:
-            self._store_fresh(entries, fresh, src)
+            if fresh:
+                self._store_fresh(entries, fresh, src)
+            # Touched after the fresh blocks were inserted: a found head must stay more
+            # recent than the new tail behind it, or LRU would cut the prefix at its head.
+            if refreshed:
+                self._host_policy.access(refreshed)
         finally:
-            for entry in entries:
+            for entry in busy:
                 entry.readers -= 1
 
     def _store_fresh(self, entries: list[BlockEntry], fresh: list[int], src: torch.Tensor) -> None:
@@ -571,6 +573,8 @@ class TieredStore:
                     f"block {entry.key.hex()}: disk slot and disk policy disagree"
                 )
             assert len(self._host_policy) == len(host_slots)
+            self._host_policy.check_integrity()
+            self._disk_policy.check_integrity()
             if self._reserved_host == 0:
                 self._host.check_integrity(host_slots)
             if self._disk is not None:

@@ -47,7 +47,7 @@ def test_get_names_first_missing_key(tmp_path: Path) -> None:
 
 
 def test_host_eviction_demotes_tails_first_to_disk(tmp_path: Path) -> None:
-    store = make_store(tmp_path, host_blocks=4, disk_blocks=8)
+    store = make_store(tmp_path, host_blocks=4, disk_blocks=8, host_policy="lru", disk_policy="lru")
     a = chain(store, 4, salt=1)
     b = chain(store, 2, salt=2)
     store.put(a, blocks_for(a))
@@ -76,6 +76,17 @@ def test_host_eviction_demotes_tails_first_to_disk(tmp_path: Path) -> None:
             assert_exact(store, keys[:found])
     store.check_integrity()
     store.close()
+
+
+def test_a_found_head_outlives_the_new_tail_put_after_it(tmp_path: Path) -> None:
+    store = make_store(tmp_path, host_blocks=3, host_policy="lru")
+    keys = chain(store, 3)
+    store.put(keys[:1], blocks_for(keys[:1]))
+    store.put(keys[:2], blocks_for(keys[:2]))  # head found and refreshed, one new tail
+    other = chain(store, 2, salt=5)
+    store.put(other, blocks_for(other))  # needs one slot: the tail goes, not the head
+    assert store.lookup(keys).tiers == ("host",)
+    store.check_integrity()
 
 
 def test_capacity_is_a_hard_limit_with_puts_larger_than_host(tmp_path: Path) -> None:

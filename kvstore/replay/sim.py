@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from kvstore.eviction import EvictionPolicy
+from kvstore.eviction import EvictionPolicy, Key
 from kvstore.replay.belady import BeladyPolicy, FutureIndex
 from kvstore.replay.trace import Trace
 
@@ -66,6 +66,13 @@ def policy_factory(name: str, trace: Trace, top_capacity: int) -> tuple[Callable
     return (lambda: make_policy(name)), None
 
 
+def _not_in(keys: frozenset[Key]) -> Callable[[Key], bool]:
+    def can_evict(key: Key) -> bool:
+        return key not in keys
+
+    return can_evict
+
+
 def replay(trace: Trace, tiers: Sequence[TierSpec], policy: str,
            progress: Callable[[int], None] | None = None) -> ReplayResult:
     """Replay ``trace`` through ``tiers`` (top first), one ``policy`` instance per tier."""
@@ -75,32 +82,39 @@ def replay(trace: Trace, tiers: Sequence[TierSpec], policy: str,
     caps = [t.capacity_blocks for t in tiers]
     sizes = [0] * len(tiers)
     num_tiers = len(tiers)
-    where: dict[bytes, int] = {}  # key -> bit mask of the tiers holding it (bit 0 = top)
-    parents = trace.parents
+    where: dict[Key, int] = {}  # key -> bit mask of the tiers holding it (bit 0 = top)
+    parents: dict[Key, Key | None] = trace.parents  # type: ignore[assignment]
     hits_by_tier = [0] * num_tiers
     reads = [0] * num_tiers
     writes = [0] * num_tiers
     dropped = hits = 0
 
-    def evict(tier: int, can_evict: Callable[[bytes], bool] | None) -> None:
+    def make_room(tier: int, count: int, can_evict: Callable[[Key], bool] | None) -> None:
+        # Victims come tail first; the next tier gets them as one batch in chain order.
         nonlocal dropped
-        victim = policies[tier].pop_victim(can_evict)
-        assert victim is not None, f"tier {tiers[tier].name}: nothing evictable at {sizes[tier]} blocks"
-        sizes[tier] -= 1
-        mask = where[victim] & ~(1 << tier)
+        victims = [policies[tier].pop_victim(can_evict) for _ in range(count)]
+        assert None not in victims, f"tier {tiers[tier].name}: nothing evictable at {sizes[tier]} blocks"
+        sizes[tier] -= count
         below = tier + 1
-        if below < num_tiers and not mask >> below & 1:  # demote; the tier below keeps a copy
-            if sizes[below] >= caps[below]:
-                evict(below, None)
-            policies[below].insert([victim], [parents.get(victim)])
-            sizes[below] += 1
-            writes[below] += 1
-            mask |= 1 << below
-        if mask:
-            where[victim] = mask
-        else:
-            del where[victim]
-            dropped += 1
+        demoted: list[Key] = []
+        for victim in victims:
+            mask = where[victim] & ~(1 << tier)
+            if below < num_tiers and not mask >> below & 1 and len(demoted) < caps[below]:
+                demoted.append(victim)  # the tier below keeps a copy
+                mask |= 1 << below
+            if mask:
+                where[victim] = mask
+            else:
+                del where[victim]
+                dropped += 1
+        if demoted:
+            overflow = sizes[below] + len(demoted) - caps[below]
+            if overflow > 0:
+                make_room(below, overflow, None)
+            demoted.reverse()
+            policies[below].insert(demoted, [parents.get(v) for v in demoted])
+            sizes[below] += len(demoted)
+            writes[below] += len(demoted)
 
     top, top_cap = policies[0], caps[0]
     for request, chain in enumerate(trace.chains):
@@ -116,7 +130,7 @@ def replay(trace: Trace, tiers: Sequence[TierSpec], policy: str,
             found += 1
         hits += found
         if num_tiers > 1:  # fetch lower-tier hits: one access per tier, in chain order
-            fetched: dict[int, list[bytes]] = {}
+            fetched: dict[int, list[Key]] = {}
             for i in range(found):
                 if not masks[i] & 1:
                     tier = (masks[i] & -masks[i]).bit_length() - 1
@@ -127,10 +141,8 @@ def replay(trace: Trace, tiers: Sequence[TierSpec], policy: str,
         in_top = [m & 1 for m in masks]
         need = n - sum(in_top)
         if sizes[0] + need > top_cap:
-            current = set(keys)
-            can_evict = current.__contains__
-            while sizes[0] + need > top_cap:
-                evict(0, lambda k: not can_evict(k))
+            # this request's blocks are in use: never victims
+            make_room(0, sizes[0] + need - top_cap, _not_in(frozenset(keys)))
         end = n
         while end > 0:  # segments of the chain, tail first
             start, held = end - 1, in_top[end - 1]

@@ -35,7 +35,6 @@ class Trace:
     path: str
     chains: list[list[bytes]]
     parents: dict[bytes, bytes | None] = field(repr=False)
-    input_tokens: list[int] = field(repr=False)
 
     @property
     def num_requests(self) -> int:
@@ -70,11 +69,8 @@ def parse_request(line: str, where: str) -> tuple[list[int], int | None]:
     return ids, length
 
 
-def load_trace(path: str | Path, block_tokens: int = 512, hasher: BlockHasher | None = None) -> Trace:
-    """Read and validate a trace, then compute every request's key chain.
-
-    Blank lines are skipped. A request without ``input_length`` counts ``block_tokens`` tokens
-    per block.
+def load_trace(path: str | Path, hasher: BlockHasher | None = None) -> Trace:
+    """Read and validate a trace, then compute every request's key chain. Blank lines are skipped.
 
     Raises:
         ReplayError: the file cannot be read, a line is not valid JSON, a field is missing or
@@ -90,16 +86,14 @@ def load_trace(path: str | Path, block_tokens: int = 512, hasher: BlockHasher | 
     chains: list[list[bytes]] = []
     parents: dict[bytes, bytes | None] = {}
     canonical: dict[bytes, bytes] = {}  # one bytes object per key: dict lookups hit identity
-    input_tokens: list[int] = []
     for lineno, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
-        ids, length = parse_request(line, f"{path} line {lineno}")
+        ids, _ = parse_request(line, f"{path} line {lineno}")
         chain = [canonical.setdefault(k, k) for k in hasher.block_keys(ids)]
         for parent, key in zip([None, *chain], chain, strict=False):
             parents.setdefault(key, parent)
         chains.append(chain)
-        input_tokens.append(length if length is not None else len(ids) * block_tokens)
     if not chains:
         raise ReplayError(f"trace {path} holds no requests")
-    return Trace(str(path), chains, parents, input_tokens)
+    return Trace(str(path), chains, parents)
