@@ -109,27 +109,42 @@ def bench_disk(num_blocks: int, repeat: int, workdir: Path) -> tuple[list[Row], 
     # write-through: put returns after the payloads are written, synced and cataloged
     write_s = best_of(lambda: store.put(next(it), blocks), repeat)
     direct = "O_DIRECT" if store._disk is not None and store._disk.direct_io else "buffered+fadvise"
-    # dd must read the very extents that hold the blocks (unwritten extents read as zeros, free)
-    slots = sorted(store._index.entries[k].disk_slot for k in chains[0])  # type: ignore[type-var]
-    first_slot = slots[0]
+    # dd reads the very extents that hold each chain (unwritten extents would read as free zeros)
+    extents = []
+    for keys in chains[:repeat]:
+        slots = sorted(int(store._index.entries[k].disk_slot or 0) for k in keys)
+        extents.append((slots[0], slots[-1] - slots[0] + 1))
     store.close()
     slabs = sorted(p for p in disk_dir.rglob("*") if p.is_file() and p.stat().st_size >= num_blocks * payload)
     slab = max(slabs, key=lambda p: p.stat().st_size)
     out = torch.empty_like(blocks)
 
-    reads = []
-    for _ in range(repeat):  # a fresh store each time: nothing of the slab is in host RAM
-        reopened = TieredStore(cfg)
+    def ours(r: int) -> float:
+        reopened = TieredStore(cfg)  # a fresh store: nothing of the slab is in host RAM
         _drop_cache(slab)
         t0 = time.perf_counter()
-        reopened.get(chains[0], out=out)
-        reads.append(time.perf_counter() - t0)
+        reopened.get(chains[r], out=out)
+        elapsed = time.perf_counter() - t0
         reopened.close()
-    read_s = min(reads)
-    assert torch.equal(out, blocks), "disk tier returned other bytes"
-    slot_bytes = cfg.slot_bytes
-    dd_read = min(_dd_seconds([f"if={slab}", "of=/dev/null", f"bs={slot_bytes}", f"skip={first_slot}",
-                               f"count={slots[-1] - first_slot + 1}", "iflag=direct"]) for _ in range(repeat))
+        assert torch.equal(out, blocks), "disk tier returned other bytes"
+        return elapsed
+
+    def dd(r: int) -> float:
+        first, count = extents[r]
+        return _dd_seconds([f"if={slab}", "of=/dev/null", f"bs={cfg.slot_bytes}", f"skip={first}",
+                            f"count={count}", "iflag=direct"])
+
+    # Interleaved, each repetition on its own chain, taking turns at going first: a virtual
+    # disk's host-side cache warmed by one reader must not favour only the other.
+    reads, dd_reads = [], []
+    for r in range(repeat):
+        if r % 2:
+            dd_reads.append(dd(r))
+            reads.append(ours(r))
+        else:
+            reads.append(ours(r))
+            dd_reads.append(dd(r))
+    read_s, dd_read = min(reads), min(dd_reads)
     target = workdir / "dd-write"
     dd_write = min(_dd_seconds(["if=/dev/zero", f"of={target}", f"bs={payload}", f"count={num_blocks}",
                                 "oflag=direct", "conv=fdatasync"]) for _ in range(repeat))
@@ -153,8 +168,11 @@ def vllm_style_keys(tokens: list[int], block_size: int) -> list[bytes]:
 def bench_keys(num_tokens: int, repeat: int) -> list[Row]:
     store = TieredStore(StoreConfig(layout=BENCH_LAYOUT, model_id="bench", host_bytes=1 << 22))
     tokens = np.random.default_rng(0).integers(0, 128_000, num_tokens).tolist()
-    ours = best_of(lambda: store.block_keys(tokens, tenant="acme"), repeat)
-    base = best_of(lambda: vllm_style_keys(tokens, BENCH_LAYOUT.block_size), repeat)
+    # milliseconds each: many interleaved repetitions make the best of each a fair floor
+    ours, base = float("inf"), float("inf")
+    for _ in range(6 * repeat):
+        ours = min(ours, best_of(lambda: store.block_keys(tokens, tenant="acme"), 1))
+        base = min(base, best_of(lambda: vllm_style_keys(tokens, BENCH_LAYOUT.block_size), 1))
     keys = store.block_keys(tokens)[:1000]
     store.put(keys[:1], torch.zeros((1, *BENCH_LAYOUT.block_shape), dtype=BENCH_LAYOUT.dtype))
     lookup = best_of(lambda: store.lookup(keys), repeat)
