@@ -29,8 +29,10 @@ class EngineConfig:
         disk_path, disk_bytes: the store's disk tier (None: none).
         fetch_policy: "auto" (fetch a lower-tier run when its estimated fetch time beats its
             estimated recompute time), "always", or "never" (recompute whatever is not on device).
-        store: a TieredStore-like object to use instead of an embedded one, or a
-            "unix://..." address of a kvstore daemon; None builds one from host/disk settings.
+        store: a TieredStore-like object to use instead of an embedded one, or the address of a
+            kvstore daemon ("unix:///path/kvstore.sock" or "tcp://host:port"), whose host and
+            disk tiers then serve as this engine's; None builds one from host/disk settings.
+        store_token: the daemon token (None: KVSTORE_TOKEN); it decides the daemon-side tenant.
         block_size: tokens per KV block.
         max_num_batched_tokens: the per-step token budget (decode tokens + prefill chunks).
         max_num_seqs: most sequences running at once.
@@ -50,6 +52,7 @@ class EngineConfig:
     disk_bytes: int = 0
     fetch_policy: str = "auto"
     store: Any = None
+    store_token: str | None = None
     block_size: int = 16
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 64
@@ -82,5 +85,9 @@ class EngineConfig:
             raise ConfigError(f"max_model_len must be a positive int or None, got {self.max_model_len!r}")
         if self.random_model is not None and self.model is not None:
             raise ConfigError("random_model overrides apply only to model=None")
+        if self.store_token is not None and not isinstance(self.store, str):
+            raise ConfigError("store_token applies only to a daemon address in store=")
+        if isinstance(self.store, str) and not self.store.startswith(("unix://", "tcp://")):
+            raise ConfigError(f"store must be a daemon address unix:///path or tcp://host:port, got {self.store!r}")
         if self.store is not None and (self.host_bytes and self.disk_path is not None):
             raise ConfigError("pass either store= or host_bytes/disk_path for an embedded store, not both")

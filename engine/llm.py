@@ -19,6 +19,7 @@ from engine.config import EngineConfig
 from engine.fetcher import Fetcher
 from engine.loader import load_checkpoint, random_checkpoint
 from engine.model import LlamaModel
+from engine.remote import DaemonStore
 from engine.runner import ModelRunner
 from engine.sampling import SamplingParams
 from engine.scheduler import Scheduler
@@ -79,13 +80,7 @@ class LLMEngine:
     def _open_store(self) -> tuple[Any, bool]:
         c = self.config
         if isinstance(c.store, str):
-            import kvstore
-
-            connect = getattr(kvstore, "connect", None)
-            if connect is None:
-                raise NotImplementedError(f"store={c.store!r} needs the kvstore daemon client (kvstore.connect), "
-                                          "which the daemon issue adds; pass a TieredStore or None for now")
-            store = connect(c.store)
+            store: Any = DaemonStore(c.store, c.store_token, self.layout, self.model_id)
             owned = True
         elif c.store is not None:
             store, owned = c.store, False

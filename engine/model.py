@@ -9,12 +9,13 @@ new K/V into the pool (``kernels.store_kv``), then attends over the pool by bloc
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 import kernels
+from engine.attention import StepPlan, row_view
 from engine.loader import CheckpointError, ModelConfig
 
 
@@ -29,6 +30,8 @@ class AttentionBatch:
         prefill_block_tables, prefill_seq_lens, cu_seqlens_q: the prefill sequences' tables,
             total lengths and row offsets (relative to the first prefill row).
         max_query_len: the longest prefill chunk.
+        plan: on the torch path, the step's row ids and masks (engine/attention.py); None: the
+            layers call kernels/ with the tensors above.
     """
 
     slot_mapping: torch.Tensor
@@ -39,6 +42,7 @@ class AttentionBatch:
     prefill_seq_lens: torch.Tensor
     cu_seqlens_q: torch.Tensor
     max_query_len: int
+    plan: StepPlan | None = field(default=None)
 
 
 def _rope_inv_freq(c: ModelConfig) -> torch.Tensor:
@@ -63,6 +67,8 @@ def _rope_inv_freq(c: ModelConfig) -> torch.Tensor:
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.dtype == torch.float32:  # one fused op; the same math as below
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
@@ -127,6 +133,14 @@ class LlamaModel:
         self.q_size, self.kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         self._inv_freq = _rope_inv_freq(c).to(device)
         self._cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._rows: tuple[int, list[tuple[torch.Tensor, torch.Tensor]]] | None = None
+
+    def _row_views(self, kv_pool: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``layer``'s K and V as one row per token slot (built once per pool)."""
+        if self._rows is None or self._rows[0] != kv_pool.data_ptr():
+            views = [(row_view(kv_pool[:, i, 0]), row_view(kv_pool[:, i, 1])) for i in range(kv_pool.shape[1])]
+            self._rows = (kv_pool.data_ptr(), views)
+        return self._rows[1][layer]
 
     def _rope_tables(self, max_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin ``[positions, head_dim]`` in the model dtype, grown on demand."""
@@ -151,28 +165,37 @@ class LlamaModel:
         cos_t, sin_t = self._rope_tables(max_position + 1)
         cos, sin = cos_t[positions][:, None, :], sin_t[positions][:, None, :]
         x = self.embed[input_ids]
-        d = batch.num_decode
         for i, layer in enumerate(self.layers):
-            k_cache, v_cache = kv_pool[:, i, 0], kv_pool[:, i, 1]
             h = _rms_norm(x, layer.input_norm, c.rms_norm_eps)
             qkv = F.linear(h, layer.qkv, layer.qkv_bias)
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = _rotate(q.view(n, c.num_heads, c.head_dim), cos, sin)
             k = _rotate(k.view(n, c.num_kv_heads, c.head_dim), cos, sin)
-            kernels.store_kv(k, v.view(n, c.num_kv_heads, c.head_dim), k_cache, v_cache, batch.slot_mapping)
-            out = torch.empty_like(q)
-            if d:
-                kernels.paged_decode_attention(q[:d], k_cache, v_cache, batch.decode_block_tables,
-                                               batch.decode_seq_lens, self.scale, out=out[:d])
-            if d < n:
-                kernels.paged_prefill_attention(q[d:], k_cache, v_cache, batch.prefill_block_tables,
-                                                batch.prefill_seq_lens, batch.cu_seqlens_q, self.scale,
-                                                out=out[d:], max_query_len=batch.max_query_len)
+            v = v.view(n, c.num_kv_heads, c.head_dim)
+            if batch.plan is not None:
+                out = batch.plan.attend(q, k, v, *self._row_views(kv_pool, i), self.scale)
+            else:
+                out = self._kernel_attention(q, k, v, kv_pool[:, i, 0], kv_pool[:, i, 1], batch)
             x = x + F.linear(out.view(n, self.q_size), layer.o, layer.o_bias)
             h = _rms_norm(x, layer.post_norm, c.rms_norm_eps)
             gate, up = F.linear(h, layer.gate_up, layer.gate_up_bias).chunk(2, dim=-1)
             x = x + F.linear(F.silu(gate) * up, layer.down, layer.down_bias)
         return _rms_norm(x, self.norm, c.rms_norm_eps)
+
+    def _kernel_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                          v_cache: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
+        """The new rows into the pool, then attention, through kernels/ (Triton on CUDA)."""
+        kernels.store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
+        out = torch.empty_like(q)
+        d, n = batch.num_decode, q.shape[0]
+        if d:
+            kernels.paged_decode_attention(q[:d], k_cache, v_cache, batch.decode_block_tables,
+                                           batch.decode_seq_lens, self.scale, out=out[:d])
+        if d < n:
+            kernels.paged_prefill_attention(q[d:], k_cache, v_cache, batch.prefill_block_tables,
+                                            batch.prefill_seq_lens, batch.cu_seqlens_q, self.scale,
+                                            out=out[d:], max_query_len=batch.max_query_len)
+        return out
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.attention import StepPlan, use_torch_path
 from engine.model import AttentionBatch, LlamaModel
 from engine.sampling import sample
 from engine.scheduler import Scheduled
@@ -28,6 +29,8 @@ class ModelRunner:
         self.kv_pool = kv_pool
         self.block_size = block_size
         self.device = kv_pool.device
+        # a layer's K view strides blocks by kv_pool.stride(0) and token rows by stride(3)
+        self.rows_per_block = kv_pool.stride(0) // kv_pool.stride(3)
 
     def prepare(self, items: list[Scheduled]) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch, int]:
         bs = self.block_size
@@ -62,6 +65,11 @@ class ModelRunner:
             cu_seqlens_q=torch.tensor(cu, dtype=torch.int32).to(dev),
             max_query_len=max((it.num_tokens for it in prefills), default=0),
         )
+        if use_torch_path(dev):
+            batch.plan = StepPlan(batch.slot_mapping, [it.seq.block_table for it in decodes],
+                                  [it.start + 1 for it in decodes],
+                                  [(it.seq.block_table, it.start + it.num_tokens, it.num_tokens) for it in prefills],
+                                  bs, self.rows_per_block, dev)
         max_pos = int(positions.max())
         return torch.tensor(ids, dtype=torch.long).to(dev), positions.to(dev), batch, max_pos
 

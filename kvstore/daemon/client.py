@@ -88,7 +88,7 @@ class StoreClient:
         self._payload = layout.bytes_per_block
         self._lock = threading.Lock()
         self._next_id = 0
-        self._pending = 0  # replies to _post() requests not read yet
+        self._posted: set[int] = set()  # ids of _post() requests whose replies are not read yet
         self._max_frame = DEFAULT_MAX_FRAME
         self._pool: torch.Tensor | None = None
         self._executor: ThreadPoolExecutor | None = None
@@ -124,13 +124,12 @@ class StoreClient:
     def _call(self, meta: dict[str, Any], data: Any = b"", into: memoryview | None = None) -> tuple[dict[str, Any], bytes]:
         """One request and its response; the response's data goes to ``into`` when given."""
         with self._lock:
-            self._drain_pending()
             self._next_id += 1
             meta["id"] = self._next_id
             self._sock.sendall(encode(meta, len(data)))
             if len(data):
                 self._sock.sendall(data)
-            reply, data_len = recv_meta(self._sock, self._max_frame)
+            reply, data_len = self._recv_reply(self._next_id)
             if into is not None and data_len <= len(into):
                 recv_into_view(self._sock, into[:data_len])
                 body = b""
@@ -142,17 +141,22 @@ class StoreClient:
         return reply, body
 
     def _post(self, meta: dict[str, Any]) -> None:
-        """Send a request whose reply is read (and dropped) before the next call's."""
+        """Send a request whose reply is read (and dropped) when it arrives before a later one's."""
         with self._lock:
             self._next_id += 1
             meta["id"] = self._next_id
             self._sock.sendall(encode(meta))
-            self._pending += 1
+            self._posted.add(self._next_id)
 
-    def _drain_pending(self) -> None:
-        while self._pending:
-            self._pending -= 1
-            _reply, data_len = recv_meta(self._sock, self._max_frame)
+    def _recv_reply(self, request_id: int) -> tuple[dict[str, Any], int]:
+        """Read replies until ``request_id``'s. The daemon runs a connection's requests
+        concurrently, so a posted request's reply may come before or after a later one's."""
+        while True:
+            reply, data_len = recv_meta(self._sock, self._max_frame)
+            reply_id = reply.get("id")
+            if reply_id == request_id or reply_id not in self._posted:
+                return reply, data_len
+            self._posted.discard(reply_id)
             if data_len:
                 recv_exact(self._sock, data_len)
 

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 
-import kvstore
 from engine import CheckpointError, LLMEngine, SamplingParams
 from kvstore.errors import ConfigError
 from tests.engine.conftest import GREEDY, make_engine
@@ -105,9 +104,12 @@ def test_bad_engine_settings(llama_dir: Path) -> None:
         make_engine(llama_dir, kv_cache_bytes=100)
     with pytest.raises(ConfigError, match="dtype"):
         make_engine(llama_dir, dtype="float32")
-    if not hasattr(kvstore, "connect"):
-        with pytest.raises(NotImplementedError, match="daemon"):
-            make_engine(llama_dir, store="unix:///tmp/kvstore.sock", host_bytes=0)
+    with pytest.raises(ConfigError, match="daemon address"):
+        make_engine(llama_dir, store="redis://localhost", host_bytes=0)
+    with pytest.raises(ConfigError, match="store_token"):
+        make_engine(llama_dir, store_token="s3cret")
+    with pytest.raises(OSError):  # nothing listens there
+        make_engine(llama_dir, store="unix:///nonexistent/kvstore.sock", host_bytes=0)
 
 
 def test_random_model_runs_without_a_checkpoint() -> None:
