@@ -8,8 +8,9 @@ from collections.abc import Sequence
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from kvstore import bench, demo, replay
+    from kvstore import bench, demo
     from kvstore.daemon import cli as daemon_cli
+    from kvstore.replay import command as replay
 
     parser = argparse.ArgumentParser(
         prog="kvstore",

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_testing import DEVICE, assert_same_bits
 
 from kernels import reference
 from kernels.block_copy import _word_size, gather_blocks, scatter_blocks
+
+from kernel_testing import DEVICE, assert_same_bits
 
 # Block shapes whose byte sizes are multiples of 8, of 2 only (3 fp16 elements), and of 4.
 SHAPES = [

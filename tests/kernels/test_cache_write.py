@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_testing import DEVICE, assert_same_bits, make_paged_kv, random_queries
 
 from kernels import reference
 from kernels.cache_write import store_kv
+
+from kernel_testing import DEVICE, assert_same_bits, make_paged_kv, random_queries
 
 
 @pytest.mark.parametrize(

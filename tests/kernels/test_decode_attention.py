@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_testing import BF16_NEEDS_GPU, DEVICE, assert_close, make_paged_kv, poisoned_like, random_queries
 
 from kernels import reference
 from kernels.decode_attention import _should_split, paged_decode_attention
+
+from kernel_testing import BF16_NEEDS_GPU, DEVICE, assert_close, make_paged_kv, poisoned_like, random_queries
 
 LENS = [1, 17, 64, 100, 5]  # one token, odd lengths, an exact multiple of every block size
 

@@ -12,10 +12,11 @@ from typing import Any
 
 import pytest
 import torch
-from kernel_testing import DEVICE, assert_close, cu_seqlens, make_paged_kv, random_queries
 
 import kernels
 from kernels import block_copy, cache_write, decode_attention, prefill_attention, reference
+
+from kernel_testing import DEVICE, assert_close, cu_seqlens, make_paged_kv, random_queries
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -6,9 +6,10 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from kernel_testing import DEVICE, cu_seqlens, make_paged_kv, random_queries
 
 from kernels import block_copy, cache_write, decode_attention, prefill_attention, reference
+
+from kernel_testing import DEVICE, cu_seqlens, make_paged_kv, random_queries
 
 ON_CPU = pytest.mark.skipif(DEVICE.type != "cpu", reason="range checks run on CPU tensors only")
 

@@ -6,6 +6,10 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+from kernels import reference
+from kernels.prefill_attention import paged_prefill_attention
+
 from kernel_testing import (
     BF16_NEEDS_GPU,
     DEVICE,
@@ -15,9 +19,6 @@ from kernel_testing import (
     poisoned_like,
     random_queries,
 )
-
-from kernels import reference
-from kernels.prefill_attention import paged_prefill_attention
 
 # (new rows, cached prefix) per sequence: a lone token with and without a prefix, a sequence
 # with no new rows, prefixes that end mid-block, and one spanning two 32-row query tiles.

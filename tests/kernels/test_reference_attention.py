@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+
+from kernels import reference
+
 from kernel_testing import (
     DEVICE,
     assert_close,
@@ -14,8 +17,6 @@ from kernel_testing import (
     poisoned_like,
     random_queries,
 )
-
-from kernels import reference
 
 
 @pytest.mark.parametrize(("group", "block_size", "dtype"), [(1, 16, torch.float32), (4, 32, torch.float16), (8, 16, torch.float32)])
