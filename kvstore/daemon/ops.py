@@ -7,8 +7,11 @@ ProtocolError with a code; the server turns it into an error frame.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import mmap
 import os
+import threading
 import warnings
 from collections import Counter
 from collections.abc import Callable
@@ -30,6 +33,21 @@ log = logging.getLogger("kvstore.daemon")
 warnings.filterwarnings("ignore", message="The given buffer is not writable")
 
 Reply = tuple[dict[str, Any], Any]
+
+
+@dataclass
+class ReservedPut:
+    """A socket put whose blocks the connection receives straight into reserved host slots.
+
+    ``views`` are the slots' payloads in block order, one view per run of adjacent slots
+    when a slot holds exactly one payload; ``op_put`` then only publishes the slots.
+    """
+
+    state: NamespaceState
+    keys: list[bytes]  # scoped to the tenant
+    slots: list[int]
+    views: list[memoryview]
+    num_bytes: int
 
 
 @dataclass
@@ -61,15 +79,17 @@ class Ops:
     leases: Leases
     requests: Counter[str] = field(default_factory=Counter)
     errors: Counter[str] = field(default_factory=Counter)
+    _pools: dict[str, memoryview] = field(default_factory=dict)  # namespace id -> its host pool, mapped
+    _pools_lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def handle(self, session: Session, meta: dict[str, Any], data: bytes) -> Reply:
+    def handle(self, session: Session, meta: dict[str, Any], data: bytes | bytearray | ReservedPut) -> Reply:
         """Run one request; returns (meta, data) of the response or of an error frame."""
         rid = meta.get("id")
         op = meta.get("op")
         try:
             if not isinstance(op, str):
                 raise ProtocolError(Code.BAD_REQUEST, "field 'op' must be a string")
-            handler: Callable[[Session, dict[str, Any], bytes], Reply] | None = getattr(self, f"op_{op}", None)
+            handler: Callable[[Session, dict[str, Any], Any], Reply] | None = getattr(self, f"op_{op}", None)
             if handler is None:
                 raise ProtocolError(Code.UNKNOWN_OP, f"unknown op {op[:40]!r}")
             if op == "hello" and session.principal is not None:
@@ -179,7 +199,66 @@ class Ops:
         state.count(tenant, requests=1, get_blocks=n, bytes_out=size)
         return {"num_blocks": n, "tiers": "".join(t[0] for t in result.tiers)}, out.view(torch.uint8).numpy().data.cast("B")[:size]
 
-    def op_put(self, session: Session, meta: dict[str, Any], data: bytes) -> Reply:
+    def reserve_put(self, session: Session, meta: dict[str, Any], data_len: int) -> ReservedPut | None:
+        """Host slots to receive a put's blocks in, before its data is read; or None: the
+        data then goes to a buffer and ``store.put`` (which also reports any error).
+
+        Only a put of blocks the store holds nowhere (the common case: an engine stores what
+        it just computed) takes this path, so it has ``put``'s semantics exactly: a held key
+        is only refreshed, and a put bigger than half the host tier, or one that finds no
+        free host slot, is stored by ``put`` (in chunks, overflowing to disk). It needs the
+        host pool mapped in this process too: a shared pool (the daemon's default).
+        """
+        state, principal = session.state, session.principal
+        if state is None or principal is None or meta.get("op") != "put":
+            return None
+        try:
+            keys = self._keys(session, meta)[2]
+            pool = state.store.shared_pool
+            n, payload = len(keys), state.layout.bytes_per_block
+            if (pool is None or n == 0 or data_len != n * payload or n > pool[2] // 2
+                    or any(state.store.contains(keys))):
+                return None
+            mapped = self._mapped_pool(state.id, pool)
+            slots = state.store.reserve_host(n)
+        except (ProtocolError, KVStoreError, OSError, ValueError):
+            return None
+        slot_bytes = pool[1]
+        views = []
+        for start, count in _runs(slots):
+            if slot_bytes == payload:
+                views.append(mapped[start * slot_bytes : (start + count) * slot_bytes])
+            else:
+                views += [mapped[s * slot_bytes : s * slot_bytes + payload] for s in range(start, start + count)]
+        return ReservedPut(state, keys, slots, views, data_len)
+
+    def cancel_put(self, reserved: ReservedPut) -> None:
+        """Give a reserved put's slots back (its connection closed before the data came)."""
+        with contextlib.suppress(KVStoreError):
+            reserved.state.store.cancel_host(reserved.slots)
+
+    def _mapped_pool(self, namespace: str, pool: tuple[str, int, int]) -> memoryview:
+        with self._pools_lock:
+            if namespace not in self._pools:
+                fd = os.open(pool[0], os.O_RDWR)
+                try:
+                    size = pool[1] * pool[2]
+                    self._pools[namespace] = memoryview(mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _POPULATE))
+                finally:
+                    os.close(fd)
+            return self._pools[namespace]
+
+    def op_put(self, session: Session, meta: dict[str, Any], data: bytes | bytearray | ReservedPut) -> Reply:
+        if isinstance(data, ReservedPut):
+            store, principal = data.state.store, session.principal
+            assert principal is not None
+            try:
+                store.commit_host(data.keys, data.slots, tenant=principal.tenant)
+            except BaseException:
+                store.cancel_host(data.slots)
+                raise
+            data.state.count(principal.tenant, requests=1, put_blocks=len(data.keys), bytes_in=data.num_bytes)
+            return {"num_blocks": len(data.keys)}, b""
         state, tenant, keys = self._keys(session, meta)
         layout = state.layout
         if len(data) != len(keys) * layout.bytes_per_block:
@@ -242,3 +321,17 @@ class Ops:
         assert state is not None and principal is not None
         return {"namespace": state.id, "tiers": state.store.stats(),
                 "tenant": dict(state.counters[principal.tenant])}, b""
+
+
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+
+
+def _runs(slots: list[int]) -> list[tuple[int, int]]:
+    """``(first slot, count)`` of each run of consecutive slot ids, in order."""
+    runs: list[tuple[int, int]] = []
+    for slot in slots:
+        if runs and slot == runs[-1][0] + runs[-1][1]:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((slot, 1))
+    return runs

@@ -10,7 +10,6 @@ here ever unpickles.
 
 from __future__ import annotations
 
-import asyncio
 import enum
 import socket
 import struct
@@ -85,7 +84,7 @@ def check_lengths(meta_len: int, data_len: int, max_frame: int) -> None:
         raise ProtocolError(Code.TOO_LARGE, f"frame of {meta_len} + {data_len} bytes exceeds the cap of {max_frame}")
 
 
-def decode(payload: bytes, max_frame: int) -> dict[str, Any]:
+def decode(payload: bytes | bytearray, max_frame: int) -> dict[str, Any]:
     """Decode one body; ProtocolError(BAD_FRAME) unless it is a msgpack map with str keys."""
     try:
         body = msgpack.unpackb(
@@ -97,27 +96,6 @@ def decode(payload: bytes, max_frame: int) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise ProtocolError(Code.BAD_FRAME, f"a frame must hold a map, got {type(body).__name__}")
     return body
-
-
-async def read_frame(reader: asyncio.StreamReader, max_frame: int) -> tuple[dict[str, Any], bytes] | None:
-    """The next frame's (meta, data); None at a clean end of stream.
-
-    Raises:
-        ProtocolError: TOO_LARGE before the body is read; BAD_FRAME for bad meta (the data
-            has then been consumed, so the stream stays in step).
-        asyncio.IncompleteReadError: the stream ended inside a frame.
-    """
-    try:
-        header = await reader.readexactly(HEADER.size)
-    except asyncio.IncompleteReadError as exc:
-        if not exc.partial:
-            return None
-        raise
-    meta_len, data_len = HEADER.unpack(header)
-    check_lengths(meta_len, data_len, max_frame)
-    meta = await reader.readexactly(meta_len)
-    data = await reader.readexactly(data_len) if data_len else b""
-    return decode(meta, max_frame), data
 
 
 def error_body(request_id: Any, code: Code, message: str) -> dict[str, Any]:

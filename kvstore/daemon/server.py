@@ -5,10 +5,9 @@ every second (expire leases; check integrity when idle) -> SIGTERM/SIGINT: stop 
 finish in-flight requests (up to ``drain_s``), close the stores, exit 0; a second signal
 exits at once. Store calls run on a worker pool; the event loop only frames bytes.
 
-Back-pressure: a connection reads its next frame only while it has fewer than
-``max_inflight`` requests in flight, and a response waits for the socket to drain before
-its slot frees; so one connection holds at most ``max_inflight`` requests and responses,
-each at most ``max_frame`` bytes, however slowly its client reads.
+Connections (framing, back-pressure, receiving a put's blocks straight into host slots) are
+``kvstore.daemon.connection.Connection``: one connection holds at most ``max_inflight``
+requests and responses, each at most ``max_frame`` bytes, however slowly its client reads.
 """
 
 from __future__ import annotations
@@ -28,15 +27,13 @@ from pathlib import Path
 from typing import Any
 
 from kvstore.daemon.config import DaemonConfig, parse_hostport
+from kvstore.daemon.connection import Connection
 from kvstore.daemon.ops import Ops, Session
-from kvstore.daemon.protocol import HEADER, Code, ProtocolError, encode, read_frame
 from kvstore.daemon.registry import Registry, Tokens
 from kvstore.daemon.shm import Leases
 
 log = logging.getLogger("kvstore.daemon")
 INTEGRITY_EVERY_S = 60.0
-STREAM_LIMIT = 4 << 20  # a connection buffers at most 2x this of unread input before pausing
-SOCKET_BUFFER = 4 << 20
 
 
 class Daemon:
@@ -54,7 +51,7 @@ class Daemon:
         self.started = time.time()
         self._ids = itertools.count(1)
         self._servers: list[asyncio.AbstractServer] = []
-        self._readers: set[asyncio.Task[None]] = set()
+        self._connections: set[Connection] = set()
         self._handlers: set[asyncio.Task[None]] = set()
         self._http: Any = None
         self._stop = asyncio.Event()
@@ -64,18 +61,18 @@ class Daemon:
     async def start(self) -> None:
         cfg = self.config
         cfg.data_dir.mkdir(parents=True, exist_ok=True)
-        await asyncio.get_running_loop().run_in_executor(self.pool, self.registry.reopen_existing)
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self.pool, self.registry.reopen_existing)
         if cfg.socket_path:
             path = Path(cfg.socket_path)
             _remove_stale_socket(path)
-            server = await asyncio.start_unix_server(lambda r, w: self._accept(r, w, "unix"), path=str(path),
-                                                     limit=STREAM_LIMIT)
+            server = await loop.create_unix_server(lambda: Connection(self, "unix"), path=str(path))
             os.chmod(path, 0o600)
             self._servers.append(server)
             self.addresses.append(f"unix://{path.resolve()}")
         if cfg.listen:
             host, port = parse_hostport(cfg.listen)
-            server = await asyncio.start_server(lambda r, w: self._accept(r, w, "tcp"), host, port, limit=STREAM_LIMIT)
+            server = await loop.create_server(lambda: Connection(self, "tcp"), host, port)
             self._servers.append(server)
             self.addresses.append(f"tcp://{_fmt(server.sockets[0].getsockname())}")
         if cfg.http:
@@ -135,8 +132,8 @@ class Daemon:
             server.close()
         if self._http is not None:
             self._http.should_exit = True
-        for task in list(self._readers):
-            task.cancel()
+        for conn in list(self._connections):
+            conn.stop()
         while self._handlers and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
         for task in list(self._handlers):
@@ -175,94 +172,39 @@ class Daemon:
                 print(f"kvstore serve: INTEGRITY CHECK FAILED in {state.id}: {exc}", file=sys.stderr, flush=True)
 
     # ------------------------------------------------------------------------ connections
+    # Each connection is a kvstore.daemon.connection.Connection; these are its hooks.
 
-    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, transport: str) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        if self._stop.is_set() or self.num_connections >= self.config.max_connections:
-            why = "draining" if self._stop.is_set() else f"{self.num_connections} connections, the limit"
-            code = Code.SHUTDOWN if self._stop.is_set() else Code.BUSY
-            writer.write(encode({"id": None, "error": {"code": int(code), "message": why}}))
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(writer.drain(), 1.0)
-            writer.close()
-            return
-        sock = writer.get_extra_info("socket")
-        if transport == "tcp":
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
-            with contextlib.suppress(OSError):
-                sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER)
-        writer.transport.set_write_buffer_limits(high=1 << 20)
-        self._readers.add(task)
+    @property
+    def is_stopping(self) -> bool:
+        return self._stop.is_set()
+
+    def next_conn_id(self) -> int:
+        return next(self._ids)
+
+    def connection_opened(self, conn: Connection) -> None:
         self.num_connections += 1
-        session = Session(next(self._ids), transport)
-        slots = asyncio.Semaphore(self.config.max_inflight)
-        mine: set[asyncio.Task[None]] = set()
+        self._connections.add(conn)
+
+    async def connection_closed(self, conn: Connection) -> None:
+        """A connection's in-flight requests finish (up to ``drain_s``), then its pins and leases end."""
         try:
-            await self._read_loop(reader, writer, session, slots, mine)
-        except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError):
-            pass
+            if conn.tasks:
+                await asyncio.wait(conn.tasks, timeout=max(0.0, self.config.drain_s))
         finally:
-            self._readers.discard(task)
-            if mine:
-                await asyncio.wait(mine, timeout=max(0.0, self.config.drain_s))
             self.num_connections -= 1
+            self._connections.discard(conn)
             loop = asyncio.get_running_loop()
             with contextlib.suppress(Exception):
-                await loop.run_in_executor(self.pool, self._end_session, session)
-            writer.close()
+                await loop.run_in_executor(self.pool, self._end_session, conn.session)
+
+    def track(self, task: asyncio.Task[None]) -> None:
+        """Count a request's task as in flight until it ends (shutdown waits for these)."""
+        self._handlers.add(task)
+        task.add_done_callback(self._handlers.discard)
 
     def _end_session(self, session: Session) -> None:
         self.leases.drop_connection(session.conn_id)
         session.unpin_all()
-
-    async def _read_loop(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, session: Session,
-                         slots: asyncio.Semaphore, mine: set[asyncio.Task[None]]) -> None:
-        while True:
-            await slots.acquire()  # back-pressure: no new frame is read while max_inflight run
-            try:
-                frame = await read_frame(reader, self.config.max_frame)
-            except ProtocolError as exc:
-                slots.release()
-                self.ops.errors[exc.code.name] += 1
-                await self._send(writer, {"id": None, "error": {"code": int(exc.code), "message": exc.message}}, b"")
-                if exc.code == Code.TOO_LARGE:
-                    return  # the stream is out of step: close
-                continue
-            if frame is None:
-                slots.release()
-                return
-            meta, data = frame
-            if session.principal is None:  # nothing runs concurrently with hello
-                await self._serve(session, meta, data, writer, slots)
-                continue
-            task = asyncio.create_task(self._serve(session, meta, data, writer, slots))
-            mine.add(task)
-            self._handlers.add(task)
-            task.add_done_callback(mine.discard)
-            task.add_done_callback(self._handlers.discard)
-
-    async def _serve(self, session: Session, meta: dict[str, Any], data: bytes,
-                     writer: asyncio.StreamWriter, slots: asyncio.Semaphore) -> None:
-        self.num_inflight += 1
-        try:
-            loop = asyncio.get_running_loop()
-            out, payload = await loop.run_in_executor(self.pool, self.ops.handle, session, meta, data)
-            await self._send(writer, out, payload)
-        except (ConnectionError, RuntimeError):
-            writer.close()
-        finally:
-            self.num_inflight -= 1
-            slots.release()
-
-    async def _send(self, writer: asyncio.StreamWriter, meta: dict[str, Any], payload: Any) -> None:
-        head = encode(meta, len(payload))
-        assert len(head) - HEADER.size + len(payload) <= self.config.max_frame
-        writer.write(head)
-        if len(payload):
-            writer.write(payload)
-        await writer.drain()
 
 
 def _remove_stale_socket(path: Path) -> None:

@@ -9,10 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from daemon_helpers import LAYOUT, ROOT, DaemonProc, blocks, daemon_fixture, prompt, shared_daemon_fixture  # noqa: F401
 
 from kvstore import CapacityError, KVLayout, LayoutMismatchError
 from kvstore.daemon.protocol import Code, RemoteError
+
+from daemon_helpers import LAYOUT, ROOT, DaemonProc, blocks, daemon_fixture, prompt, shared_daemon_fixture  # noqa: F401
 
 
 @pytest.mark.parametrize("transport", ["unix-shm", "unix", "tcp"])

@@ -12,10 +12,11 @@ from typing import Any
 import msgpack
 import pytest
 import torch
-from daemon_helpers import LAYOUT, DaemonProc, blocks, prompt, shared_daemon_fixture  # noqa: F401
 
 from kvstore.daemon.protocol import HEADER, VERSION, Code, encode
 from kvstore.daemon.registry import layout_to_dict
+
+from daemon_helpers import LAYOUT, DaemonProc, blocks, daemon_fixture, prompt, shared_daemon_fixture  # noqa: F401
 
 HELLO = {"op": "hello", "version": VERSION, "model_id": "test-model", "layout": layout_to_dict(LAYOUT)}
 
@@ -174,3 +175,27 @@ def test_deeply_nested_frames(shared_daemon: DaemonProc, depth: int) -> None:
     assert "tenant" in reply(s)  # type: ignore[operator]
     s.close()
 
+
+
+def test_a_put_cut_off_inside_its_data_gives_its_host_slots_back(daemon: DaemonProc) -> None:
+    d = daemon
+    with d.connect(shm=False) as c:
+        used = c.stats()["host"]["used_bytes"]
+        keys = c.block_keys(prompt(9090, 6))
+        data = blocks(keys).view(torch.uint8).numpy().tobytes()
+        s = raw(d)
+        s.sendall(encode(HELLO))
+        reply(s)
+        s.sendall(encode({"op": "put", "id": 1, "keys": b"".join(keys)}, len(data)) + data[: len(data) // 2])
+        time.sleep(0.3)
+        assert c.stats()["host"]["used_bytes"] == used + 6 * 4096  # slots reserved, half received
+        s.close()
+        for _ in range(100):  # the reservation ends with the connection; nothing was published
+            if c.stats()["host"]["used_bytes"] == used:
+                break
+            time.sleep(0.05)
+        assert c.stats()["host"]["used_bytes"] == used
+        assert c.lookup(keys).num_blocks == 0
+        c.put(keys, blocks(keys))  # received straight into host slots: the same bytes come back
+        assert torch.equal(c.get(keys), blocks(keys))
+        assert c.stats()["host"]["used_bytes"] == used + 6 * 4096

@@ -11,9 +11,10 @@ import urllib.request
 from pathlib import Path
 
 import torch
-from daemon_helpers import LAYOUT, DaemonProc, blocks, prompt
 
 from kvstore import CapacityError
+
+from daemon_helpers import LAYOUT, DaemonProc, blocks, prompt
 
 CYCLES = 4
 PER_WORKER = 150  # puts of 4 blocks per writer and cycle: all cycles fit the disk share

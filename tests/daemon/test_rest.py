@@ -19,10 +19,11 @@ from typing import Any
 
 import pytest
 import torch
-from daemon_helpers import DaemonProc, blocks, prompt
 
 from kvstore import KVLayout, StoreConfig, TieredStore
 from kvstore.daemon.rest import create_app
+
+from daemon_helpers import DaemonProc, blocks, prompt
 
 ADMIN, ACME, GLOBEX = "tok-admin", "tok-acme", "tok-globex"
 

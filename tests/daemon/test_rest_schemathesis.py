@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from daemon_helpers import DaemonProc, blocks, prompt
 
 SCHEMATHESIS = shutil.which("schemathesis") or str(Path(sys.executable).with_name("schemathesis"))

@@ -1,0 +1,332 @@
+"""One block-protocol connection, on asyncio's BufferedProtocol: frames are received in place.
+
+Headers and metas up to 64 KiB land in a small staging buffer. A frame's data section is
+received straight into its final home: for a put, the host-pool slots the store reserved for
+its blocks (the op then only publishes them); otherwise one buffer of exactly ``data_len``
+bytes. So a socket put's block bytes are copied once, by the kernel, into the host tier.
+
+    staging:  [ consumed | unparsed: start..end | free: end..STAGING ]
+    a frame:  header (8) -> meta (meta_len) -> data (data_len, into its target) -> dispatch
+
+Back-pressure: a frame takes one of ``max_inflight`` slots when its header is parsed and
+gives it back once the transport took its reply below the write high-water mark; no header
+is parsed while all slots are taken (nor while a hello runs, nor while a put's slots are
+being reserved), and reading pauses then. So one connection buffers the staging area plus at
+most ``max_inflight`` frames and replies, each at most ``max_frame`` bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from typing import TYPE_CHECKING, Any
+
+from kvstore.daemon.ops import ReservedPut, Session
+from kvstore.daemon.protocol import HEADER, Code, ProtocolError, check_lengths, decode, encode
+
+if TYPE_CHECKING:
+    from kvstore.daemon.server import Daemon
+
+STAGING = 64 << 10  # bytes of headers and metas buffered ahead of parsing
+WRITE_HIGH = 1 << 20  # unsent reply bytes above which a reply's slot waits
+SOCKET_BUFFER = 4 << 20
+HEAD, META, DATA = "head", "meta", "data"
+
+
+class Connection(asyncio.BufferedProtocol):
+    def __init__(self, daemon: Daemon, kind: str) -> None:
+        self.daemon = daemon
+        self.kind = kind  # "unix" or "tcp"
+        self.session = Session(0, kind)
+        self.transport: asyncio.Transport | None = None
+        self.closed = False
+        self._counted = False  # accepted (not refused as busy or draining)
+        self._staging = bytearray(STAGING)
+        self._view = memoryview(self._staging)
+        self._start = self._end = 0
+        self._state = HEAD
+        self._meta_len = self._data_len = 0
+        self._meta: dict[str, Any] | ProtocolError = {}
+        self._body: bytearray | ReservedPut | None = None  # the part being filled: meta, then data
+        self._pieces: list[memoryview] = []  # the rest of it, in order, when it is received in place
+        self._num_slots = 0  # frames parsed whose replies have not drained yet
+        self._exclusive = False  # a hello runs: nothing runs beside it
+        self._reserving = False  # a put's slots are being reserved
+        self._stopped = False  # the daemon drains, or the stream is out of step: no new frames
+        self._eof = False  # the peer sent everything; staged frames are still served
+        self._reading = True
+        self._write_paused = False
+        self._drain_waiters: list[asyncio.Future[None]] = []
+        self.tasks: set[asyncio.Task[None]] = set()
+
+    # ------------------------------------------------------------------ transport events
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        d = self.daemon
+        if d.is_stopping or d.num_connections >= d.config.max_connections:
+            why = "draining" if d.is_stopping else f"{d.num_connections} connections, the limit"
+            code = Code.SHUTDOWN if d.is_stopping else Code.BUSY
+            transport.write(encode({"id": None, "error": {"code": int(code), "message": why}}))
+            transport.close()  # after the error frame is flushed
+            self.closed = True
+            return
+        sock = transport.get_extra_info("socket")
+        if self.kind == "tcp":
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER)
+        transport.set_write_buffer_limits(high=WRITE_HIGH)
+        self._counted = True
+        self.session = Session(d.next_conn_id(), self.kind)
+        d.connection_opened(self)
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        if self._pieces:
+            return self._pieces[0]
+        if self._start == self._end:
+            self._start = self._end = 0
+        elif self._end == STAGING:  # slide the unparsed bytes to the front
+            n = self._end - self._start
+            self._staging[:n] = self._staging[self._start : self._end]
+            self._start, self._end = 0, n
+        assert self._end < STAGING, "staging full while reading"
+        return self._view[self._end :]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        if self._pieces:
+            piece = self._pieces[0]
+            if nbytes == len(piece):
+                self._pieces.pop(0)
+            else:
+                self._pieces[0] = piece[nbytes:]
+            if self._pieces:
+                return
+            self._part_done()
+        else:
+            self._end += nbytes
+        self._advance()
+
+    def eof_received(self) -> bool:
+        # Frames already received are still served and answered; then the connection closes.
+        self._eof = True
+        self._reading = False  # the transport stopped reading by itself
+        self._spawn(self._close_when_idle())
+        return True
+
+    def pause_writing(self) -> None:
+        self._write_paused = True
+
+    def resume_writing(self) -> None:
+        self._write_paused = False
+        self._wake_writers(None)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self._wake_writers(ConnectionError("the connection closed"))
+        if not self._counted:
+            return
+        if isinstance(self._body, ReservedPut):  # its data never finished arriving
+            self._release_reserved(self._body)
+            self._body = None
+        self._pieces = []
+        asyncio.get_running_loop().create_task(self.daemon.connection_closed(self))
+
+    # ------------------------------------------------------------------ framing
+
+    def _advance(self) -> None:
+        """Parse what the staging buffer holds, as far as slots and targets allow."""
+        while not self.closed and not self._pieces and not self._reserving:
+            avail = self._end - self._start
+            if self._state == HEAD:
+                if self._stopped or self._exclusive or self._num_slots >= self.daemon.config.max_inflight:
+                    break
+                if avail < HEADER.size:
+                    break
+                self._meta_len, self._data_len = HEADER.unpack_from(self._staging, self._start)
+                self._start += HEADER.size
+                try:
+                    check_lengths(self._meta_len, self._data_len, self.daemon.config.max_frame)
+                except ProtocolError as exc:  # the stream is out of step: reply, then close
+                    self._num_slots += 1
+                    self._spawn(self._reply_error(exc, close=True))
+                    self._stopped = True
+                    break
+                self._num_slots += 1
+                self._state = META
+            elif self._state == META:
+                if self._meta_len <= STAGING:
+                    if avail < self._meta_len:
+                        break
+                    meta = bytes(self._view[self._start : self._start + self._meta_len])
+                    self._start += self._meta_len
+                    self._meta = _decode(meta, self.daemon.config.max_frame)
+                    self._state = DATA
+                else:
+                    self._fill(bytearray(self._meta_len))
+            elif self._state == DATA:
+                if self._data_len == 0:
+                    self._dispatch(b"")
+                elif self._may_reserve():
+                    self._reserving = True
+                    self._spawn(self._reserve())
+                else:
+                    self._fill(bytearray(self._data_len))
+        self._sync_reading()
+
+    def _fill(self, body: bytearray | ReservedPut) -> None:
+        """Make ``body`` the part being received: staged bytes first, then the socket's."""
+        self._body = body
+        pieces = [memoryview(body)] if isinstance(body, bytearray) else list(body.views)
+        while pieces and self._start < self._end:
+            n = min(len(pieces[0]), self._end - self._start)
+            pieces[0][:n] = self._view[self._start : self._start + n]
+            self._start += n
+            pieces[0] = pieces[0][n:]
+            if not len(pieces[0]):
+                pieces.pop(0)
+        self._pieces = pieces
+        if not pieces:
+            self._part_done()
+
+    def _part_done(self) -> None:
+        body, self._body = self._body, None
+        if self._state == META:
+            assert isinstance(body, bytearray)
+            self._meta = _decode(body, self.daemon.config.max_frame)
+            self._state = DATA
+        else:
+            assert body is not None
+            self._dispatch(body)
+
+    def _may_reserve(self) -> bool:
+        meta = self._meta
+        return isinstance(meta, dict) and meta.get("op") == "put" and self.session.principal is not None
+
+    async def _reserve(self) -> None:
+        """Ask the store for host slots to receive this put's blocks in; else a plain buffer."""
+        loop = asyncio.get_running_loop()
+        assert isinstance(self._meta, dict)
+        try:
+            reserved = await loop.run_in_executor(self.daemon.pool, self.daemon.ops.reserve_put, self.session,
+                                                  self._meta, self._data_len)
+        except RuntimeError:  # the pool is shut down
+            reserved = None
+        self._reserving = False
+        if self.closed:
+            if reserved is not None:
+                self._release_reserved(reserved)
+            return
+        self._fill(reserved if reserved is not None else bytearray(self._data_len))
+        self._advance()
+
+    def _dispatch(self, data: bytes | bytearray | ReservedPut) -> None:
+        meta, self._meta, self._state = self._meta, {}, HEAD
+        if isinstance(meta, ProtocolError):
+            self._spawn(self._reply_error(meta, close=False))
+        else:
+            self._exclusive = self.session.principal is None  # hello runs alone
+            self._spawn(self._serve(meta, data))
+
+    def _sync_reading(self) -> None:
+        want = not (self.closed or self._eof or self._reserving
+                    or (self._state == HEAD and not self._pieces and (self._stopped or self._exclusive
+                        or self._num_slots >= self.daemon.config.max_inflight)))
+        if want == self._reading or self.transport is None or self.transport.is_closing():
+            return
+        self._reading = want
+        if want:
+            self.transport.resume_reading()
+        else:
+            self.transport.pause_reading()
+
+    # ------------------------------------------------------------------ requests and replies
+
+    async def _serve(self, meta: dict[str, Any], data: bytes | bytearray | ReservedPut) -> None:
+        d = self.daemon
+        d.num_inflight += 1
+        try:
+            loop = asyncio.get_running_loop()
+            out, payload = await loop.run_in_executor(d.pool, d.ops.handle, self.session, meta, data)
+            await self._send(out, payload)
+        except (ConnectionError, RuntimeError):
+            self.close()
+        finally:
+            d.num_inflight -= 1
+            self._exclusive = False
+            self._slot_done()
+
+    async def _reply_error(self, exc: ProtocolError, *, close: bool) -> None:
+        self.daemon.ops.errors[exc.code.name] += 1
+        try:
+            await self._send({"id": None, "error": {"code": int(exc.code), "message": exc.message}}, b"")
+        except ConnectionError:
+            pass
+        finally:
+            if close:
+                self.close()
+            self._slot_done()
+
+    async def _send(self, meta: dict[str, Any], payload: Any) -> None:
+        head = encode(meta, len(payload))
+        assert len(head) - HEADER.size + len(payload) <= self.daemon.config.max_frame
+        if self.closed or self.transport is None or self.transport.is_closing():
+            raise ConnectionError("the connection closed")
+        self.transport.write(head)
+        if len(payload):
+            self.transport.write(payload)
+        while self._write_paused:  # the reply's slot frees only once the transport took it
+            if self.closed:
+                raise ConnectionError("the connection closed")
+            waiter = asyncio.get_running_loop().create_future()
+            self._drain_waiters.append(waiter)
+            await waiter
+
+    def _slot_done(self) -> None:
+        self._num_slots -= 1
+        if not self.closed:
+            self._advance()
+
+    def _wake_writers(self, exc: Exception | None) -> None:
+        waiters, self._drain_waiters = self._drain_waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                if exc is None:
+                    waiter.set_result(None)
+                else:
+                    waiter.set_exception(exc)
+
+    def _release_reserved(self, reserved: ReservedPut) -> None:
+        loop = asyncio.get_running_loop()
+        with contextlib.suppress(RuntimeError):
+            loop.run_in_executor(self.daemon.pool, self.daemon.ops.cancel_put, reserved)
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self.tasks.add(task)
+        self.daemon.track(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def _close_when_idle(self) -> None:
+        while self.tasks - {asyncio.current_task()}:
+            await asyncio.wait(self.tasks - {asyncio.current_task()})
+        self.close()
+
+    def stop(self) -> None:
+        """The daemon drains: read no more frames; requests already read still finish."""
+        self._stopped = True
+        self._sync_reading()
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+
+def _decode(meta: bytes | bytearray, max_frame: int) -> dict[str, Any] | ProtocolError:
+    try:
+        return decode(meta, max_frame)
+    except ProtocolError as exc:  # BAD_FRAME: the lengths keep the stream in step
+        return exc
