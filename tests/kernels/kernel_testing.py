@@ -1,10 +1,9 @@
 """Factories and comparison helpers for the kernel tests, and the Triton interpreter switch.
 
 Without a GPU the Triton kernels run on CPU through Triton's interpreter. Its flag is read when
-``@triton.jit`` decorates a kernel, i.e. when a kernel module is imported, so it is set here:
-every kernel test module imports this module before any ``kernels`` module (third-party before
-first-party in the import order). A kernel module imported earlier without the flag is reloaded.
-(No ``conftest.py`` here: other suites import the root one as plain ``conftest``.)
+``@triton.jit`` decorates a kernel, i.e. when a kernel module is imported; tests/conftest.py sets
+it before any test module is imported. Imported on its own, this module sets it too, and reloads
+a kernel module that was imported earlier without it.
 """
 
 from __future__ import annotations
