@@ -172,7 +172,9 @@ class LLMEngine:
                     seqs.append(child)
                     rows.append(k)
                 request.forked = True
-        tokens = self.runner.sample(logits[rows], seqs) if seqs else []
+        if len(rows) != logits.shape[0]:  # n > 1 forks repeat rows; otherwise rows is 0..k-1
+            logits = logits[rows]
+        tokens = self.runner.sample(logits, seqs) if seqs else []
         now = time.perf_counter()
         touched: dict[str, Request] = {}
         for seq, token in zip(seqs, tokens, strict=True):

@@ -74,6 +74,20 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return weight * xf.to(x.dtype)
 
 
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ weight.T + bias`` for ``x`` ``[rows, in]``.
+
+    On the CPU, MKL runs ``weight @ x.T`` (the weight as the row-major left operand) up to 2x
+    faster than ``F.linear``'s ``x @ weight.T`` for 2 or more rows (measured on the bench model,
+    2 to 256 rows); the result is that product's transposed view ``[rows, out]``, column-major,
+    which the next ops take as it is. One row stays on ``F.linear``'s matrix-vector path.
+    """
+    if x.shape[0] < 2 or x.device.type != "cpu":
+        return F.linear(x, weight, bias)
+    out = torch.mm(weight, x.t()).t()
+    return out if bias is None else out + bias
+
+
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -167,7 +181,7 @@ class LlamaModel:
         x = self.embed[input_ids]
         for i, layer in enumerate(self.layers):
             h = _rms_norm(x, layer.input_norm, c.rms_norm_eps)
-            qkv = F.linear(h, layer.qkv, layer.qkv_bias)
+            qkv = _linear(h, layer.qkv, layer.qkv_bias).contiguous()  # attention wants unit-stride heads
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = _rotate(q.view(n, c.num_heads, c.head_dim), cos, sin)
             k = _rotate(k.view(n, c.num_kv_heads, c.head_dim), cos, sin)
@@ -176,10 +190,10 @@ class LlamaModel:
                 out = batch.plan.attend(q, k, v, *self._row_views(kv_pool, i), self.scale)
             else:
                 out = self._kernel_attention(q, k, v, kv_pool[:, i, 0], kv_pool[:, i, 1], batch)
-            x = x + F.linear(out.view(n, self.q_size), layer.o, layer.o_bias)
+            x = x + _linear(out.view(n, self.q_size), layer.o, layer.o_bias)
             h = _rms_norm(x, layer.post_norm, c.rms_norm_eps)
-            gate, up = F.linear(h, layer.gate_up, layer.gate_up_bias).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, layer.down, layer.down_bias)
+            gate, up = _linear(h, layer.gate_up, layer.gate_up_bias).chunk(2, dim=-1)
+            x = x + _linear(F.silu(gate) * up, layer.down, layer.down_bias)
         return _rms_norm(x, self.norm, c.rms_norm_eps)
 
     def _kernel_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -200,4 +214,7 @@ class LlamaModel:
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits ``[rows, vocab]`` (the projection runs in the model dtype, like HF)."""
-        return F.linear(hidden, self.lm_head).float()
+        if hidden.shape[0] == 1 and hidden.device.type == "cpu":
+            # one row: MKL's matrix-vector path runs ~2x slower here than a two-row product
+            return _linear(torch.cat((hidden, hidden)), self.lm_head, None)[:1].float()
+        return _linear(hidden, self.lm_head, None).float()

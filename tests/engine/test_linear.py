@@ -1,0 +1,19 @@
+"""The CPU matmul orientation in engine/model.py gives F.linear's result for every row count."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.model import _linear
+
+
+@pytest.mark.parametrize("rows", [1, 2, 16, 300])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_matches_f_linear(rows: int, bias: bool) -> None:
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 64, generator=g)
+    w = torch.randn(96, 64, generator=g)
+    b = torch.randn(96, generator=g) if bias else None
+    out = _linear(x, w, b)
+    assert out.shape == (rows, 96)
+    torch.testing.assert_close(out, F.linear(x, w, b), atol=1e-5, rtol=1e-5)
