@@ -59,18 +59,33 @@ def best_of(fn: Callable[[], object], repeat: int) -> float:
     return min(times)
 
 
+def interleaved(fns: list[Callable[[], object]], rounds: int) -> list[float]:
+    """Best time of each function over ``rounds`` rounds that run them in turn: a noisy
+    neighbour slows every side of a round alike, and the best of each is a fair floor."""
+    best = [float("inf")] * len(fns)
+    for _ in range(rounds):
+        for i, fn in enumerate(fns):
+            best[i] = min(best[i], best_of(fn, 1))
+    return best
+
+
 def bench_host(num_blocks: int, repeat: int) -> list[Row]:
     layout = BENCH_LAYOUT
-    store = TieredStore(StoreConfig(layout=layout, model_id="bench", host_bytes=(repeat + 2) * num_blocks * layout.bytes_per_block))
+    rounds = 4 * repeat  # milliseconds each: many rounds cost little and steady the floor
+    store = TieredStore(StoreConfig(layout=layout, model_id="bench",
+                                    host_bytes=(rounds + 2) * num_blocks * layout.bytes_per_block))
     blocks = torch.randn((num_blocks, *layout.block_shape)).to(layout.dtype)
-    chains = [store.block_keys(list(range(r * 10**6, r * 10**6 + num_blocks * layout.block_size))) for r in range(repeat + 1)]
-    it = iter(chains)
-    put_s = best_of(lambda: store.put(next(it), blocks), repeat)
+    chains = [store.block_keys(list(range(r * 10**6, r * 10**6 + num_blocks * layout.block_size)))
+              for r in range(rounds + 1)]
+    store.put(chains[0], blocks)
+    fresh = iter(chains[1:])  # every put stores new blocks (a put of held keys only refreshes)
     out = torch.empty_like(blocks)
-    get_s = best_of(lambda: store.get(chains[0], out=out), repeat)
     dst = torch.empty_like(blocks)
     dst.copy_(blocks)  # touch the pages, as the host pool's are
-    copy_s = best_of(lambda: dst.copy_(blocks), repeat)
+    put_s, get_s, copy_s = interleaved(
+        [lambda: store.put(next(fresh), blocks), lambda: store.get(chains[0], out=out), lambda: dst.copy_(blocks)],
+        rounds,
+    )
     store.close()
     size = f"{num_blocks} x {layout.bytes_per_block // 1024} KiB"
     return [
@@ -168,11 +183,8 @@ def vllm_style_keys(tokens: list[int], block_size: int) -> list[bytes]:
 def bench_keys(num_tokens: int, repeat: int) -> list[Row]:
     store = TieredStore(StoreConfig(layout=BENCH_LAYOUT, model_id="bench", host_bytes=1 << 22))
     tokens = np.random.default_rng(0).integers(0, 128_000, num_tokens).tolist()
-    # milliseconds each: many interleaved repetitions make the best of each a fair floor
-    ours, base = float("inf"), float("inf")
-    for _ in range(6 * repeat):
-        ours = min(ours, best_of(lambda: store.block_keys(tokens, tenant="acme"), 1))
-        base = min(base, best_of(lambda: vllm_style_keys(tokens, BENCH_LAYOUT.block_size), 1))
+    ours, base = interleaved([lambda: store.block_keys(tokens, tenant="acme"),
+                              lambda: vllm_style_keys(tokens, BENCH_LAYOUT.block_size)], 6 * repeat)
     keys = store.block_keys(tokens)[:1000]
     store.put(keys[:1], torch.zeros((1, *BENCH_LAYOUT.block_shape), dtype=BENCH_LAYOUT.dtype))
     lookup = best_of(lambda: store.lookup(keys), repeat)
