@@ -103,18 +103,21 @@ class TieredStore:
         now = time.time()
         fresh: list[int] = []  # indices whose bytes must be copied into new host slots
         refreshed: list[bytes] = []
+        index = self._index
+        entries: list[BlockEntry] = []  # the fresh ones
         for i in range(start, stop):
-            entry = self._index.get(keys[i])
+            entry = index.get(keys[i])
             if entry is None:
-                parent = keys[i - 1] if i > 0 else None
-                self._index.add(BlockEntry(keys[i], parent, tenant, now))
+                entry = BlockEntry(keys[i], keys[i - 1] if i > 0 else None, tenant, now)
+                index.add(entry)
                 fresh.append(i)
+                entries.append(entry)
             elif entry.host_slot is None:
                 fresh.append(i)
+                entries.append(entry)
             else:
                 refreshed.append(keys[i])
-            self._note_use(self._index.entries[keys[i]])
-        entries = [self._index.entries[keys[i]] for i in fresh]
+            self._note_use(entry, now)
         busy = entries + [self._index.entries[k] for k in refreshed]
         for entry in busy:  # in flight: making room must not evict what is being put
             entry.readers += 1
@@ -160,8 +163,8 @@ class TieredStore:
                     f"(the rest pinned or being read); {len(lost)} blocks found no disk room either"
                 )
 
-    def _note_use(self, entry: BlockEntry) -> None:
-        entry.last_access = time.time()
+    def _note_use(self, entry: BlockEntry, now: float | None = None) -> None:
+        entry.last_access = time.time() if now is None else now
         entry.num_uses += 1
         if entry.num_uses == 1 and entry.key in self._seen_once:
             entry.num_uses = 2  # put again after it was dropped: the second sighting
@@ -336,13 +339,19 @@ class TieredStore:
         with self._lock:
             self._check_open()
             plan: list[tuple[BlockEntry, str]] = []
-            for key in keys:
-                entry = self._index.get(key)
-                tier = entry.best_tier if entry is not None else None
-                if entry is None or tier is None:
+            entries, now = self._index.entries, time.time()
+            for key in keys:  # hot loop: one dict lookup and a few attribute updates a block
+                entry = entries.get(key)
+                if entry is None:
+                    break
+                if entry.host_slot is not None:
+                    tier = HOST
+                elif entry.disk_slot is not None:
+                    tier = DISK
+                else:
                     break
                 entry.readers += 1
-                self._note_use(entry)
+                self._note_use(entry, now)
                 plan.append((entry, tier))
             if count:
                 self._count_lookup(PrefixMatch(len(plan), tuple(t for _, t in plan)), len(keys))
@@ -429,7 +438,8 @@ class TieredStore:
             self._host_policy.insert([e.key for e in promoted], [e.parent for e in promoted])
         for entry, _tier in plan:
             entry.readers -= 1
-            if entry.best_tier is None and entry.readers == 0 and entry.key in self._index:
+            if entry.host_slot is None and entry.disk_slot is None and entry.readers == 0 \
+                    and entry.key in self._index.entries:
                 self._forget(entry)
 
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
