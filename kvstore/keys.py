@@ -196,11 +196,12 @@ class BlockHasher:
             )
             bodies[:, -1] = 0
             flat = bodies.tobytes()
-            new_context = _SHA256_BLOCK_BASE.copy  # already holds BLOCK_TAG
             size = 4 * width
-            for start in range(0, num_blocks * size, size):
+            chunks = [flat[start : start + size] for start in range(0, num_blocks * size, size)]
+            new_context = _SHA256_BLOCK_BASE.copy  # already holds BLOCK_TAG
+            for body in chunks:
                 h = new_context()
-                h.update(key + flat[start : start + size])
+                h.update(key + body)
                 key = h.digest()
                 append(key)
         else:
