@@ -86,3 +86,13 @@ class KVLayout:
             )
         if num_blocks is not None and blocks.shape[0] != num_blocks:
             raise LayoutMismatchError(f"got {blocks.shape[0]} blocks for {num_blocks} keys")
+
+    def output_blocks(self, num_blocks: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The CPU tensor a ``get`` fills: ``out`` checked (this layout, contiguous, CPU), or a
+        new ``[num_blocks, *block_shape]`` tensor."""
+        if out is None:
+            return torch.empty((num_blocks, *self.block_shape), dtype=self.dtype)
+        self.check_blocks(out, num_blocks)
+        if out.device.type != "cpu" or not out.is_contiguous():
+            raise ValueError("get(out=...) needs a contiguous CPU tensor; use fetch() for devices")
+        return out

@@ -112,23 +112,18 @@ def commit_host(store: TieredStore, keys: Sequence[bytes], slots: Sequence[int],
         store._reserved_host -= len(slots)
         now = time.time()
         placed: list[BlockEntry] = []
+        placed_slots: list[int] = []
         refreshed: list[bytes] = []
         for i, (key, slot) in enumerate(zip(keys, slots, strict=True)):
             entry = store._index.get(key)
             if entry is None:
                 entry = BlockEntry(key, keys[i - 1] if i > 0 else None, tenant, now)
                 store._index.add(entry)
-            store._note_use(entry)
+            store._note_use(entry, now)
             if entry.host_slot is not None:
                 store._host.release([slot])
                 refreshed.append(key)
                 continue
-            entry.host_slot = slot
             placed.append(entry)
-        store._counters[HOST].bytes_written += len(placed) * store._payload
-        store._host_policy.insert([e.key for e in placed], [e.parent for e in placed])
-        if refreshed:  # after the insert, as in put: a found head stays newer than its new tail
-            store._host_policy.access(refreshed)
-        if store.config.write_policy == "write_through":
-            on_host = [e for e in placed if e.disk_slot is None]
-            store._write_disk(on_host, [store._host.slot_view(e.host_slot) for e in on_host])  # type: ignore[arg-type]
+            placed_slots.append(slot)
+        store._publish_on_host(placed, placed_slots, refreshed)

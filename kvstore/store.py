@@ -123,16 +123,16 @@ class TieredStore:
             entry.readers += 1
         try:
             if fresh:
-                self._store_fresh(entries, fresh, src)
-            # Touched after the fresh blocks were inserted: a found head must stay more
-            # recent than the new tail behind it, or LRU would cut the prefix at its head.
-            if refreshed:
+                self._store_fresh(entries, fresh, src, refreshed)
+            elif refreshed:
                 self._host_policy.access(refreshed)
         finally:
             for entry in busy:
                 entry.readers -= 1
 
-    def _store_fresh(self, entries: list[BlockEntry], fresh: list[int], src: torch.Tensor) -> None:
+    def _store_fresh(
+        self, entries: list[BlockEntry], fresh: list[int], src: torch.Tensor, refreshed: list[bytes]
+    ) -> None:
         if self._host.num_free < len(fresh):
             self._evict_host(len(fresh) - self._host.num_free)
         # Heads get host slots first; tails that find no evictable host slot (all pinned or
@@ -144,13 +144,7 @@ class TieredStore:
             self._host.write(slots, src[rows[0] : rows[-1] + 1])
         elif rows:
             self._host.write(slots, src.index_select(0, torch.tensor(rows, dtype=torch.long)))
-        self._counters[HOST].bytes_written += n_host * self._payload
-        for entry, slot in zip(entries, slots, strict=False):
-            entry.host_slot = slot
-        self._host_policy.insert([e.key for e in entries[:n_host]], [e.parent for e in entries[:n_host]])
-        if self.config.write_policy == "write_through":
-            on_host = [e for e in entries[:n_host] if e.disk_slot is None]
-            self._write_disk(on_host, [self._host.slot_view(e.host_slot) for e in on_host])  # type: ignore[arg-type]
+        self._publish_on_host(entries[:n_host], slots, refreshed)
         overflow = [(e, i) for e, i in zip(entries[n_host:], fresh[n_host:], strict=True) if e.disk_slot is None]
         if overflow:
             self._write_disk([e for e, _ in overflow], [src[i] for _, i in overflow])
@@ -162,6 +156,23 @@ class TieredStore:
                     f"need {len(fresh)} host slots, {n_host} free of {self._host.num_slots} "
                     f"(the rest pinned or being read); {len(lost)} blocks found no disk room either"
                 )
+
+    def _publish_on_host(self, placed: list[BlockEntry], slots: list[int], refreshed: list[bytes]) -> None:
+        """Make ``placed`` (chain order; their bytes already in ``slots``) visible in host RAM,
+        then touch ``refreshed``, the keys of the same chain host already held. Under
+        write-through the new blocks reach disk before this returns. Used by put and by the
+        daemon's two-phase put (leases.commit_host)."""
+        for entry, slot in zip(placed, slots, strict=True):
+            entry.host_slot = slot
+        self._counters[HOST].bytes_written += len(placed) * self._payload
+        self._host_policy.insert([e.key for e in placed], [e.parent for e in placed])
+        # Touched after the insert: a found head must stay more recent than the new tail
+        # behind it, or LRU would cut the prefix at its head.
+        if refreshed:
+            self._host_policy.access(refreshed)
+        if self.config.write_policy == "write_through":
+            on_host = [e for e in placed if e.disk_slot is None]
+            self._write_disk(on_host, [self._host.slot_view(e.host_slot) for e in on_host])  # type: ignore[arg-type]
 
     def _note_use(self, entry: BlockEntry, now: float | None = None) -> None:
         entry.last_access = time.time() if now is None else now
@@ -282,12 +293,7 @@ class TieredStore:
             KeyError: naming the first key no tier holds (a corrupt block counts as missing).
         """
         keys = self._check_keys(keys)
-        if out is None:
-            out = torch.empty((len(keys), *self.layout.block_shape), dtype=self.layout.dtype)
-        else:
-            self.layout.check_blocks(out, len(keys))
-            if out.device.type != "cpu" or not out.is_contiguous():
-                raise ValueError("get(out=...) needs a contiguous CPU tensor; use fetch() for devices")
+        out = self.layout.output_blocks(len(keys), out)
         result = self._read_into(keys, _as_bytes(out, len(keys), self._payload), count=True)
         if result.num_blocks < len(keys):
             raise KeyError(f"block {keys[result.num_blocks].hex()} (#{result.num_blocks}) is not in the store")

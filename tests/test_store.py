@@ -308,3 +308,16 @@ def test_contains_and_delete(tmp_path: Path) -> None:
     assert store.lookup(a).num_blocks == 1
     store.check_integrity()
     store.close()
+
+
+def test_get_into_a_given_tensor(tmp_path: Path) -> None:
+    store = make_store(tmp_path)
+    keys = chain(store, 2)
+    store.put(keys, blocks_for(keys))
+    out = torch.full((2, *store.layout.block_shape), float("nan"))
+    assert store.get(keys, out=out) is out
+    assert torch.equal(out, blocks_for(keys))
+    with pytest.raises(LayoutMismatchError, match="got 1 blocks for 2 keys"):
+        store.get(keys, out=out[:1])
+    with pytest.raises(ValueError, match="contiguous CPU tensor"):
+        store.get(keys, out=torch.empty((2, *store.layout.block_shape[::-1])).permute(0, 5, 4, 3, 2, 1))

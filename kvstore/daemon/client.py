@@ -214,12 +214,7 @@ class StoreClient:
 
     def get(self, keys: Sequence[bytes], out: torch.Tensor | None = None) -> torch.Tensor:
         """The blocks under ``keys``; KeyError naming the first one the daemon lacks."""
-        if out is None:
-            out = torch.empty((len(keys), *self.layout.block_shape), dtype=self.layout.dtype)
-        else:
-            self.layout.check_blocks(out, len(keys))
-            if out.device.type != "cpu" or not out.is_contiguous():
-                raise ValueError("get(out=...) needs a contiguous CPU tensor; use fetch() for devices")
+        out = self.layout.output_blocks(len(keys), out)
         n = self._read(keys, out).num_blocks
         if n < len(keys):
             raise KeyError(f"block {keys[n].hex()} (#{n}) is not in the store")
