@@ -30,8 +30,9 @@ class EngineConfig:
         fetch_policy: "auto" (fetch a lower-tier run when its estimated fetch time beats its
             estimated recompute time), "always", or "never" (recompute whatever is not on device).
         store: a TieredStore-like object to use instead of an embedded one, or the address of a
-            kvstore daemon ("unix:///path/kvstore.sock" or "tcp://host:port"), whose host and
-            disk tiers then serve as this engine's; None builds one from host/disk settings.
+            kvstore daemon ("unix:///abs/kvstore.sock", "unix://relative/kvstore.sock" or
+            "tcp://host:port"), whose host and disk tiers then serve as this engine's; None
+            builds one from host/disk settings.
         store_token: the daemon token (None: KVSTORE_TOKEN); it decides the daemon-side tenant.
         block_size: tokens per KV block.
         max_num_batched_tokens: the per-step token budget (decode tokens + prefill chunks).

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import random
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -23,6 +24,14 @@ from kvstore.layout import KVLayout
 DEMO_MODEL = dict(num_layers=8, hidden_size=256, intermediate_size=512, num_heads=4, num_kv_heads=2,
                   head_dim=64, vocab_size=4096, max_position_embeddings=4096)
 BLOCK = 16
+SYSTEM_TOKENS = 200
+MESSAGE_TOKENS = (30, 120)  # a user message's length: randrange(30, 120)
+
+
+def longest_conversation(args: argparse.Namespace) -> int:
+    """Blocks the longest possible conversation holds at its last generated token."""
+    tokens = SYSTEM_TOKENS + args.turns * (MESSAGE_TOKENS[1] - 1 + args.reply_tokens)
+    return -(-tokens // BLOCK)
 
 
 def open_engine(args: argparse.Namespace, disk: Path) -> LLMEngine:
@@ -45,13 +54,21 @@ def print_tiers(llm: LLMEngine) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    need = longest_conversation(args)
+    if args.device_blocks is None:
+        args.device_blocks = need  # one whole conversation: the others are pushed down the tiers
+    elif args.device_blocks < need:
+        print(f"kvstore demo: --device-blocks {args.device_blocks} is too small: a conversation of "
+              f"{args.turns} turns can reach {need} blocks of {BLOCK} tokens, and a prompt must fit the "
+              f"device pool; raise --device-blocks or lower --turns", file=sys.stderr)
+        return 2
     rng = random.Random(args.seed)
     disk = Path(args.data_dir) / "engine-demo"
     if args.fresh and disk.exists():
         shutil.rmtree(disk)
     disk.parent.mkdir(parents=True, exist_ok=True)
     vocab = int(DEMO_MODEL["vocab_size"])
-    system_prompt = [rng.randrange(vocab) for _ in range(200)]
+    system_prompt = [rng.randrange(vocab) for _ in range(SYSTEM_TOKENS)]
     histories = {f"user{u}": list(system_prompt) for u in range(args.users)}
     params = SamplingParams(max_tokens=args.reply_tokens, temperature=0.8, top_k=50, seed=args.seed, ignore_eos=True)
     llm = open_engine(args, disk)
@@ -69,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
             print("-- restart: the engine closes (device and host KV written back) and reopens on the same disk --")
             llm = open_engine(args, disk)
         for user, history in histories.items():
-            history.extend(rng.randrange(vocab) for _ in range(rng.randrange(30, 120)))  # the user's message
+            history.extend(rng.randrange(vocab) for _ in range(rng.randrange(*MESSAGE_TOKENS)))  # the user's message
             out = llm.generate([history], params, tenant="demo")[0]
             m = out.metrics
             computed = m.num_prompt_tokens - sum(m.cached_tokens.values())
@@ -93,7 +110,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--device-blocks", type=int, default=48, help="device KV pool in blocks (default 48)")
+    parser.add_argument("--device-blocks", type=int, default=None,
+                        help="device KV pool in blocks (default: the longest conversation's, 67 with the defaults)")
     parser.add_argument("--reply-tokens", type=int, default=24, help="tokens generated per turn (default 24)")
     parser.add_argument("--fetch-policy", default="auto", choices=("auto", "always", "never"),
                         help="when to fetch lower-tier prefixes instead of recomputing (default auto)")

@@ -61,6 +61,9 @@ class LLMEngine:
         if num_blocks < 1:
             raise ConfigError(f"kv_cache_bytes={c.kv_cache_bytes} holds no block of {self.layout.bytes_per_block} bytes")
         self.pool = DevicePool(num_blocks, self.layout.block_shape, c.dtype, self.device)
+        # A sequence never holds more tokens than the whole pool: one that reaches it stops
+        # with "length", as at the context limit (growing further could only preempt itself).
+        self._max_seq_tokens = min(self.max_model_len, num_blocks * c.block_size)
         self.model_id = c.model_id or ckpt.model_id
         self.store, self._owns_store = self._open_store()
         self.block_manager = BlockManager(self.pool, c.block_size, self.store)
@@ -199,7 +202,7 @@ class LLMEngine:
     def _stop_reason(self, p: SamplingParams, token: int, num_output: int, num_tokens: int) -> str | None:
         if (not p.ignore_eos and token in self.model_config.eos_token_ids) or token in p.stop_token_ids:
             return "stop"
-        if num_output >= p.max_tokens or num_tokens >= self.max_model_len:
+        if num_output >= p.max_tokens or num_tokens >= self._max_seq_tokens:
             return "length"
         return None
 

@@ -45,3 +45,21 @@ def test_store_demo_moves_blocks_between_tiers_and_survives_restart(tmp_path: Pa
 def test_demo_rejects_bad_sizes(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["demo", "--store-only", "--users", "0"]) == 2
     assert "--users must be >= 1" in capsys.readouterr().err
+
+
+def test_engine_demo_with_its_defaults_runs_to_its_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # `kvstore demo` exactly as the README runs it (only the data directory moved): before,
+    # the conversations outgrew the 48-block device pool and turn 32 of 36 raised.
+    assert main(["demo", "--data-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "[ 36/36]" in out and "restart" in out
+    totals = next(line for line in out.splitlines() if line.startswith("prompt tokens:"))
+    host, disk = (int(totals.split(f"{tier} ")[1].split(",")[0]) for tier in ("host", "disk"))
+    assert host > 0 and disk > 0, totals  # prefixes came back from both lower tiers
+
+
+def test_engine_demo_refuses_a_device_pool_too_small_up_front(tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", "--data-dir", str(tmp_path), "--device-blocks", "48"]) == 2
+    err = capsys.readouterr().err
+    assert "--device-blocks 48 is too small" in err and "67 blocks" in err

@@ -15,7 +15,6 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
-from urllib.parse import urlparse
 
 import numpy as np
 import torch
@@ -47,7 +46,8 @@ def connect(url: str, token: str | None = None, *, layout: KVLayout, model_id: s
     """Open a client of the daemon at ``url`` for one namespace (model id + KV layout).
 
     Args:
-        url: ``unix:///path/kvstore.sock`` or ``tcp://HOST:PORT``.
+        url: ``unix://PATH`` (absolute, ``unix:///run/kvstore.sock``, or relative to the
+            working directory, ``unix://.kvstore/kvstore.sock``) or ``tcp://HOST:PORT``.
         token: the caller's token (or KVSTORE_TOKEN); it decides the tenant.
         layout, model_id, hash_algo: the namespace, as for a TieredStore.
         shm: use the shared-memory path when the daemon offers it (default: on Unix sockets,
@@ -56,7 +56,8 @@ def connect(url: str, token: str | None = None, *, layout: KVLayout, model_id: s
 
     Raises:
         RemoteError: the daemon refused the hello (bad token, version, layout, no slot).
-        OSError: nothing listens at ``url``.
+        ValueError: ``url`` is neither form.
+        OSError: nothing listens at ``url`` (the message names the path or address tried).
     """
     return StoreClient(url, token if token is not None else env.token(), layout, model_id, hash_algo, shm, timeout)
 
@@ -66,21 +67,24 @@ class StoreClient:
 
     def __init__(self, url: str, token: str | None, layout: KVLayout, model_id: str, hash_algo: str,
                  shm: bool | None, timeout: float) -> None:
-        parsed = urlparse(url)
-        if parsed.scheme == "unix":
+        kind, address = parse_address(url)
+        if kind == "unix":
             self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            address: Any = parsed.path
-        elif parsed.scheme == "tcp" and parsed.hostname and parsed.port:
-            self._sock = socket.create_connection((parsed.hostname, parsed.port), timeout=timeout)
-            self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            address = None
         else:
-            raise ValueError(f"url must be unix:///path or tcp://host:port, got {url!r}")
+            try:
+                self._sock = socket.create_connection(address, timeout=timeout)
+            except OSError as exc:
+                raise _unreachable(exc, url, f"{address[0]}:{address[1]}") from None
+            self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._sock.settimeout(timeout)
         for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
             self._sock.setsockopt(socket.SOL_SOCKET, opt, 4 << 20)
-        if address is not None:
-            self._sock.connect(address)
+        if kind == "unix":
+            try:
+                self._sock.connect(address)
+            except OSError as exc:
+                self._sock.close()
+                raise _unreachable(exc, url, f"the socket {os.path.abspath(address)}") from None
         self.url = url
         self.layout = layout
         self.model_id = model_id
@@ -92,7 +96,7 @@ class StoreClient:
         self._max_frame = DEFAULT_MAX_FRAME
         self._pool: torch.Tensor | None = None
         self._executor: ThreadPoolExecutor | None = None
-        want_shm = (parsed.scheme == "unix") if shm is None else shm
+        want_shm = (kind == "unix") if shm is None else shm
         want_shm = want_shm and not env.shm_disabled()
         hello = self._call({"op": "hello", "version": VERSION, "token": token, "model_id": model_id,
                             "layout": layout_to_dict(layout), "hash_algo": hash_algo, "shm": want_shm})[0]
@@ -307,6 +311,31 @@ class StoreClient:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def parse_address(url: str) -> tuple[str, Any]:
+    """``("unix", path)`` or ``("tcp", (host, port))`` of a daemon address.
+
+    Everything after ``unix://`` is the socket's path, so ``unix:///abs/kv.sock`` is absolute
+    and ``unix://.kvstore/kvstore.sock`` is relative to the working directory.
+    """
+    if not isinstance(url, str):
+        raise ValueError(f"url must be a str, got {type(url).__name__}")
+    if url.startswith("unix://") and len(url) > len("unix://"):
+        return "unix", url[len("unix://") :]
+    if url.startswith("tcp://"):
+        host, _, port = url[len("tcp://") :].rstrip("/").rpartition(":")
+        host = host.strip("[]")
+        if host and port.isdigit() and 0 < int(port) < 65536:
+            return "tcp", (host, int(port))
+    raise ValueError(f"url must be unix://PATH (absolute or relative) or tcp://HOST:PORT, got {url!r}")
+
+
+def _unreachable(exc: OSError, url: str, tried: str) -> OSError:
+    """``exc`` again, of the same type, naming what was tried."""
+    message = f"no kvstore daemon answers at {url!r} (tried {tried}): {exc.strerror or exc}; " \
+              "is `kvstore serve` running?"
+    return type(exc)(exc.errno, message) if exc.errno is not None else type(exc)(message)
 
 
 def _copy_runs(slots: list[int], rows: torch.Tensor, pool: torch.Tensor, *, to_pool: bool) -> None:

@@ -27,6 +27,7 @@ from kvstore.daemon.protocol import Code, ProtocolError
 from kvstore.errors import ConfigError
 from kvstore.keys import HASHES, Namespace
 from kvstore.layout import DTYPES_BY_NAME, KVLayout
+from kvstore.stats import TierCounters, tier_stats
 from kvstore.store import TieredStore
 
 if sys.version_info >= (3, 11):
@@ -244,13 +245,25 @@ class Registry:
         return [s for s in self.namespaces() if model in (s.model_id, s.id)]
 
     def tiers(self) -> dict[str, dict[str, int]]:
-        """Per tier name, every counter summed over the namespaces."""
+        """Per tier name, every counter summed over the namespaces.
+
+        A daemon's configured tiers are there from its start, before any namespace opens: their
+        ``capacity_bytes`` is the configured total (``--host-mem``, ``--disk``; every namespace
+        slot's share), their use and counters start at zero.
+        """
         out: dict[str, dict[str, int]] = {}
+        cfg = self.config
+        if cfg is not None:
+            out["host"] = tier_stats(TierCounters(), cfg.host_bytes, 0, 0)
+            if cfg.disk_bytes_per_namespace >= PAGE:
+                out["disk"] = tier_stats(TierCounters(), cfg.disk_bytes, 0, 0)
+        configured = set(out)
         for state in self.namespaces():
             for tier, row in state.store.stats().items():
                 acc = out.setdefault(tier, dict.fromkeys(row, 0))
                 for name, value in row.items():
-                    acc[name] = acc.get(name, 0) + value
+                    if name != "capacity_bytes" or tier not in configured:
+                        acc[name] = acc.get(name, 0) + value
         return out
 
     def tenant_counters(self) -> dict[str, dict[str, int]]:

@@ -95,6 +95,27 @@ def test_tiers_stats_lookup_blocks(rest_daemon: DaemonProc) -> None:
     assert set(call(f"{d.http}/v1/tenants", token=GLOBEX)[1]["tenants"]) == {"globex"}
 
 
+def test_configured_tiers_show_before_any_client(tmp_path: Path) -> None:
+    d = DaemonProc(tmp_path / "data", host_mem="1MiB", disk="2MiB")
+    try:
+        tiers = call(f"{d.http}/v1/tiers")[1]["tiers"]
+        assert set(tiers) == {"host", "disk"}
+        assert tiers["host"]["capacity_bytes"] == 1 << 20 and tiers["disk"]["capacity_bytes"] == 2 << 20
+        for row in tiers.values():
+            assert {k: v for k, v in row.items() if k != "capacity_bytes"} == dict.fromkeys(
+                ["used_bytes", "num_blocks", "hits", "misses", "evictions", "bytes_read", "bytes_written",
+                 "errors"], 0)
+        with d.connect() as client:  # a namespace opens: the totals stay the configured ones
+            keys = client.block_keys(prompt(5, 3))
+            client.put(keys, blocks(keys))
+        tiers = call(f"{d.http}/v1/tiers")[1]["tiers"]
+        assert tiers["host"]["capacity_bytes"] == 1 << 20 and tiers["host"]["num_blocks"] == 3
+        assert d.stop() == 0
+    finally:
+        if d.proc.poll() is None:
+            d.kill9()
+
+
 def test_admin_needs_the_admin_token(rest_daemon: DaemonProc) -> None:
     d = rest_daemon
     with d.connect(ACME) as acme:

@@ -55,6 +55,17 @@ def test_prompt_larger_than_the_pool(llama_dir: Path) -> None:
     llm.close()
 
 
+@pytest.mark.timeout(120)
+def test_a_sequence_that_fills_the_pool_stops_with_length(llama_dir: Path) -> None:
+    # 4 blocks of 4 tokens: a 10-token prompt may grow to 16 tokens, then it has the whole
+    # pool; before, its decode preempted itself and waited for room forever.
+    with make_engine(llama_dir, kv_cache_bytes=4 * 2048) as llm:
+        long, short = llm.generate([list(range(10)), [7, 8]], SamplingParams(max_tokens=20, ignore_eos=True))
+        assert len(long.token_ids) == 6 and long.outputs[0].finish_reason == "length"
+        assert len(short.token_ids) == 14 and short.outputs[0].finish_reason == "length"
+        llm.check_integrity()
+
+
 def test_missing_and_malformed_checkpoints(llama_dir: Path, tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="does not exist"):
         LLMEngine(str(tmp_path / "nope"))
