@@ -29,6 +29,7 @@ import torch
 
 from kvstore.config import StoreConfig
 from kvstore.layout import KVLayout
+from kvstore.levels import DiskLevel
 from kvstore.store import TieredStore
 
 BENCH_LAYOUT = KVLayout(num_layers=24, num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.float16)
@@ -130,11 +131,12 @@ def bench_disk(num_blocks: int, repeat: int, workdir: Path) -> tuple[list[Row], 
     it = iter(chains)
     # write-through: put returns after the payloads are written, synced and cataloged
     write_s = best_of(lambda: store.put(next(it), blocks), repeat)
-    direct = "O_DIRECT" if store._disk is not None and store._disk.direct_io else "buffered+fadvise"
+    disk_level = store.level("disk")
+    direct = "O_DIRECT" if isinstance(disk_level, DiskLevel) and disk_level.tier.direct_io else "buffered+fadvise"
     # dd reads the very extents that hold each chain (unwritten extents would read as free zeros)
     extents = []
     for keys in chains[:repeat]:
-        slots = sorted(int(store._index.entries[k].disk_slot or 0) for k in keys)
+        slots = sorted(int(store.block_info(k)["slots"]["disk"]) for k in keys)  # type: ignore[index]
         extents.append((slots[0], slots[-1] - slots[0] + 1))
     store.close()
     slabs = sorted(p for p in disk_dir.rglob("*") if p.is_file() and p.stat().st_size >= num_blocks * payload)

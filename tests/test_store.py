@@ -169,7 +169,8 @@ def test_write_through_puts_reach_disk_before_returning(tmp_path: Path) -> None:
     keys = chain(store, 3)
     store.put(keys, blocks_for(keys))
     assert store.stats()["disk"]["num_blocks"] == 3
-    assert {d.key for d in store._disk.entries()} == set(keys)
+    disk = store.level("disk")
+    assert {d.key for d in disk.tier.entries()} == set(keys)  # type: ignore[union-attr]
     store.check_integrity()
     store.close()
 

@@ -15,17 +15,21 @@ import torch
 
 from factories import blocks_for, chain, make_store
 
+# Large enough that no acknowledged block is ever evicted: the storm puts at most
+# STORM_PUTS chains (<= 3 blocks each) per child, 20 children.
+STORM_DISK_BLOCKS = 1 << 15
+STORM_PUTS = 500
+
 
 def _put_storm(disk_dir: str, first_salt: int, conn) -> None:  # type: ignore[no-untyped-def]
-    """Child: put chains forever under write-through, reporting each acknowledged salt."""
-    store = make_store(Path(disk_dir), host_blocks=4, disk_blocks=4096, write_policy="write_through")
+    """Child: put chains under write-through, reporting each acknowledged salt, until killed."""
+    store = make_store(Path(disk_dir), host_blocks=4, disk_blocks=STORM_DISK_BLOCKS, write_policy="write_through")
     conn.send("ready")
-    salt = first_salt
-    while True:
+    for salt in range(first_salt, first_salt + STORM_PUTS):
         keys = chain(store, 1 + salt % 3, salt=salt)
         store.put(keys, blocks_for(keys))
         conn.send(salt)  # acknowledged: durable before this message leaves
-        salt += 1
+    time.sleep(3600)  # wait for the kill
 
 
 @pytest.mark.slow
@@ -53,7 +57,7 @@ def test_kill_9_during_put_storm_never_yields_corrupt_blocks(tmp_path: Path) -> 
                 break
         acknowledged += acked
         next_salt = (max(acked) + 1 if acked else next_salt) + 1  # skip the salt that was in flight
-        store = make_store(tmp_path, host_blocks=4, disk_blocks=4096, write_policy="write_through")
+        store = make_store(tmp_path, host_blocks=4, disk_blocks=STORM_DISK_BLOCKS, write_policy="write_through")
         try:
             store.check_integrity()
             for salt in acknowledged:
@@ -75,7 +79,7 @@ def test_flipped_bytes_are_misses_and_counted(tmp_path: Path) -> None:
     chains = [chain(store, 2, salt=s) for s in range(6)]
     for keys in chains:
         store.put(keys, blocks_for(keys))
-    slots = {k: store._index.entries[k].disk_slot for keys in chains for k in keys}
+    slots = {k: store.block_info(k)["slots"]["disk"] for keys in chains for k in keys}  # type: ignore[index]
     store.close()
     victim = chains[2][1]  # the tail of chain 2
     slab = _slab_file(tmp_path / "disk")

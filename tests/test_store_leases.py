@@ -66,7 +66,7 @@ def test_write_lease_publishes_only_on_commit(tmp_path: Path) -> None:
     payload = store.layout.bytes_per_block
     rows = blocks_for(keys).view(torch.uint8).reshape(3, payload)
     for slot, row in zip(slots, rows, strict=True):
-        store._host.pool[slot, :payload].copy_(row)
+        store.level("host").tier.pool[slot, :payload].copy_(row)  # type: ignore[union-attr]
     store.commit_host(keys, slots, tenant="t")
     assert store.lookup(keys).num_blocks == 3 and torch.equal(store.get(keys), blocks_for(keys))
     assert store.block_info(keys[0])["tenant"] == "t"  # type: ignore[index]

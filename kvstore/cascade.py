@@ -1,0 +1,285 @@
+"""Cascade: the ordered list of levels, the block index over them, and the two paths between
+levels that every level goes through.
+
+    rank 0 host RAM  --make_room-->  rank 1 disk  --make_room-->  ...  --> dropped
+             ^                            |
+             +------- promotion ----------+   (reserve_host, then publish(0, ...))
+
+Demotion: ``make_room(r, n)`` takes up to ``n`` victims from level r's policy (never a pinned
+block or one being read), stores those the level below admits and does not hold yet there
+(``store``, which makes room in that level the same way), then drops them from level r. A
+block no level holds any more is forgotten (and remembered as seen once, for "seen twice"
+admission). Promotion: the read path reserves host slots, copies lower-level blocks into
+them outside the lock, and publishes the good copies on host.
+
+Every method expects the caller to hold ``lock``; the cascade owns the index's placements,
+the levels' policies and the listeners' events.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import cast
+
+import torch
+
+from kvstore.errors import CapacityError, KVStoreError
+from kvstore.eviction import EvictionPolicy
+from kvstore.index import BlockEntry, BlockIndex, PrefixMatch
+from kvstore.levels.base import Level
+from kvstore.levels.host import HostLevel
+from kvstore.listeners import Listeners
+
+GHOST_KEYS = 1 << 16  # keys remembered as "seen once" for admission="seen_twice"
+
+
+class Cascade:
+    """The levels (rank 0 must be a HostLevel), the index, and the demotion/promotion paths."""
+
+    def __init__(self, levels: list[Level]) -> None:
+        assert levels and isinstance(levels[0], HostLevel), "rank 0 must be host RAM"
+        assert [level.rank for level in levels] == list(range(len(levels))), "levels out of rank order"
+        self.levels = levels
+        self.host = cast(HostLevel, levels[0])
+        self.lock = threading.RLock()
+        self.index = BlockIndex(tuple(level.name for level in levels))
+        self.listeners = Listeners()
+        self.reserved_host = 0  # host slots handed out for promotions or leases, not yet published
+        self._seen_once: OrderedDict[bytes, None] = OrderedDict()
+        self.closed = False
+        for level in levels[1:]:
+            self._recover(level)
+
+    def check_open(self) -> None:
+        if self.closed:
+            raise KVStoreError("the store is closed")
+
+    def level(self, name: str) -> Level | None:
+        return next((level for level in self.levels if level.name == name), None)
+
+    # ----------------------------------------------------------------------------- entries
+
+    def note_use(self, entry: BlockEntry, now: float | None = None) -> None:
+        entry.last_access = time.time() if now is None else now
+        entry.num_uses += 1
+        if entry.num_uses == 1 and entry.key in self._seen_once:
+            entry.num_uses = 2  # put again after it was dropped: the second sighting
+
+    def forget(self, entry: BlockEntry) -> None:
+        """Drop an entry no level holds; remember it for 'seen twice' admission."""
+        self.index.discard(entry.key)
+        self._seen_once[entry.key] = None
+        if len(self._seen_once) > GHOST_KEYS:
+            self._seen_once.popitem(last=False)
+
+    def forget_if_unheld(self, entry: BlockEntry) -> None:
+        if entry.readers == 0 and not entry.is_held and entry.key in self.index.entries:
+            self.forget(entry)
+
+    # ----------------------------------------------------------------------------- demotion
+
+    def make_room(self, rank: int, n: int) -> None:
+        """Evict up to ``n`` blocks from level ``rank``, demoting them to the level below."""
+        level = self.levels[rank]
+        victims = self._pop_victims(level.policy, n)
+        if not victims:
+            return
+        if rank + 1 < len(self.levels):
+            below = self.levels[rank + 1]
+            # victims come tail first; reversed, they are in chain order as store() expects
+            demoted = [v for v in reversed(victims) if v.slots[below.rank] is None and below.admits(v)]
+            if demoted:
+                payloads = level.export([v.key for v in demoted], [v.slots[rank] for v in demoted])  # type: ignore[misc]
+                readable = [(v, p) for v, p in zip(demoted, payloads, strict=True) if p is not None]
+                self.store(below.rank, [v for v, _ in readable], [p for _, p in readable])
+        self._drop(level, victims)
+        level.counters.evictions += len(victims)
+
+    def _pop_victims(self, policy: EvictionPolicy, n: int) -> list[BlockEntry]:
+        """Up to ``n`` entries the policy gives up, skipping pinned and in-flight blocks."""
+        entries = self.index.entries
+        victims: list[BlockEntry] = []
+        while len(victims) < n:
+            key = policy.pop_victim(lambda k: entries[k].is_evictable)  # type: ignore[index]
+            if key is None:
+                break
+            victims.append(entries[key])  # type: ignore[index]
+        return victims
+
+    def _drop(self, level: Level, entries: list[BlockEntry]) -> None:
+        """``entries`` (already out of ``level``'s policy) leave ``level``."""
+        rank = level.rank
+        level.drop([e.key for e in entries], [e.slots[rank] for e in entries])  # type: ignore[misc]
+        for entry in entries:
+            entry.slots[rank] = None
+        self.listeners.removed(level.name, [e.key for e in entries])
+        for entry in entries:
+            self.forget_if_unheld(entry)
+
+    def store(self, rank: int, entries: list[BlockEntry], payloads: torch.Tensor | Sequence[torch.Tensor]) -> int:
+        """Write ``entries`` (chain order: heads before tails) into level ``rank`` in one batch,
+        making room first; publish what the level stored. Returns how many were stored.
+
+        Blocks that find no room (everything pinned) or meet a medium failure get no slot
+        there (the failure is counted); nothing half-written is ever published.
+        """
+        level = self.levels[rank]
+        if not entries:
+            return 0
+        short = len(entries) - level.num_free
+        if short > 0:
+            self.make_room(rank, short)
+        n = min(len(entries), level.num_free)
+        if n == 0:
+            return 0
+        entries = entries[:n]
+        slots = level.allocate(n)
+        if not level.write(entries, slots, payloads[:n]):
+            return 0
+        level.counters.bytes_written += n * self._payload_bytes()
+        self.publish(rank, entries, slots)
+        return n
+
+    def publish(self, rank: int, entries: list[BlockEntry], slots: Sequence[int]) -> None:
+        """Make ``entries`` (their bytes already in ``slots`` of level ``rank``) visible there."""
+        level = self.levels[rank]
+        for entry, slot in zip(entries, slots, strict=True):
+            entry.slots[rank] = slot
+        keys, parents = [e.key for e in entries], [e.parent for e in entries]
+        level.policy.insert(keys, parents)
+        self.listeners.stored(level.name, keys, parents)
+
+    def lost(self, rank: int, entries: list[BlockEntry]) -> None:
+        """Level ``rank`` found these blocks corrupt or unreadable and already freed their slots."""
+        level = self.levels[rank]
+        gone = [e for e in entries if e.slots[rank] is not None]
+        for entry in gone:
+            entry.slots[rank] = None
+            level.policy.remove(entry.key)
+        self.listeners.removed(level.name, [e.key for e in gone])
+
+    def delete(self, entries: list[BlockEntry]) -> None:
+        """Remove ``entries`` (none pinned or being read) from every level and the index."""
+        for level in self.levels:
+            held = [e for e in entries if e.slots[level.rank] is not None]
+            for entry in held:
+                level.policy.remove(entry.key)
+            if held:
+                level.drop([e.key for e in held], [e.slots[level.rank] for e in held])  # type: ignore[misc]
+                for entry in held:
+                    entry.slots[level.rank] = None
+                self.listeners.removed(level.name, [e.key for e in held])
+        for entry in entries:
+            self.index.discard(entry.key)
+
+    # ----------------------------------------------------------------------------- promotion
+
+    def reserve_host(self, n: int) -> list[int]:
+        """Make room for and take up to ``n`` free host slots (fewer when the rest is pinned or
+        being read). They hold no block until ``publish(0, ...)``; give unused ones back with
+        ``cancel_host``."""
+        host = self.host
+        if host.num_free < n:
+            self.make_room(0, n - host.num_free)
+        slots = host.allocate(min(n, host.num_free))
+        self.reserved_host += len(slots)
+        return slots
+
+    def reserve_host_exactly(self, n: int) -> list[int]:
+        """``reserve_host`` for a writer that needs all ``n`` slots or none.
+
+        Raises:
+            CapacityError: fewer than ``n`` slots can be freed (the rest pinned or in flight).
+        """
+        host = self.host
+        if n > host.num_slots - self.reserved_host:  # hopeless: evict nothing
+            raise CapacityError(f"need {n} host slots, {host.num_slots} in the pool, "
+                                f"{self.reserved_host} of them reserved")
+        if host.num_free < n:
+            self.make_room(0, n - host.num_free)
+        if host.num_free < n:
+            raise CapacityError(f"need {n} host slots, {host.num_free} free of "
+                                f"{host.num_slots} (the rest pinned or being read)")
+        return self.reserve_host(n)
+
+    def end_reservation(self, num_reserved: int, unused: Sequence[int]) -> None:
+        """``num_reserved`` slots from ``reserve_host`` are done with: those published hold
+        blocks now, and ``unused`` (never published) go back to the free pool."""
+        self.reserved_host -= num_reserved
+        if unused:
+            self.host.release(unused)
+
+    # ----------------------------------------------------------------------------- queries
+
+    def count_lookup(self, match: PrefixMatch, num_keys: int) -> None:
+        """Count a lookup: a level hits the blocks it is the best holder of, and misses those
+        found only below it plus one for a run that ends short."""
+        short = 1 if match.num_blocks < num_keys else 0
+        below = match.num_blocks
+        for level in self.levels:
+            hits = match.count(level.name)
+            below -= hits
+            level.counters.hits += hits
+            level.counters.misses += below + short
+
+    def held_by_tier(self) -> dict[str, list[tuple[bytes, bytes | None]]]:
+        """Per level name, ``(key, parent)`` of every block it holds."""
+        held: dict[str, list[tuple[bytes, bytes | None]]] = {level.name: [] for level in self.levels}
+        names = self.index.level_names
+        for entry in self.index.entries.values():
+            for rank, slot in enumerate(entry.slots):
+                if slot is not None:
+                    held[names[rank]].append((entry.key, entry.parent))
+        return held
+
+    def check_integrity(self) -> None:
+        """Assert the index agrees with every level: slots, policies, pins, media."""
+        entries = list(self.index.entries.values())
+        assert self.reserved_host >= 0
+        for entry in entries:
+            assert entry.is_held, f"block {entry.key.hex()} indexed but in no tier"
+            assert entry.pins >= 0 and entry.readers >= 0, f"block {entry.key.hex()} negative counts"
+        for level in self.levels:
+            rank = level.rank
+            held = {e.key: e.slots[rank] for e in entries if e.slots[rank] is not None}
+            for entry in entries:
+                assert (entry.slots[rank] is not None) == (entry.key in level.policy), (
+                    f"block {entry.key.hex()}: {level.name} slot and {level.name} policy disagree"
+                )
+            assert len(level.policy) == len(held)
+            level.policy.check_integrity()
+            if rank > 0 or self.reserved_host == 0:  # reserved host slots are in neither list
+                level.check_integrity(held)  # type: ignore[arg-type]
+
+    # ----------------------------------------------------------------------------- lifecycle
+
+    def write_back(self) -> None:
+        """Before close: store what lives only in host RAM one level down, most valuable kept
+        when that level is too small (host is drained in eviction order, least valuable first)."""
+        if len(self.levels) < 2:
+            return
+        below, entries = self.levels[1], self.index.entries
+        host_only: list[BlockEntry] = []
+        while (key := self.host.policy.pop_victim()) is not None:
+            entry = entries[key]  # type: ignore[index]
+            if entry.slots[below.rank] is None and below.admits(entry):
+                host_only.append(entry)
+        keep = host_only[-below.num_slots :][::-1]
+        self.store(below.rank, keep, self.host.views([e.slots[0] for e in keep]))  # type: ignore[misc]
+
+    def _recover(self, level: Level) -> None:
+        """Index what a persistent level kept from an earlier run: its catalog is the truth."""
+        found = level.recover()
+        for item in found:
+            entry = self.index.get(item.key)
+            if entry is None:
+                entry = self.index.new_entry(item.key, None, item.tenant, item.created)
+            entry.slots[level.rank] = item.slot
+        # newest first: the policy treats the list like a chain and evicts its end first
+        level.policy.insert([d.key for d in found], [None] * len(found))
+
+    def _payload_bytes(self) -> int:
+        return self.host.tier.payload_bytes

@@ -1,0 +1,143 @@
+"""Level: one tier of the store's cascade, as the cascade sees it.
+
+A level is a slot store (a dumb tier from ``tiers/``) plus what the cascade needs to run it:
+its eviction policy, its counters and its admission rule. Every level answers the same small
+interface, so the cascade walks a list and never asks which medium it is talking to; a new
+medium is a new ``Level`` subclass and one more entry in the list.
+
+Rank 0 is host RAM: puts land there, promotions go there, leases map it. Ranks below it are
+ordered by speed; evicting from rank r demotes to rank r + 1, and the last level drops.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvstore.eviction import EvictionPolicy
+from kvstore.index import BlockEntry
+from kvstore.stats import TierCounters, tier_stats
+
+
+@dataclass(frozen=True)
+class Recovered:
+    """A block an earlier run left in a persistent level (the level's catalog is the truth)."""
+
+    key: bytes
+    slot: int
+    tenant: str
+    created: float
+    last_access: float
+
+
+class Level(ABC):
+    """One tier of the cascade. The cascade calls every method under the store lock, except
+    ``read``, which it calls on blocks it holds as being read (``readers > 0``), so their slots
+    cannot be dropped or reused meanwhile.
+
+    Attributes:
+        name: the tier's name in lookups, stats and events ("host", "disk", ...).
+        rank: the level's position in the cascade (0 = host RAM); ``entry.slots[rank]``.
+        policy: which of the level's blocks goes first when it must make room.
+        counters: hits, misses, evictions, bytes moved, errors.
+        admission: "all" blocks, or only blocks "seen_twice" (put, then used again).
+    """
+
+    def __init__(self, name: str, rank: int, policy: EvictionPolicy, admission: str = "all") -> None:
+        self.name = name
+        self.rank = rank
+        self.policy = policy
+        self.counters = TierCounters()
+        self.admission = admission
+
+    def admits(self, entry: BlockEntry) -> bool:
+        """Whether a block demoted from the level above may enter this one."""
+        return self.admission == "all" or entry.num_uses >= 2
+
+    # ----------------------------------------------------------------------------- occupancy
+
+    @property
+    @abstractmethod
+    def num_slots(self) -> int: ...
+
+    @property
+    @abstractmethod
+    def num_free(self) -> int:
+        """Slots neither holding a block nor handed out by ``allocate``."""
+
+    @property
+    @abstractmethod
+    def num_used(self) -> int:
+        """Slots holding a block."""
+
+    @property
+    @abstractmethod
+    def slot_bytes(self) -> int: ...
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.num_slots * self.slot_bytes
+
+    # ----------------------------------------------------------------------------- slots and bytes
+
+    @abstractmethod
+    def allocate(self, n: int) -> list[int]:
+        """Take ``n`` free slots (the caller made room first). Raises TierFullError if fewer."""
+
+    @abstractmethod
+    def release(self, slots: Sequence[int]) -> None:
+        """Give back slots from ``allocate`` that were never published."""
+
+    @abstractmethod
+    def write(self, entries: Sequence[BlockEntry], slots: Sequence[int],
+              payloads: torch.Tensor | Sequence[torch.Tensor]) -> bool:
+        """Store ``payloads[i]`` (uint8 rows, at least the payload size each) in ``slots[i]`` for
+        ``entries[i]``, durably for a persistent level.
+
+        Returns:
+            True when every block is stored; False when the medium failed: nothing is
+            stored, the slots are free again, and the error is counted.
+        """
+
+    @abstractmethod
+    def read(self, keys: Sequence[bytes], slots: Sequence[int], outs: Sequence[torch.Tensor]) -> list[bool]:
+        """Copy each slot's payload into ``outs[i]`` and verify it.
+
+        Returns:
+            Per block, True when ``outs[i]`` holds the bytes written under ``keys[i]``. A
+            False block is gone from the level (a corrupt slot is dropped, counted); the
+            caller forgets that copy. Never raises for a medium failure.
+        """
+
+    def export(self, keys: Sequence[bytes], slots: Sequence[int]) -> list[torch.Tensor | None]:
+        """The payloads of ``slots`` for a demotion to the level below: zero-copy views where
+        the medium is memory, else verified copies (None for a block that failed its read)."""
+        outs = [torch.empty(self.slot_bytes, dtype=torch.uint8) for _ in slots]
+        flags = self.read(keys, slots, outs)
+        return [out if good else None for out, good in zip(outs, flags, strict=True)]
+
+    @abstractmethod
+    def drop(self, keys: Sequence[bytes], slots: Sequence[int]) -> None:
+        """The blocks leave the level (evicted or deleted): their slots become free."""
+
+    def recover(self) -> list[Recovered]:
+        """Blocks a persistent level holds from an earlier run, newest first (none by default)."""
+        return []
+
+    # ----------------------------------------------------------------------------- state
+
+    def stats(self) -> dict[str, Any]:
+        """capacity_bytes, used_bytes, num_blocks and the counters (see kvstore.stats)."""
+        return tier_stats(self.counters, self.capacity_bytes, self.num_used, self.slot_bytes)
+
+    @abstractmethod
+    def check_integrity(self, held: dict[bytes, int]) -> None:
+        """Assert the medium agrees with the index's view ``held`` (key -> slot)."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release the medium. The cascade has written back what it wanted to keep."""

@@ -1,0 +1,134 @@
+"""The read path behind get, fetch, prefetch and read leases.
+
+Three phases:
+
+  1. under the lock: resolve the leading run of keys, mark each block as being read
+     (``readers += 1``: no eviction or delete can take its slot), and reserve host slots
+     for promoting the blocks found only in lower levels;
+  2. without the lock: copy host blocks into the destination, one copy per run; read each
+     lower level's blocks (verified) into the reserved host slots, or straight into the
+     destination when no slot could be reserved;
+  3. under the lock: publish the promoted copies on host, forget blocks a level found
+     corrupt, release the readers.
+
+A block that fails its read ends the delivered run there: the caller recomputes the rest.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import torch
+
+from kvstore.cascade import Cascade
+from kvstore.index import BlockEntry, PrefixMatch
+from kvstore.transfer import FetchResult
+
+
+class ReadPath:
+    def __init__(self, cascade: Cascade, *, promote: bool) -> None:
+        self.cascade = cascade
+        self.promote = promote
+
+    def read_into(self, keys: Sequence[bytes], dst: torch.Tensor | None, *, count: bool = False) -> FetchResult:
+        """Copy the leading run of found blocks into ``dst`` rows ([n, payload] uint8, CPU);
+        with ``dst=None``, only promote lower-level blocks to host (a prefetch)."""
+        cascade = self.cascade
+        names = cascade.index.level_names
+        with cascade.lock:
+            cascade.check_open()
+            plan: list[tuple[BlockEntry, int]] = []
+            entries, now = cascade.index.entries, time.time()
+            for key in keys:  # hot loop: one dict lookup and a few attribute updates a block
+                entry = entries.get(key)
+                if entry is None:
+                    break
+                rank = entry.best_rank
+                if rank is None:
+                    break
+                entry.readers += 1
+                cascade.note_use(entry, now)
+                plan.append((entry, rank))
+            if count:
+                cascade.count_lookup(PrefixMatch(len(plan), tuple(names[r] for _, r in plan)), len(keys))
+            host_keys = [e.key for e, r in plan if r == 0]
+            if host_keys:
+                cascade.host.policy.access(host_keys)
+            lower = [(e, r) for e, r in plan if r > 0]
+            promo_slots = cascade.reserve_host(len(lower)) if lower and self.promote else []
+        ok: dict[bytes, bool] = {}
+        try:
+            ok = self._copy(plan, lower, promo_slots, dst)
+        finally:
+            with cascade.lock:
+                self._finish(plan, lower, promo_slots, ok)
+        delivered = 0
+        for entry, _rank in plan:
+            if not ok.get(entry.key, True):
+                break
+            delivered += 1
+        return FetchResult(delivered, tuple(names[r] for _, r in plan[:delivered]))
+
+    def _copy(self, plan: list[tuple[BlockEntry, int]], lower: list[tuple[BlockEntry, int]],
+              promo_slots: list[int], dst: torch.Tensor | None) -> dict[bytes, bool]:
+        cascade = self.cascade
+        host = cascade.host
+        payload = host.tier.payload_bytes
+        ok: dict[bytes, bool] = {}
+        rows = {e.key: i for i, (e, _r) in enumerate(plan)}
+        host_items = [(rows[e.key], e.slots[0]) for e, r in plan if r == 0]
+        if dst is not None and host_items:
+            idx, slots = zip(*host_items, strict=True)
+            if list(idx) == list(range(idx[0], idx[0] + len(idx))):
+                host.read_rows(slots, dst[idx[0] : idx[0] + len(idx)])
+            else:
+                for i, slot in host_items:
+                    host.read_rows([slot], dst[i : i + 1])  # type: ignore[list-item]
+            host.counters.bytes_read += len(host_items) * payload
+        if not lower:
+            return ok
+        # Each lower block goes into its reserved host slot, or straight into dst without one.
+        outs: list[torch.Tensor] = host.views(promo_slots)
+        if dst is not None:
+            outs += [dst[rows[e.key]] for e, _r in lower[len(promo_slots) :]]
+        targets = list(zip(lower[: len(outs)], outs, strict=True))
+        for level in cascade.levels[1:]:
+            mine = [(e, out) for (e, r), out in targets if r == level.rank]
+            if not mine:
+                continue
+            flags = level.read([e.key for e, _ in mine], [e.slots[level.rank] for e, _ in mine],  # type: ignore[misc]
+                               [out for _, out in mine])
+            for (entry, _out), good in zip(mine, flags, strict=True):
+                ok[entry.key] = good
+            level.counters.bytes_read += sum(flags) * payload
+        if dst is not None:
+            for (entry, _r), slot in zip(lower, promo_slots, strict=False):
+                if ok[entry.key]:
+                    host.read_rows([slot], dst[rows[entry.key]].unsqueeze(0))
+        return ok
+
+    def _finish(self, plan: list[tuple[BlockEntry, int]], lower: list[tuple[BlockEntry, int]],
+                promo_slots: list[int], ok: dict[bytes, bool]) -> None:
+        cascade = self.cascade
+        promoted: list[BlockEntry] = []
+        promoted_slots: list[int] = []
+        unused: list[int] = []
+        for i, (entry, rank) in enumerate(lower):
+            good = ok.get(entry.key, False)
+            if not good and entry.key in ok:
+                cascade.lost(rank, [entry])  # the level dropped the corrupt or unreadable slot
+            elif good:
+                cascade.levels[rank].policy.access([entry.key])
+            if i < len(promo_slots):
+                if good and entry.slots[0] is None and entry.key in cascade.index:
+                    promoted.append(entry)
+                    promoted_slots.append(promo_slots[i])
+                else:
+                    unused.append(promo_slots[i])
+        cascade.end_reservation(len(promo_slots), unused)
+        if promoted:
+            cascade.publish(0, promoted, promoted_slots)
+        for entry, _rank in plan:
+            entry.readers -= 1
+            cascade.forget_if_unheld(entry)
