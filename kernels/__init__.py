@@ -1,4 +1,4 @@
-"""Attention and block-move kernels over the block-major KV pool, with a backend dispatcher.
+"""Attention, block-move and dequantize kernels over the block-major KV pool, with a backend dispatcher.
 
 The pool is ``[num_blocks, layers, 2, block_size, kv_heads, head_dim]``; attention and
 ``store_kv`` take one layer's K and V views (``pool[:, layer, 0]``, ``pool[:, layer, 1]``, each
@@ -24,7 +24,14 @@ import torch
 from kernels import reference
 from kvstore import env
 
-__all__ = ["gather_blocks", "paged_decode_attention", "paged_prefill_attention", "scatter_blocks", "store_kv"]
+__all__ = [
+    "dequantize_int8",
+    "gather_blocks",
+    "paged_decode_attention",
+    "paged_prefill_attention",
+    "scatter_blocks",
+    "store_kv",
+]
 
 
 @functools.cache
@@ -197,3 +204,25 @@ def scatter_blocks(pool: torch.Tensor, block_ids: torch.Tensor, src: torch.Tenso
     if _use_triton(pool.device):
         return _triton_module("block_copy").scatter_blocks(pool, block_ids, src)
     return reference.scatter_blocks(pool, block_ids, src)
+
+
+def dequantize_int8(data: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Decode int8 rows with one scale per row: ``out[b, r, :] = data[b, r, :] * scales[b, r]``.
+
+    The product is formed in float32 and rounded once to ``out``'s dtype (the int8 codec's
+    decode; ``data`` and ``scales`` are usually strided views of encoded blocks).
+
+    Args:
+        data: ``[n, rows, head_dim]`` int8, head_dim contiguous (other strides free).
+        scales: ``[n, rows]`` float16 or float32.
+        out: ``[n, rows, head_dim]`` float32/float16/bfloat16, head_dim contiguous.
+
+    Returns:
+        ``out``.
+
+    Raises:
+        ValueError: a shape, dtype, stride or device does not fit.
+    """
+    if _use_triton(out.device):
+        return _triton_module("dequant").dequantize_int8(data, scales, out)
+    return reference.dequantize_int8(data, scales, out)

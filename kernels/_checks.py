@@ -217,6 +217,23 @@ def check_block_copy(pool: torch.Tensor, block_ids: torch.Tensor, staging: torch
             raise ValueError(f"block_ids must be distinct for a scatter, got {n} ids with repeats")
 
 
+def check_dequantize_int8(data: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> None:
+    """Check int8 ``data [n, rows, head_dim]``, float16/float32 ``scales [n, rows]`` and ``out``
+    like ``data`` (float32/float16/bfloat16), head_dim contiguous, on one device."""
+    check_tensor("data", data, 3, (torch.int8,))
+    check_tensor("scales", scales, 2, (torch.float16, torch.float32))
+    check_tensor("out", out, 3, ATTENTION_DTYPES)
+    if tuple(scales.shape) != tuple(data.shape[:2]) or out.shape != data.shape:
+        raise ValueError(
+            f"data {tuple(data.shape)}, scales {tuple(scales.shape)} and out {tuple(out.shape)} must be "
+            "[n, rows, head_dim], [n, rows] and [n, rows, head_dim]"
+        )
+    for name, t in (("data", data), ("out", out)):
+        if t.shape[-1] > 1 and t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in head_dim, got strides {t.stride()}")
+    check_same_device(data=data, scales=scales, out=out)
+
+
 def device_guard(device: torch.device) -> contextlib.AbstractContextManager[object]:
     """Make ``device`` current for a Triton launch (Triton launches on the current CUDA device)."""
     if device.type == "cuda":

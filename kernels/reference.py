@@ -173,3 +173,17 @@ def scatter_blocks(pool: torch.Tensor, block_ids: torch.Tensor, src: torch.Tenso
     """Reference of ``kernels.scatter_blocks``: ``pool[block_ids[i]] = src[i]``."""
     _checks.check_block_copy(pool, block_ids, src, unique=True)
     pool.index_copy_(0, block_ids.to(pool.device, torch.long), src.to(pool.device))
+
+
+def dequantize_int8(data: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Reference of ``kernels.dequantize_int8``: ``out[b, r] = data[b, r] * scales[b, r]``."""
+    _checks.check_dequantize_int8(data, scales, out)
+    column = scales.unsqueeze(-1)
+    if scales.dtype == out.dtype or out.dtype == torch.float32:
+        # |q| <= 127 is exact in every float dtype, and the product of an int8 and a float16
+        # is exact in float32, so this rounds once, as the kernel does; no temporary.
+        out.copy_(data)
+        out.mul_(column)
+    else:
+        out.copy_(data.float().mul_(column.float()))
+    return out

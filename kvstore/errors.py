@@ -21,8 +21,19 @@ class CapacityError(KVStoreError):
     """A tier cannot make room: e.g. ``need 12 blocks, 3 free of 4096 (4093 pinned)``."""
 
 
+class CodecError(KVStoreError, ValueError):
+    """A block cannot be encoded: NaN/Inf values, or a scale out of the scale dtype's range."""
+
+
+class CodecFormatError(CodecError):
+    """An encoded block this reader refuses: foreign magic, unknown codec id or version,
+    another dtype or geometry, or a wrong length. The message names the block and the field."""
+
+
 __all__ = [
     "CapacityError",
+    "CodecError",
+    "CodecFormatError",
     "ConfigError",
     "CorruptSlotError",
     "KVStoreError",

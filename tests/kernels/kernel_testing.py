@@ -17,7 +17,13 @@ import pytest
 import torch
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-TRITON_MODULES = ("kernels.decode_attention", "kernels.prefill_attention", "kernels.cache_write", "kernels.block_copy")
+TRITON_MODULES = (
+    "kernels.decode_attention",
+    "kernels.prefill_attention",
+    "kernels.cache_write",
+    "kernels.block_copy",
+    "kernels.dequant",
+)
 
 if DEVICE.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
     os.environ["TRITON_INTERPRET"] = "1"

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import kernels
-from kernels import block_copy, cache_write, decode_attention, prefill_attention, reference
+from kernels import block_copy, cache_write, decode_attention, dequant, prefill_attention, reference
 
 from kernel_testing import DEVICE, assert_close, cu_seqlens, make_paged_kv, random_queries
 
@@ -30,7 +30,10 @@ def _calls() -> dict[str, tuple[ModuleType, tuple[Any, ...]]]:
     slots = torch.tensor([40, -1, 41, 3], device=DEVICE)
     paged = (kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens)
     ids = torch.tensor([1, 0])
+    data = torch.randint(-127, 128, (2, 3, 32), dtype=torch.int8, device=DEVICE)
+    scales = torch.rand((2, 3), device=DEVICE)
     return {
+        "dequantize_int8": (dequant, (data, scales, torch.empty(data.shape, device=DEVICE))),
         "paged_decode_attention": (decode_attention, (q, *paged, 0.1)),
         "paged_prefill_attention": (prefill_attention, (rows, *paged, cu_seqlens([1, 3]), 0.1)),
         "store_kv": (cache_write, (new_kv, new_kv, kv.k_cache, kv.v_cache, slots)),

@@ -1,0 +1,66 @@
+"""Codecs: how a tier represents a block (docs/storage-format.md, "Codecs").
+
+``get_codec(name)`` gives the codec a config names; ``codec_for_header`` the one that wrote an
+encoded block, so a reader follows the block's own header rather than today's configuration.
+
+| name        | lossy | elements          | scales                                  |
+|-------------|-------|-------------------|-----------------------------------------|
+| ``none``    | no    | the block's bytes | none (no header either)                 |
+| ``int8``    | yes   | int8              | float16 per (layer, K/V, token, head)   |
+| ``int8-fp32`` | yes | int8              | float32 per (layer, K/V, token, head)   |
+| ``fp8``     | yes   | float8 e4m3fn     | float32 per (layer, K/V, block, head)   |
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from kvstore.codecs.base import Codec
+from kvstore.codecs.fp8 import Fp8Codec
+from kvstore.codecs.header import BlockHeader
+from kvstore.codecs.int8 import Int8Codec, Int8Fp32Codec
+from kvstore.codecs.raw import RawCodec
+from kvstore.codecs.scaled import ScaledCodec
+from kvstore.errors import CodecFormatError, ConfigError
+
+_FACTORIES: dict[str, Callable[[], Codec]] = {
+    RawCodec.name: RawCodec,
+    Int8Codec.name: Int8Codec,
+    Int8Fp32Codec.name: Int8Fp32Codec,
+    Fp8Codec.name: Fp8Codec,
+}
+CODECS: tuple[str, ...] = tuple(_FACTORIES)
+_INSTANCES: dict[str, Codec] = {name: make() for name, make in _FACTORIES.items()}
+
+
+def get_codec(name: str) -> Codec:
+    """The codec registered as ``name`` (shared, stateless instance).
+
+    Raises:
+        ConfigError: an unknown name (the message lists the known ones).
+    """
+    codec = _INSTANCES.get(name) if isinstance(name, str) else None
+    if codec is None:
+        raise ConfigError(f"codec must be one of {list(CODECS)}, got {name!r}")
+    return codec
+
+
+def codec_for_header(header: BlockHeader) -> ScaledCodec:
+    """The codec whose blocks carry ``header``'s codec id, version and scale dtype.
+
+    Raises:
+        CodecFormatError: no codec of this reader writes such blocks (e.g. a newer version).
+    """
+    for codec in _INSTANCES.values():
+        if (isinstance(codec, ScaledCodec) and codec.codec_id == header.codec_id
+                and codec.version == header.version and codec.scale_dtype == header.scale_dtype
+                and codec.scale_layout == header.scale_layout):
+            return codec
+    raise CodecFormatError(
+        f"no codec here reads codec id {header.codec_id} version {header.version} with "
+        f"{header.scale_dtype} scales (layout {header.scale_layout})"
+    )
+
+
+__all__ = ["CODECS", "Codec", "Fp8Codec", "Int8Codec", "Int8Fp32Codec", "RawCodec", "ScaledCodec",
+           "codec_for_header", "get_codec"]
