@@ -66,6 +66,8 @@ class LLMEngine:
         self._max_seq_tokens = min(self.max_model_len, num_blocks * c.block_size)
         self.model_id = c.model_id or ckpt.model_id
         self.store, self._owns_store = self._open_store()
+        # the namespace the keys hash in (a router computes the same keys from it)
+        self.namespace: Namespace = getattr(self.store, "namespace", None) or Namespace(self.model_id, self.layout)
         self.block_manager = BlockManager(self.pool, c.block_size, self.store)
         fetcher = Fetcher(self.store, self.pool.pool, c.fetch_policy, c.block_size) if self.store is not None else None
         self.fetcher = fetcher
@@ -142,6 +144,23 @@ class LLMEngine:
         self._requests[request_id] = request
         self.scheduler.add(request.seqs[0])
         return request_id
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request and free its blocks (its full blocks stay in the device prefix cache).
+        Returns False (and changes nothing) for an unknown or already finished request id."""
+        self._check_open()
+        request = self._requests.pop(str(request_id), None)
+        if request is None:
+            return False
+        self.scheduler.abort(request.seqs)
+        request.forked = True
+        request.metrics.latency_s = time.perf_counter() - request.metrics.arrival_s
+        return True
+
+    def prompt_token_ids(self, prompt: Prompt) -> list[int]:
+        """The token ids ``add_request`` would queue for ``prompt``, queuing nothing. Reads only
+        settings fixed at construction, so any thread may call it. Raises ValueError as add_request."""
+        return self._tokens(prompt)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work()

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from kvstore.index import PrefixMatch
+from kvstore.keys import Namespace
 from kvstore.layout import KVLayout
 from kvstore.transfer import FetchHandle
 
@@ -40,6 +41,10 @@ class DaemonStore:
     def tenant(self) -> str:
         """The daemon-side tenant of this connection's token."""
         return self.client.tenant
+
+    @property
+    def namespace(self) -> Namespace:
+        return self.client.hasher.namespace
 
     def block_keys(self, token_ids: Sequence[int], tenant: str = "", extra_keys: Any = None,
                    parent: bytes | None = None) -> list[bytes]:

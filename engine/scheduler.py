@@ -233,6 +233,21 @@ class Scheduler:
         seq.block_table = []
         self.running.remove(seq)
 
+    def abort(self, seqs: list[Sequence]) -> None:
+        """Stop ``seqs`` wherever they are and release their blocks (full blocks stay cached).
+        A sequence whose fetch is in flight waits for it first: the fetch writes its blocks."""
+        for seq in seqs:
+            if seq.status == SeqStatus.LOADING:
+                seq.loading.handle.wait()
+                self.finish_loading(seq)
+            if seq.status == SeqStatus.RUNNING:
+                self.finish(seq, "abort")
+            elif seq.status == SeqStatus.WAITING:
+                assert not seq.block_table, "a waiting sequence holds no blocks"
+                self.waiting.remove(seq)
+                seq.status = SeqStatus.FINISHED
+                seq.finish_reason = "abort"
+
     def abort_all(self) -> list[Any]:
         """Wait for fetches in flight and release every sequence's blocks (engine shutdown)."""
         for seq in list(self.loading):

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.util
 import sys
 from collections.abc import Sequence
 
@@ -22,6 +24,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.register(subparsers)
     replay.register(subparsers)
     daemon_cli.register(subparsers)
+    if importlib.util.find_spec("engine"):  # `kvstore engine`, where the engine package is installed
+        importlib.import_module("engine.serve.cli").register(subparsers)
     return parser
 
 

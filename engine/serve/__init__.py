@@ -1,0 +1,1 @@
+"""``kvstore engine``: the engine behind an OpenAI-compatible HTTP API (docs/serving.md)."""
