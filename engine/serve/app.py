@@ -37,6 +37,8 @@ from engine.serve.tokenizer import ServeTokenizer
 
 log = logging.getLogger("kvstore.engine.serve")
 DISCONNECT_POLL_S = 0.25
+UNION_MESSAGES = {"prompt": "must be a string, a list of token ids, or a list of strings or of token id lists",
+                  "stop": "must be a string or a list of strings"}
 
 
 @dataclass
@@ -85,8 +87,9 @@ async def _body(request: Request, model: type[BaseModel]) -> Any:
         return model.model_validate(data)
     except ValidationError as exc:
         first = exc.errors()[0]
-        param = ".".join(str(p) for p in first["loc"]) or None
-        msg = first["msg"].removeprefix("Value error, ")
+        param = str(first["loc"][0]) if first["loc"] else None
+        msg = UNION_MESSAGES.get(param or "") if len(first["loc"]) > 1 else None
+        msg = msg or first["msg"].removeprefix("Value error, ")
         raise bad_request(f"{param}: {msg}" if param else msg, param=param) from None
 
 

@@ -8,7 +8,7 @@ from typing import Any
 class APIError(Exception):
     """An error the API reports to the client as JSON (never with secrets in the message)."""
 
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error",  # noqa: A002
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
                  param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
         self.status = status

@@ -135,19 +135,19 @@ class EngineLoop:
             for request_id, sink in list(self._sinks.items()):
                 try:
                     self.llm.abort(request_id)
-                except Exception:  # noqa: BLE001 - already failing; the sink gets the first error
+                except Exception:
                     log.exception("abort after a failed step")
                 sink(exc)
             self._sinks.clear()
             return
         self.num_steps += 1
         for out in outputs:
-            sink = self._sinks.get(out.request_id)
-            if sink is None:
+            target = self._sinks.get(out.request_id)
+            if target is None:
                 continue
             if out.finished:
                 del self._sinks[out.request_id]
-            sink(out)
+            target(out)
 
     def _snapshot(self) -> Load:
         sched = self.llm.scheduler

@@ -43,6 +43,7 @@ class Shapes:
     def body(self, gens: list[Generation]) -> dict[str, Any]:
         """The whole (non-streamed) response."""
         samples = sorted((s for g in gens for s in g.samples), key=lambda s: s.index)
+        choices: list[dict[str, Any]]
         if self.kind == "completion":
             choices = [{"index": s.index, "text": s.emitted, "logprobs": None, "finish_reason": s.finish_reason}
                        for s in samples]

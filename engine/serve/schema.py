@@ -9,7 +9,17 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    field_validator,
+    model_validator,
+)
 
 UNSUPPORTED = ("echo", "suffix", "logprobs", "top_logprobs", "tools", "response_format", "logit_bias")
 TokenIds = list[StrictInt]
@@ -73,7 +83,7 @@ class CompletionRequest(SamplingFields):
         if isinstance(p, str):
             return [p]
         if p and isinstance(p[0], list | str):
-            return list(p)  # type: ignore[arg-type]
+            return list(p)
         return [p]  # type: ignore[list-item]
 
 

@@ -1,0 +1,105 @@
+"""Real ``kvstore engine`` processes for the server tests: started on a free port, ready when
+/health answers, stopped by SIGTERM (or killed)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import torch
+
+ROOT = Path(__file__).resolve().parents[3]
+# small enough that a start and a few hundred decode steps take seconds on a loaded CPU
+TINY = dict(num_layers=2, hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2, head_dim=16,
+            vocab_size=512)
+BLOCK = 4
+MAX_MODEL_LEN = 512
+ENGINE_ARGS = ["--random-model", "--random-config", json.dumps(TINY), "--block-size", str(BLOCK),
+               "--max-model-len", str(MAX_MODEL_LEN), "--host-mem", "8MiB", "--kv-cache", "4MiB", "--seed", "3"]
+
+
+class EngineServer:
+    """``python -m kvstore.cli engine ...`` in a subprocess; ``url`` is its http://host:port."""
+
+    def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
+        cmd = [sys.executable, "-m", "kvstore.cli", "engine", *ENGINE_ARGS, "--port", "0", *args]
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.lines: list[str] = []
+        assert self.proc.stdout is not None
+        deadline = time.monotonic() + 120
+        line = ""
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"kvstore engine exited ({self.proc.wait()}): {''.join(self.lines)}")
+            self.lines.append(line)
+            if "ready" in line:
+                break
+        match = re.search(r"(http://\S+) ", line)
+        assert match, line
+        self.url = match.group(1)
+        threading.Thread(target=self._drain, daemon=True).start()
+        while time.monotonic() < deadline:  # ready means bound; /health means serving
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.05)
+        raise RuntimeError(f"/health did not answer: {self.output}")
+
+    def _drain(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def client(self, api_key: str = "unused", **kw: Any) -> Any:
+        import openai
+
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key, max_retries=0, **kw)
+
+    def load(self) -> dict[str, Any]:
+        return httpx.get(f"{self.url}/v1/kvstore/load", timeout=5).json()
+
+    def wait_idle(self, timeout: float = 20.0) -> dict[str, Any]:
+        """The load once nothing runs, waits or holds a device block."""
+        deadline = time.monotonic() + timeout
+        while True:
+            load = self.load()
+            if not (load["running"] or load["waiting"] or load["loading"]) and load["kv_usage"] == 0:
+                return load
+            if time.monotonic() > deadline:
+                raise AssertionError(f"not idle after {timeout} s: {load}")
+            time.sleep(0.05)
+
+    def stop(self, timeout: float = 30.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+def reference_engine() -> Any:
+    """An in-process LLMEngine with the server's model, seed and block size."""
+    from engine import LLMEngine
+
+    return LLMEngine(None, random_model=TINY, seed=3, block_size=BLOCK, max_model_len=MAX_MODEL_LEN,
+                     kv_cache_bytes=4 << 20, host_bytes=0, dtype=torch.float32)

@@ -1,0 +1,74 @@
+"""Tenants of ``kvstore engine --tokens FILE --router-token SECRET``: a Bearer token names the
+tenant, the tenant salts the keys, so tenants never see each other's cached tokens; a router
+names the tenant in X-KVStore-Tenant only with the router token; off loopback needs tokens."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from serve_helpers import BLOCK, ROOT, EngineServer
+
+PROMPT = [11 + i for i in range(10 * BLOCK + 1)]  # 10 full cacheable blocks
+ROUTER = "router-secret-1234"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    tokens = tmp_path_factory.mktemp("tenants") / "tokens.toml"
+    tokens.write_text('[[tenant]]\nname = "acme"\ntokens = ["tok-acme"]\n\n'
+                      '[[tenant]]\nname = "globex"\ntokens = ["tok-globex", "tok-globex-2"]\n')
+    srv = EngineServer("--tokens", str(tokens), "--router-token", ROUTER)
+    yield srv
+    srv.kill()
+
+
+def cached(client: Any, prompt: list[int] = PROMPT, **kw: Any) -> int:
+    r = client.completions.create(model="random", prompt=prompt, max_tokens=2, temperature=0, **kw)
+    return int(r.usage.prompt_tokens_details.cached_tokens)
+
+
+def test_tenants_never_see_each_others_cache(server: EngineServer) -> None:
+    acme, globex = server.client("tok-acme"), server.client("tok-globex")
+    assert cached(acme) == 0
+    assert cached(acme) == 10 * BLOCK  # acme's own prefix
+    assert cached(globex) == 0  # the same prompt, another tenant: nothing shared
+    assert cached(server.client("tok-globex-2")) == 10 * BLOCK  # the same tenant by another token
+
+
+def test_router_names_the_tenant_only_with_its_token(server: EngineServer) -> None:
+    prompt = [200 + i for i in range(6 * BLOCK + 1)]
+    assert cached(server.client("tok-acme"), prompt) == 0
+    router = server.client(ROUTER)
+    assert cached(router, prompt, extra_headers={"X-KVStore-Tenant": "acme"}) == 6 * BLOCK
+    assert cached(router, prompt, extra_headers={"X-KVStore-Tenant": "globex"}) == 0
+    assert cached(router, prompt) == 0  # the router's own tenant "" shares nothing either
+    with pytest.raises(openai.PermissionDeniedError):  # a tenant cannot pose as another
+        cached(server.client("tok-globex"), prompt, extra_headers={"X-KVStore-Tenant": "acme"})
+
+
+def test_bad_tokens_get_401_and_secrets_stay_out(server: EngineServer) -> None:
+    for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": "Basic abc"}):
+        r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "hi"}, headers=headers)
+        assert r.status_code == 401, r.text
+        assert r.json()["error"]["type"] == "authentication_error"
+        assert "nope" not in r.text and "tok-" not in r.text
+    with pytest.raises(openai.AuthenticationError):
+        server.client("wrong").models.list()
+    assert httpx.get(f"{server.url}/v1/kvstore/info").status_code == 401
+    assert httpx.get(f"{server.url}/v1/kvstore/info", headers={"Authorization": f"Bearer {ROUTER}"}).status_code == 200
+    assert httpx.get(f"{server.url}/health").status_code == 200  # health and metrics stay open
+    metrics = httpx.get(f"{server.url}/metrics").text
+    assert ROUTER not in metrics and "tok-acme" not in metrics and ROUTER not in server.output
+
+
+def test_off_loopback_without_tokens_is_refused(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "kvstore.cli", "engine", "--random-model", "--host", "0.0.0.0"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "off loopback" in proc.stderr
