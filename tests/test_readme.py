@@ -8,6 +8,7 @@ ignores them when it renders the page:
     daemon                 a real ``kvstore serve`` with its defaults in that directory (data
                            in ./.kvstore, socket ./.kvstore/kvstore.sock), small sizes, no TCP
     hf-checkpoint=PATH     a small random Llama checkpoint (Hugging Face layout) at PATH
+    engine                 a real ``kvstore engine --random-model --port 8000`` (small sizes)
 
 A block that needs something else gets a new word and a fixture below, never a skip.
 Each ```` ```sh ```` line that runs ``kvstore ...`` must parse with the real command line
@@ -73,6 +74,26 @@ def running_daemon(cwd: Path, _arg: str) -> Iterator[None]:
 
 
 @contextmanager
+def running_engine(cwd: Path, _arg: str) -> Iterator[None]:
+    args = ["--random-model", "--port", "8000", "--host-mem", "16MiB", "--kv-cache", "16MiB"]
+    proc = subprocess.Popen([sys.executable, "-m", "kvstore.cli", "engine", *args], cwd=cwd, env=_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert proc.stdout is not None
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if "ready" in line:
+            break
+    else:
+        raise RuntimeError(f"kvstore engine did not start (exit {proc.wait()}): {''.join(lines)}")
+    try:
+        yield
+    finally:
+        proc.terminate()
+        assert proc.wait(30) == 0, "kvstore engine did not drain and exit 0 on SIGTERM"
+
+
+@contextmanager
 def hf_checkpoint(cwd: Path, path: str) -> Iterator[None]:
     from engine.loader import random_checkpoint, save_random_checkpoint
 
@@ -83,6 +104,7 @@ def hf_checkpoint(cwd: Path, path: str) -> Iterator[None]:
 FIXTURES: dict[str, Callable[[Path, str], AbstractContextManager[None]]] = {
     "daemon": running_daemon,
     "hf-checkpoint": hf_checkpoint,
+    "engine": running_engine,
 }
 
 
