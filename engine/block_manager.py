@@ -1,5 +1,7 @@
 """BlockManager: the device tier. Owns the KV pool's blocks, their reference counts, the device
 prefix cache (key -> block) and the LRU of free-but-cached blocks; demotes evictions to the store.
+With an event publisher it announces the device tier (medium GPU): a block when it is sealed
+under its key, its removal when the key leaves the device cache.
 
 A block is in exactly one of three states:
   in use    ref_count > 0 (held by sequences; never evicted or overwritten)
@@ -18,6 +20,7 @@ import torch
 
 import kernels
 from kvstore.errors import KVStoreError
+from kvstore.events.wire import GPU
 from tiers.device import DevicePool
 
 
@@ -35,10 +38,11 @@ class Block:
 class BlockManager:
     """Device block allocation, sharing and eviction (single-threaded: the engine loop)."""
 
-    def __init__(self, pool: DevicePool, block_size: int, store: Any = None) -> None:
+    def __init__(self, pool: DevicePool, block_size: int, store: Any = None, events: Any = None) -> None:
         self.pool = pool
         self.block_size = block_size
         self.store = store  # TieredStore-like; None: evicted blocks are dropped
+        self.events = events  # an EventPublisher (stored/removed never block), or None
         self.blocks = [Block(i) for i in range(pool.num_blocks)]
         self.cached: dict[bytes, int] = {}
         self.evictable: OrderedDict[int, None] = OrderedDict()
@@ -98,14 +102,18 @@ class BlockManager:
                     freed.append(b)
         self.pool.release(freed)
 
-    def seal(self, block_id: int, key: bytes, parent_key: bytes | None, tenant: str) -> None:
-        """Publish a full block under its key. A key already cached elsewhere keeps that block;
-        this one stays private and is freed with its sequence."""
+    def seal(self, block_id: int, key: bytes, parent_key: bytes | None, tenant: str,
+             token_ids: Sequence[int] | None = None) -> None:
+        """Publish a full block under its key (``token_ids``: its tokens, for the KV events).
+        A key already cached elsewhere keeps that block; this one stays private and is freed
+        with its sequence."""
         block = self.blocks[block_id]
         if block.key is not None or key in self.cached:
             return
         block.key, block.parent_key, block.tenant = key, parent_key, tenant
         self.cached[key] = block_id
+        if self.events is not None:
+            self.events.stored(GPU, [key], [parent_key], self.block_size, token_ids)
 
     def copy_on_write(self, block_id: int) -> int:
         """A private copy of a shared block (the caller's reference moves to the copy)."""
@@ -117,11 +125,15 @@ class BlockManager:
     def _evict(self, n: int) -> None:
         victims = [self.evictable.popitem(last=False)[0] for _ in range(n)]
         self._demote(victims)
+        keys = []
         for b in victims:
             block = self.blocks[b]
+            keys.append(block.key)
             del self.cached[block.key]  # type: ignore[arg-type]
             block.key = block.parent_key = None
         self.pool.release(victims)
+        if self.events is not None:
+            self.events.removed(GPU, keys)
 
     def evict_all(self) -> int:
         """Push every cached-but-unused block out of the device (to the store); returns how many."""
@@ -158,6 +170,13 @@ class BlockManager:
                 self.num_demoted += len(run)
             except KVStoreError:
                 self.num_dropped += len(run)  # the store is full of pinned or in-flight blocks
+
+    def held_blocks(self) -> list[tuple[bytes, bytes | None]]:
+        """(key, parent key) of every block in the device prefix cache. Safe to call from
+        another thread (the KV-event snapshot): it copies the map in one step."""
+        items = list(self.cached.items())
+        blocks = self.blocks
+        return [(key, blocks[b].parent_key) for key, b in items]
 
     def stats(self) -> dict[str, int]:
         in_use = sum(1 for b in self.blocks if b.ref_count > 0)

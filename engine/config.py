@@ -42,6 +42,9 @@ class EngineConfig:
         model_id: names the model in the key namespace; None derives one from the checkpoint.
         random_model: overrides of the random model's config (only with ``model=None``).
         seed: seed of the random model's weights.
+        kv_events: publish the device tier and the embedded store's tiers as KV events on this
+            ZeroMQ endpoint (``tcp://127.0.0.1:5557``; docs/kv-events.md); None: no events.
+        kv_events_replay: the replay/snapshot socket; None: the next port, "": none.
     """
 
     model: str | os.PathLike[str] | None = None
@@ -62,6 +65,8 @@ class EngineConfig:
     model_id: str | None = None
     random_model: dict[str, Any] | None = None
     seed: int = 0
+    kv_events: str | None = None
+    kv_events_replay: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -90,5 +95,14 @@ class EngineConfig:
             raise ConfigError("store_token applies only to a daemon address in store=")
         if isinstance(self.store, str) and not self.store.startswith(("unix://", "tcp://")):
             raise ConfigError(f"store must be a daemon address unix:///path or tcp://host:port, got {self.store!r}")
+        if self.kv_events is not None:
+            from kvstore.events.config import EventsConfig
+
+            try:
+                EventsConfig(self.kv_events, self.kv_events_replay)  # validates both addresses
+            except ConfigError as exc:
+                raise ConfigError(f"kv_events: {exc}") from None
+        elif self.kv_events_replay is not None:
+            raise ConfigError("kv_events_replay applies only with kv_events")
         if self.store is not None and (self.host_bytes and self.disk_path is not None):
             raise ConfigError("pass either store= or host_bytes/disk_path for an embedded store, not both")

@@ -26,6 +26,8 @@ from engine.scheduler import Scheduler
 from engine.sequence import Request, RequestOutput, SeqStatus
 from kvstore.config import StoreConfig
 from kvstore.errors import ConfigError
+from kvstore.events import GPU, EventPublisher, EventsConfig
+from kvstore.events.store_events import StoreEvents
 from kvstore.keys import BlockHasher, Namespace
 from kvstore.layout import KVLayout
 from kvstore.store import TieredStore
@@ -68,7 +70,15 @@ class LLMEngine:
         self.store, self._owns_store = self._open_store()
         # the namespace the keys hash in (a router computes the same keys from it)
         self.namespace: Namespace = getattr(self.store, "namespace", None) or Namespace(self.model_id, self.layout)
-        self.block_manager = BlockManager(self.pool, c.block_size, self.store)
+        self.kv_events: EventPublisher | None = None
+        self._store_events: StoreEvents | None = None
+        if c.kv_events is not None:
+            self.kv_events = EventPublisher(EventsConfig(c.kv_events, c.kv_events_replay))
+        self.block_manager = BlockManager(self.pool, c.block_size, self.store, events=self.kv_events)
+        if self.kv_events is not None:
+            self.kv_events.add_source(lambda: [(GPU, c.block_size, self.block_manager.held_blocks())])
+            if hasattr(self.store, "add_listener"):  # an embedded TieredStore (a daemon publishes its own)
+                self._store_events = StoreEvents(self.kv_events, self.store).attach()
         fetcher = Fetcher(self.store, self.pool.pool, c.fetch_policy, c.block_size) if self.store is not None else None
         self.fetcher = fetcher
         keys_fn = None
@@ -293,6 +303,10 @@ class LLMEngine:
             self.block_manager.write_back()
             if self._owns_store:
                 self.store.close()
+        if self._store_events is not None:
+            self._store_events.detach()
+        if self.kv_events is not None:
+            self.kv_events.close()  # ends with AllBlocksCleared: this engine holds nothing now
 
     def __enter__(self) -> LLMEngine:
         return self

@@ -195,7 +195,8 @@ class Scheduler:
         first = seq.num_cached_tokens // self.block_size
         for j in range(first, first + n):
             parent = seq.block_keys[j - 1] if j else None
-            self.blocks.seal(seq.block_table[j], seq.block_keys[j], parent, seq.request.tenant)
+            self.blocks.seal(seq.block_table[j], seq.block_keys[j], parent, seq.request.tenant,
+                             seq.token_ids[j * self.block_size : (j + 1) * self.block_size])
         seq.num_cached_tokens += n * self.block_size
         metrics = seq.request.metrics
         for tier in tiers:
@@ -217,7 +218,8 @@ class Scheduler:
         if self.block_keys is not None and after > before:
             keys = self.ensure_keys(seq, after)
             for j in range(before, after):
-                self.blocks.seal(seq.block_table[j], keys[j], keys[j - 1] if j else None, seq.request.tenant)
+                self.blocks.seal(seq.block_table[j], keys[j], keys[j - 1] if j else None, seq.request.tenant,
+                                 seq.token_ids[j * self.block_size : (j + 1) * self.block_size])
 
     def fork(self, seq: Sequence, index: int) -> Sequence:
         """A new sample of ``seq``'s request sharing all its blocks (copied on write later)."""

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 def build_parser() -> argparse.ArgumentParser:
     from kvstore import bench, demo
     from kvstore.daemon import cli as daemon_cli
+    from kvstore.events import command as events_cli
     from kvstore.replay import command as replay
 
     parser = argparse.ArgumentParser(
@@ -24,6 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.register(subparsers)
     replay.register(subparsers)
     daemon_cli.register(subparsers)
+    events_cli.register(subparsers)
     if importlib.util.find_spec("engine"):  # `kvstore engine`, where the engine package is installed
         importlib.import_module("engine.serve.cli").register(subparsers)
     return parser

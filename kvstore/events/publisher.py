@@ -1,0 +1,272 @@
+"""EventPublisher: what the tiers hold, as a stream of KV-event batches on ZeroMQ.
+
+Producers (the engine loop, the store under its lock) call ``stored``/``removed``/``cleared``:
+each puts one item on a bounded queue and returns at once; a full queue drops the item and
+counts it. One publisher thread owns both sockets: it packs queued items into a batch
+(consecutive chain runs of one medium merge into one ``BlockStored``), gives it the next seq,
+sends it on the PUB socket, keeps it in the replay ring, answers replay and snapshot requests
+between batches, and sends a heartbeat (an empty batch) after ``heartbeat_s`` of silence.
+
+Every batch carries the boot epoch (a random u64 chosen at start) in kvstore's extension
+element. A dropped item leaves a hole in the sequence numbers: consumers see a gap that no
+replay can fill and take a snapshot, which is read from the sources (the tiers' own state),
+not from the stream, so they converge again.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import secrets
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import zmq
+
+from kvstore.errors import ConfigError
+from kvstore.events.config import EventsConfig
+from kvstore.events.replay import Held, ReplayRing, serve_request, snapshot_batches
+from kvstore.events.wire import (
+    MEDIA,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    Event,
+    EventBatch,
+    encode_batch,
+    seq_frame,
+)
+
+log = logging.getLogger("kvstore.events")
+POLL_S = 0.02  # how long the thread waits for an item before looking at the replay socket
+Source = Callable[[], list[Held]]
+# queue items: ("stored", medium, keys, parents, block_size, tokens) | ("removed", medium, keys) | ("cleared",)
+_Item = tuple[Any, ...]
+
+
+class EventPublisher:
+    """Publishes KV events for one engine or daemon. Thread-safe producers; one thread.
+
+    Args:
+        config: sockets, topic, buffer sizes, heartbeat.
+
+    Raises:
+        ConfigError: an endpoint cannot be bound (in use, bad address).
+    """
+
+    def __init__(self, config: EventsConfig) -> None:
+        self.config = config
+        self.epoch = secrets.randbits(64)
+        self._queue: queue.Queue[_Item] = queue.Queue(config.queue_size)
+        self._sources: list[Source] = []
+        self._sources_lock = threading.Lock()
+        self._ring = ReplayRing(config.buffer_batches)
+        self._topic = config.topic.encode()
+        self._seq = 0  # the next batch's sequence number
+        self._num_dropped = 0
+        self._holes = 0  # drops already turned into a skipped seq
+        self._drop_lock = threading.Lock()
+        self.counters = dict.fromkeys(("batches", "events", "heartbeats", "replays", "snapshots",
+                                       "invalid_requests", "dropped_events", "send_errors"), 0)
+        self._ctx = zmq.Context()
+        self._pub = self._ctx.socket(zmq.PUB)
+        self._pub.setsockopt(zmq.SNDHWM, config.hwm)
+        self._pub.setsockopt(zmq.LINGER, 500)
+        self._router: zmq.Socket | None = None
+        try:
+            self._pub.bind(config.endpoint)
+            self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
+            self.replay_endpoint: str | None = None
+            if config.replay_endpoint:
+                self._router = self._ctx.socket(zmq.ROUTER)
+                self._router.setsockopt(zmq.SNDHWM, config.buffer_batches + 64)
+                self._router.setsockopt(zmq.LINGER, 0)
+                self._router.bind(config.replay_endpoint)
+                self.replay_endpoint = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
+        except zmq.ZMQError as exc:
+            self._close_sockets()
+            raise ConfigError(f"cannot bind KV events on {config.endpoint} / {config.replay_endpoint}: "
+                              f"{exc}") from None
+        self._stop = threading.Event()
+        self._final_clear = False
+        self._last_send = 0.0
+        self._send([AllBlocksCleared()])  # seq 0: whatever an earlier process announced is gone
+        self._thread = threading.Thread(target=self._run, name="kvstore-events", daemon=True)
+        self._thread.start()
+
+    # ----------------------------------------------------------------------------- producers
+
+    def stored(self, medium: str, keys: Sequence[bytes], parents: Sequence[bytes | None], block_size: int,
+               token_ids: Sequence[int] | None = None) -> bool:
+        """``medium`` now holds ``keys`` (``parents[i]`` is key i's parent). ``token_ids``: the
+        blocks' tokens, concatenated, or None where the tier does not know them. Never blocks;
+        False when the queue was full and the event was dropped."""
+        assert medium in MEDIA, medium
+        return self._put(("stored", medium, list(keys), list(parents), block_size,
+                          None if token_ids is None else list(token_ids)))
+
+    def removed(self, medium: str, keys: Sequence[bytes]) -> bool:
+        """The last copy of each of ``keys`` left ``medium``. Never blocks (False: dropped)."""
+        assert medium in MEDIA, medium
+        return self._put(("removed", medium, list(keys)))
+
+    def cleared(self) -> bool:
+        """The publisher holds nothing any more, on any medium."""
+        return self._put(("cleared",))
+
+    def _put(self, item: _Item) -> bool:
+        if self._stop.is_set():
+            return False
+        try:
+            self._queue.put_nowait(item)
+            return True
+        except queue.Full:
+            with self._drop_lock:
+                self._num_dropped += 1
+            return False
+
+    def add_source(self, source: Source) -> None:
+        """Register a snapshot source: a callable returning ``[(medium, block_size, [(key,
+        parent)])]``, the blocks a tier holds now. Called on the publisher thread; it must be
+        safe to call from another thread."""
+        with self._sources_lock:
+            self._sources.append(source)
+
+    def remove_source(self, source: Source) -> None:
+        with self._sources_lock:
+            self._sources.remove(source)
+
+    # ----------------------------------------------------------------------------- thread
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._step(POLL_S)
+            self._drain()
+            if self._final_clear:
+                self._send([AllBlocksCleared()])
+        except Exception:  # pragma: no cover - a bug here must not take the engine down
+            log.exception("kv events: the publisher thread failed")
+        finally:
+            self._close_sockets()
+
+    def _step(self, timeout: float) -> None:
+        items: list[_Item] = []
+        try:
+            items.append(self._queue.get(timeout=timeout))
+            while len(items) < self.config.max_batch_events:
+                items.append(self._queue.get_nowait())
+        except queue.Empty:
+            pass
+        self._serve_requests()
+        if items:
+            self._send(_pack(items))
+        elif time.monotonic() - self._last_send >= self.config.heartbeat_s:
+            self._send([])
+            self.counters["heartbeats"] += 1
+
+    def _drain(self) -> None:
+        while not self._queue.empty():
+            self._step(0.0)
+
+    def _serve_requests(self) -> None:
+        router = self._router
+        while router is not None and router.poll(0):
+            kind = serve_request(router, self._ring, self._seq - 1, self._snapshot)
+            key = {"replay": "replays", "snapshot": "snapshots"}.get(kind, "invalid_requests")
+            self.counters[key] += 1
+
+    def _snapshot(self) -> list[EventBatch]:
+        with self._sources_lock:
+            sources = list(self._sources)
+        held: list[Held] = []
+        for source in sources:
+            held += source()
+        return snapshot_batches(held, self.epoch, self.config.data_parallel_rank)
+
+    def _send(self, events: list[Event]) -> None:
+        with self._drop_lock:
+            dropped = self._num_dropped
+        if dropped != self._holes:  # items were lost: leave a hole so consumers resync
+            self.counters["dropped_events"] = dropped
+            self._holes = dropped
+            self._seq += 1
+        seq = self._seq
+        self._seq += 1
+        payload = encode_batch(EventBatch(time.time(), events, self.config.data_parallel_rank, self.epoch))
+        try:
+            self._pub.send_multipart([self._topic, seq_frame(seq), payload], flags=zmq.NOBLOCK)
+        except zmq.ZMQError:
+            self.counters["send_errors"] += 1
+        self._ring.append(seq, payload)
+        self._last_send = time.monotonic()
+        self.counters["batches"] += 1
+        self.counters["events"] += len(events)
+
+    # ----------------------------------------------------------------------------- lifecycle
+
+    def info(self) -> dict[str, Any]:
+        """Where consumers connect: ``endpoint``, ``replay_endpoint`` (bound addresses), ``topic``, ``epoch``."""
+        return {"endpoint": self.endpoint, "replay_endpoint": self.replay_endpoint,
+                "topic": self.config.topic, "epoch": self.epoch}
+
+    def stats(self) -> dict[str, int]:
+        """Counters: batches, events, heartbeats, replays, snapshots, invalid_requests,
+        dropped_events (a full queue), send_errors; plus queued, seq and epoch."""
+        with self._drop_lock:
+            dropped = self._num_dropped
+        return {**self.counters, "dropped_events": dropped, "queued": self._queue.qsize(),
+                "seq": self._seq - 1, "epoch": self.epoch}
+
+    def close(self, clear: bool = True) -> None:
+        """Publish what is queued (and, with ``clear``, a final AllBlocksCleared), then close
+        the sockets. Idempotent."""
+        if self._stop.is_set():
+            return
+        self._final_clear = clear
+        self._stop.set()
+        self._thread.join(timeout=5.0)
+
+    def _close_sockets(self) -> None:
+        for sock in (self._pub, self._router):
+            if sock is not None and not sock.closed:
+                sock.close()
+        self._ctx.term()
+
+    def __enter__(self) -> EventPublisher:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _pack(items: list[_Item]) -> list[Event]:
+    """Queued items -> events: each stored item is cut into chain runs, and a run that
+    continues the previous BlockStored (same medium and block size, tokens known for both
+    or neither) extends it; consecutive removals of one medium merge."""
+    events: list[Event] = []
+    for item in items:
+        kind = item[0]
+        last = events[-1] if events else None
+        if kind == "stored":
+            _, medium, keys, parents, block_size, tokens = item
+            for i, key in enumerate(keys):
+                span = tokens[i * block_size : (i + 1) * block_size] if tokens is not None else None
+                if (isinstance(last, BlockStored) and last.medium == medium and last.block_size == block_size
+                        and last.block_hashes[-1] == parents[i] and (span is None) == (not last.token_ids)):
+                    last.block_hashes.append(key)
+                    last.token_ids.extend(span or [])
+                else:
+                    last = BlockStored([key], parents[i], list(span or []), block_size, medium)
+                    events.append(last)
+        elif kind == "removed":
+            _, medium, keys = item
+            if isinstance(last, BlockRemoved) and last.medium == medium:
+                last.block_hashes.extend(keys)
+            elif keys:
+                events.append(BlockRemoved(list(keys), medium))
+        else:
+            events.append(AllBlocksCleared())
+    return events

@@ -1,0 +1,112 @@
+"""The replay socket's side of a publisher: the ring of recent batches and the requests.
+
+vLLM's framing: a client (REQ, or DEALER sending an empty delimiter first) sends one frame,
+the start sequence number as u64 big-endian; the ROUTER answers with one message
+``(seq, payload)`` per buffered batch whose seq is >= start, then ``(END_SEQ, b"")``.
+
+kvstore's extension: the request frame ``SNAPSHOT_REQUEST`` (16 bytes, so a vLLM publisher
+reads it as an out-of-range seq and answers only the end marker) is answered with the
+publisher's whole state as of seq N: messages ``(N, batch)`` whose batches carry
+``snapshot: true``, the first holding ``AllBlocksCleared``, the rest ``BlockStored`` runs,
+then the end marker. A consumer applies them, then every live batch after N.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+
+import zmq
+
+from kvstore.events.wire import (
+    END_SEQ,
+    SNAPSHOT_REQUEST,
+    AllBlocksCleared,
+    BlockHash,
+    BlockStored,
+    Event,
+    EventBatch,
+    encode_batch,
+    seq_frame,
+)
+
+log = logging.getLogger("kvstore.events")
+SNAPSHOT_CHUNK = 1024  # block hashes per snapshot batch
+Held = tuple[str, int, list[tuple[bytes, bytes | None]]]  # (medium, block_size, [(key, parent)])
+
+
+class ReplayRing:
+    """The last ``capacity`` published batches, oldest first (used by the publisher thread only)."""
+
+    def __init__(self, capacity: int) -> None:
+        self._ring: deque[tuple[int, bytes]] = deque(maxlen=capacity)
+
+    def append(self, seq: int, payload: bytes) -> None:
+        self._ring.append((seq, payload))
+
+    def since(self, start: int) -> list[tuple[int, bytes]]:
+        return [(s, p) for s, p in self._ring if s >= start]
+
+    def __len__(self) -> int:
+        return len(self._ring)
+
+
+def snapshot_batches(held: Iterable[Held], epoch: int, rank: int) -> list[EventBatch]:
+    """The snapshot reply's batches: AllBlocksCleared, then each medium's blocks as chain runs
+    (a run continues while a block's parent is the block before it)."""
+    ts = time.time()
+    out = [EventBatch(ts, [AllBlocksCleared()], rank, epoch, snapshot=True)]
+    events: list[Event] = []
+    size = 0
+    for medium, block_size, pairs in held:
+        run: list[BlockHash] = []
+        parent: BlockHash | None = None
+        for key, key_parent in pairs:
+            if run and key_parent == run[-1] and len(run) < SNAPSHOT_CHUNK:
+                run.append(key)
+                continue
+            if run:
+                events.append(BlockStored(run, parent, [], block_size, medium))
+                size += len(run)
+            run, parent = [key], key_parent
+            if size >= SNAPSHOT_CHUNK:
+                out.append(EventBatch(ts, events, rank, epoch, snapshot=True))
+                events, size = [], 0
+        if run:
+            events.append(BlockStored(run, parent, [], block_size, medium))
+            size += len(run)
+    if events:
+        out.append(EventBatch(ts, events, rank, epoch, snapshot=True))
+    return out
+
+
+def serve_request(sock: zmq.Socket, ring: ReplayRing, last_seq: int,
+                  snapshot: Callable[[], list[EventBatch]]) -> str:
+    """Answer one waiting request on the ROUTER ``sock``; returns its kind
+    ("replay", "snapshot" or "invalid")."""
+    frames = sock.recv_multipart()
+    if len(frames) == 3 and frames[1] == b"":
+        envelope, request = frames[:2], frames[2]
+    elif len(frames) == 2:
+        envelope, request = frames[:1], frames[1]
+    else:
+        log.warning("kv events: ignoring a replay request of %d frames", len(frames))
+        return "invalid"
+    kind = "invalid"
+    replies: list[tuple[bytes, bytes]] = []
+    if request == SNAPSHOT_REQUEST:
+        kind = "snapshot"
+        n = seq_frame(max(last_seq, 0))
+        replies = [(n, encode_batch(b)) for b in snapshot()]
+    elif len(request) == 8:
+        kind = "replay"
+        replies = [(seq_frame(s), p) for s, p in ring.since(int.from_bytes(request, "big"))]
+    replies.append((END_SEQ, b""))
+    try:
+        for seq, payload in replies:
+            sock.send_multipart([*envelope, seq, payload], flags=zmq.NOBLOCK)
+    except zmq.Again:  # the client stopped reading; it will time out and ask again
+        log.warning("kv events: a replay client is not reading; reply cut short")
+    return kind

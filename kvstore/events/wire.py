@@ -1,0 +1,232 @@
+"""The KV-event wire format: vLLM's (0.33) exactly, plus kvstore's extension element.
+
+One ZeroMQ message is three frames: ``topic`` (UTF-8), ``seq`` (u64 big-endian), ``payload``
+(msgpack). The payload is a batch array ``[ts, events, data_parallel_rank]``; each event is
+a tagged msgpack map ``{"type": "BlockStored", "block_hashes": [...], ...}`` (vLLM's msgspec
+structs without ``array_like``, since vllm-project/vllm#42892). kvstore appends a fourth
+batch element, a map ``{"epoch": u64}`` (``"snapshot": true`` on snapshot replies), which vLLM's own decoder
+(an ``array_like`` struct) ignores. docs/kv-events.md gives the bytes of an example.
+
+``decode_batch`` reads both event encodings vLLM has used: tagged maps and the older tagged
+arrays (``["BlockStored", hashes, parent, tokens, block_size, lora_id, medium, ...]``), and
+a batch as an array of 2-4 elements or as a map.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+
+GPU, CPU, DISK, REMOTE = "GPU", "CPU", "DISK", "REMOTE"
+MEDIA = (GPU, CPU, DISK, REMOTE)
+TIER_MEDIA = {"device": GPU, "host": CPU, "disk": DISK, "remote": REMOTE}  # kvstore tier -> medium
+
+END_SEQ = (-1).to_bytes(8, "big", signed=True)  # the replay reply's end marker
+SNAPSHOT_REQUEST = b"kvstore:snapshot"  # 16 bytes: never mistaken for an 8-byte start seq
+MAX_PAYLOAD = 64 << 20  # a batch larger than this is refused by the decoder
+
+BlockHash = bytes | int  # kvstore sends bytes (its full block keys); vLLM may send ints
+
+
+class WireError(ValueError):
+    """A message that is not a KV-event batch (wrong frames, bad msgpack, wrong shapes)."""
+
+
+@dataclass(frozen=True)
+class BlockStored:
+    """``block_hashes`` form one chain: each block's parent is the one before it, the first's
+    is ``parent_block_hash``. ``token_ids`` are the blocks' tokens (empty where the tier does
+    not know them: kvstore's host/disk/remote tiers)."""
+
+    block_hashes: list[BlockHash]
+    parent_block_hash: BlockHash | None
+    token_ids: list[int]
+    block_size: int
+    medium: str | None
+    lora_id: int | None = None
+    lora_name: str | None = None
+    extra_keys: list[Any] | None = None
+    group_idx: int | None = 0
+    kv_cache_spec_kind: str | None = "full_attention"
+    kv_cache_spec_sliding_window: int | None = None
+
+
+@dataclass(frozen=True)
+class BlockRemoved:
+    """The last copy of each of ``block_hashes`` left ``medium``."""
+
+    block_hashes: list[BlockHash]
+    medium: str | None
+    group_idx: int | None = 0
+
+
+@dataclass(frozen=True)
+class AllBlocksCleared:
+    """The publisher holds nothing any more, on any medium."""
+
+
+@dataclass(frozen=True)
+class UnknownEvent:
+    """An event type this decoder does not know (kept, so counts stay honest; views skip it)."""
+
+    tag: str
+
+
+Event = BlockStored | BlockRemoved | AllBlocksCleared | UnknownEvent
+
+
+@dataclass(frozen=True)
+class EventBatch:
+    """One payload. ``epoch`` and ``snapshot`` are kvstore's extension (None/False from vLLM)."""
+
+    ts: float
+    events: list[Event] = field(default_factory=list)
+    data_parallel_rank: int | None = 0
+    epoch: int | None = None
+    snapshot: bool = False
+
+    @property
+    def is_heartbeat(self) -> bool:
+        return not self.events and not self.snapshot
+
+
+# --------------------------------------------------------------------------------- encoding
+
+def _event_map(event: Event) -> dict[str, Any]:
+    # Key order is vLLM's declaration order (msgspec writes fields in that order, tag first);
+    # fields equal to their default None are omitted, as msgspec's omit_defaults does.
+    if isinstance(event, BlockStored):
+        out: dict[str, Any] = {
+            "type": "BlockStored", "block_hashes": list(event.block_hashes),
+            "parent_block_hash": event.parent_block_hash, "token_ids": list(event.token_ids),
+            "block_size": event.block_size, "lora_id": event.lora_id, "medium": event.medium,
+            "lora_name": event.lora_name,
+        }
+        for name in ("extra_keys", "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window"):
+            value = getattr(event, name)
+            if value is not None:
+                out[name] = value
+        return out
+    if isinstance(event, BlockRemoved):
+        out = {"type": "BlockRemoved", "block_hashes": list(event.block_hashes), "medium": event.medium}
+        if event.group_idx is not None:
+            out["group_idx"] = event.group_idx
+        return out
+    if isinstance(event, AllBlocksCleared):
+        return {"type": "AllBlocksCleared"}
+    raise TypeError(f"cannot encode {type(event).__name__}")
+
+
+def encode_batch(batch: EventBatch) -> bytes:
+    """The msgpack payload of ``batch``: vLLM 0.33's bytes, then the extension element when
+    ``batch.epoch`` is set."""
+    body: list[Any] = [float(batch.ts), [_event_map(e) for e in batch.events], batch.data_parallel_rank]
+    if batch.epoch is not None:
+        ext: dict[str, Any] = {"epoch": batch.epoch}
+        if batch.snapshot:
+            ext["snapshot"] = True
+        body.append(ext)
+    return msgpack.packb(body, use_bin_type=True)
+
+
+def seq_frame(seq: int) -> bytes:
+    return seq.to_bytes(8, "big")
+
+
+def parse_seq(frame: bytes) -> int:
+    """The sequence number of an 8-byte frame; -1 for the end marker."""
+    if len(frame) != 8:
+        raise WireError(f"a sequence frame has 8 bytes, got {len(frame)}")
+    return -1 if frame == END_SEQ else int.from_bytes(frame, "big")
+
+
+# --------------------------------------------------------------------------------- decoding
+
+def decode_batch(payload: bytes) -> EventBatch:
+    """Decode one payload in either vLLM encoding (kvstore's extension included).
+
+    Raises:
+        WireError: not msgpack, or not a batch of events.
+    """
+    if len(payload) > MAX_PAYLOAD:
+        raise WireError(f"payload of {len(payload)} bytes exceeds {MAX_PAYLOAD}")
+    try:
+        doc = msgpack.unpackb(payload, raw=False, strict_map_key=False)
+    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
+        raise WireError(f"payload is not msgpack: {exc}") from None
+    if isinstance(doc, dict):
+        ts, events, rank, ext = doc.get("ts"), doc.get("events"), doc.get("data_parallel_rank"), None
+    elif isinstance(doc, list) and len(doc) >= 2:
+        ts, events = doc[0], doc[1]
+        rank = doc[2] if len(doc) > 2 else None
+        ext = doc[3] if len(doc) > 3 else None
+    else:
+        raise WireError(f"a batch is [ts, events, rank], got {type(doc).__name__} of {_size(doc)}")
+    if not isinstance(ts, int | float) or isinstance(ts, bool):
+        raise WireError(f"batch timestamp must be a number, got {ts!r:.40}")
+    if not isinstance(events, list):
+        raise WireError(f"batch events must be an array, got {type(events).__name__}")
+    if rank is not None and not isinstance(rank, int):
+        raise WireError(f"data_parallel_rank must be an int or nil, got {rank!r:.40}")
+    epoch, snapshot = None, False
+    if isinstance(ext, dict):
+        epoch = ext.get("epoch") if isinstance(ext.get("epoch"), int) else None
+        snapshot = ext.get("snapshot") is True
+    return EventBatch(float(ts), [_decode_event(e, i) for i, e in enumerate(events)], rank, epoch, snapshot)
+
+
+_STORED_ORDER = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
+                 "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window")
+_REMOVED_ORDER = ("block_hashes", "medium", "group_idx")
+
+
+def _decode_event(raw: Any, i: int) -> Event:
+    if isinstance(raw, dict):  # tagged map (vLLM since #42892, kvstore)
+        tag, fields = raw.get("type"), raw
+    elif isinstance(raw, list) and raw:  # tagged array (older vLLM): positions are fields
+        tag = raw[0]
+        order = _STORED_ORDER if tag == "BlockStored" else _REMOVED_ORDER if tag == "BlockRemoved" else ()
+        fields = dict(zip(order, raw[1:], strict=False))
+    else:
+        raise WireError(f"event #{i} is neither a tagged map nor a tagged array: {raw!r:.60}")
+    if not isinstance(tag, str):
+        raise WireError(f"event #{i} has no string tag: {raw!r:.60}")
+    if tag == "BlockStored":
+        hashes = _hashes(fields.get("block_hashes"), i)
+        tokens = fields.get("token_ids", [])
+        block_size = fields.get("block_size")
+        if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
+            raise WireError(f"event #{i}: token_ids must be an array of ints")
+        if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 0:
+            raise WireError(f"event #{i}: block_size must be an int >= 0, got {block_size!r:.40}")
+        parent = fields.get("parent_block_hash")
+        if parent is not None and not isinstance(parent, bytes | int):
+            raise WireError(f"event #{i}: parent_block_hash must be bytes, an int or nil")
+        return BlockStored(hashes, parent, tokens, block_size, _medium(fields, i), fields.get("lora_id"),
+                           fields.get("lora_name"), fields.get("extra_keys"), fields.get("group_idx"),
+                           fields.get("kv_cache_spec_kind"), fields.get("kv_cache_spec_sliding_window"))
+    if tag == "BlockRemoved":
+        return BlockRemoved(_hashes(fields.get("block_hashes"), i), _medium(fields, i), fields.get("group_idx"))
+    if tag == "AllBlocksCleared":
+        return AllBlocksCleared()
+    return UnknownEvent(tag)
+
+
+def _hashes(value: Any, i: int) -> list[BlockHash]:
+    if not isinstance(value, list) or not all(isinstance(h, bytes | int) and not isinstance(h, bool)
+                                              for h in value):
+        raise WireError(f"event #{i}: block_hashes must be an array of bytes or ints")
+    return value
+
+
+def _medium(fields: dict[str, Any], i: int) -> str | None:
+    medium = fields.get("medium")
+    if medium is not None and not isinstance(medium, str):
+        raise WireError(f"event #{i}: medium must be a string or nil, got {medium!r:.40}")
+    return medium
+
+
+def _size(doc: Any) -> str:
+    return f"{len(doc)} elements" if isinstance(doc, list | dict) else "one value"

@@ -1,0 +1,127 @@
+"""An engine's KV events, followed by a real ZeroMQ subscriber: after a multi-turn workload that
+evicts from a small device pool, the view rebuilt from the events alone equals what the engine
+holds; a late subscriber catches up by snapshot; a restarted engine is a new epoch."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from engine import LLMEngine, SamplingParams
+from kvstore.events import Subscriber
+from kvstore.events.wire import GPU, BlockStored
+
+TINY = dict(num_layers=2, hidden_size=64, intermediate_size=128, head_dim=16, vocab_size=128)
+BLOCK_BYTES, SLOT = 2048, 4096  # one block of TINY with block_size 4 in fp32; its host/disk slot
+GREEDY = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+
+
+def make(tmp_path: Path, endpoint: str, **kwargs: Any) -> LLMEngine:
+    opts: dict[str, Any] = dict(random_model=TINY, block_size=4, kv_cache_bytes=12 * BLOCK_BYTES,
+                                host_bytes=10 * SLOT, disk_path=tmp_path / "disk", disk_bytes=24 * SLOT,
+                                fetch_policy="always", kv_events=endpoint)
+    opts.update(kwargs)
+    return LLMEngine(None, **opts)
+
+
+def free_ports() -> int:
+    """A port p with p + 1 free too (the replay socket's default)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        with socket.socket() as s2:
+            try:
+                s2.bind(("127.0.0.1", port + 1))
+                return port
+            except OSError:
+                continue
+    raise RuntimeError("no two adjacent free ports")
+
+
+def converse(llm: LLMEngine, turns: int, first: int = 0) -> None:
+    """Three conversations, interleaved: each turn resends the history plus new tokens."""
+    history = [[(7 * c + i) % 100 + 3 for i in range(9)] for c in range(3)]
+    for t in range(turns):
+        outs = llm.generate(history, GREEDY)
+        history = [h + o.token_ids + [(first + t * 5 + c) % 90 + 5] * 4 for c, (h, o) in
+                   enumerate(zip(history, outs, strict=True))]
+
+
+def device_keys(llm: LLMEngine) -> set[bytes]:
+    return {k for k, _ in llm.block_manager.held_blocks()}
+
+
+def until(cond: Callable[[], bool], sub: Subscriber, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out; subscriber {sub.stats()}"
+        sub.poll(0.05)
+
+
+def subscribe(llm: LLMEngine, **kwargs: Any) -> Subscriber:
+    info = llm.kv_events.info()  # type: ignore[union-attr]
+    return Subscriber(info["endpoint"], replay_endpoint=info["replay_endpoint"], **kwargs)
+
+
+def test_device_tier_view_equals_the_engine_after_evictions(tmp_path: Path) -> None:
+    llm = make(tmp_path, "tcp://127.0.0.1:*")
+    stored: list[BlockStored] = []
+    sub = subscribe(llm, on_batch=lambda s, b, src: stored.extend(e for e in b.events if isinstance(e, BlockStored)))
+    try:
+        until(lambda: sub.stats()["snapshots"] == 1, sub)
+        converse(llm, 4)
+        assert llm.stats()["device"]["demoted"] > 0, "the workload must evict from the device"
+        until(lambda: sub.sink.blocks(GPU) == device_keys(llm), sub)
+        assert not sub.approximate and sub.stats()["unfilled_gaps"] == 0
+        # device events carry the blocks' tokens, block_size of them per block
+        gpu = [e for e in stored if e.medium == GPU]
+        assert gpu and all(len(e.token_ids) == 4 * len(e.block_hashes) for e in gpu)
+        late = subscribe(llm)  # a late subscriber catches up by snapshot alone
+        try:
+            until(lambda: late.stats()["snapshots"] == 1, late)
+            assert late.sink.blocks(GPU) == device_keys(llm) == sub.sink.blocks(GPU)
+        finally:
+            late.close()
+        llm.evict_device_cache()
+        until(lambda: sub.sink.blocks(GPU) == set() == device_keys(llm), sub)
+    finally:
+        sub.close()
+        llm.close()
+
+
+def test_engine_restart_is_a_new_epoch(tmp_path: Path) -> None:
+    port = free_ports()
+    endpoint = f"tcp://127.0.0.1:{port}"
+    llm = make(tmp_path, endpoint)
+    sub = Subscriber(endpoint, replay_endpoint=f"tcp://127.0.0.1:{port + 1}", heartbeat_timeout_s=5)
+    try:
+        until(lambda: sub.stats()["snapshots"] == 1, sub)
+        first_epoch = sub.epoch
+        assert first_epoch == llm.kv_events.epoch  # type: ignore[union-attr]
+        converse(llm, 2)
+        until(lambda: sub.sink.blocks(GPU) == device_keys(llm) != set(), sub)
+        llm.close()
+        until(lambda: sub.sink.held() == {}, sub)  # the clean shutdown's AllBlocksCleared
+        llm = make(tmp_path, endpoint)
+        converse(llm, 2, first=50)
+        until(lambda: sub.epoch == llm.kv_events.epoch and sub.sink.blocks(GPU) == device_keys(llm), sub)  # type: ignore[union-attr]
+        assert sub.epoch != first_epoch and sub.stats()["epochs"] == 1
+        assert sub.stats()["snapshots"] >= 2 and not sub.approximate
+    finally:
+        sub.close()
+        llm.close()
+
+
+def test_engine_rejects_bad_event_endpoints(tmp_path: Path) -> None:
+    from kvstore.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="kv_events"):
+        LLMEngine(None, random_model=TINY, kv_events="http://nope")
+    with pytest.raises(ConfigError, match="only with kv_events"):
+        LLMEngine(None, random_model=TINY, kv_events_replay="tcp://127.0.0.1:1")

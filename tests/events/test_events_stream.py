@@ -1,0 +1,193 @@
+"""Publisher and Subscriber over real ZeroMQ sockets: live stream, replay after a dropped
+connection, snapshot past the ring, drops under a full queue, heartbeats and staleness."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable
+
+import pytest
+import zmq
+
+from kvstore.events import EventPublisher, EventsConfig, Subscriber
+from kvstore.events.wire import END_SEQ, SNAPSHOT_REQUEST, BlockStored, decode_batch, parse_seq, seq_frame
+
+
+class Tier:
+    """A fake tier's truth: key -> parent, published as it changes (the snapshot source)."""
+
+    def __init__(self, pub: EventPublisher, medium: str = "GPU") -> None:
+        self.pub, self.medium, self.held = pub, medium, {}
+        self.gate = threading.Event()
+        self.gate.set()
+        self._n = 0
+        pub.add_source(self.source)
+
+    def source(self) -> list[tuple[str, int, list[tuple[bytes, bytes | None]]]]:
+        self.gate.wait(10)
+        return [(self.medium, 4, list(self.held.items()))]
+
+    def store(self, n: int) -> list[bytes]:
+        keys = [(self._n + i).to_bytes(4, "big") * 8 for i in range(n)]
+        self._n += n
+        parents = [None, *keys[:-1]]
+        self.held.update(zip(keys, parents, strict=True))
+        self.pub.stored(self.medium, keys, parents, 4, list(range(4 * n)))
+        return keys
+
+    def remove(self, keys: list[bytes]) -> None:
+        for k in keys:
+            del self.held[k]
+        self.pub.removed(self.medium, keys)
+
+
+def until(cond: Callable[[], bool], sub: Subscriber, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out; subscriber {sub.stats()}"
+        sub.poll(0.05)
+
+
+@pytest.fixture
+def pub() -> EventPublisher:
+    p = EventPublisher(EventsConfig("tcp://127.0.0.1:*", heartbeat_s=0.1, buffer_batches=64))
+    yield p
+    p.close()
+
+
+def _sub(pub: EventPublisher, **kwargs: object) -> Subscriber:
+    return Subscriber(pub.endpoint, replay_endpoint=pub.replay_endpoint or "", **kwargs)  # type: ignore[arg-type]
+
+
+def test_live_stream_builds_the_view_and_merges_chains(pub: EventPublisher) -> None:
+    tier = Tier(pub)
+    seen: list[tuple[int, object, str]] = []
+    with _sub(pub, on_batch=lambda s, b, src: seen.append((s, b, src))) as sub:
+        until(lambda: sub.stats()["snapshots"] == 1, sub)
+        a = tier.store(3)
+        tier.store(2)
+        tier.remove(a[1:])
+        until(lambda: sub.sink.blocks("GPU") == set(tier.held), sub)
+        assert not sub.approximate and sub.stats()["gaps"] == 0
+    stored = [e for _, batch, src in seen if src == "live" for e in batch.events if isinstance(e, BlockStored)]
+    assert stored[0].block_hashes == a and stored[0].parent_block_hash is None  # one event per chain run
+    assert stored[0].token_ids == list(range(12)) and stored[0].medium == "GPU"
+
+
+def test_dropped_connection_catches_up_by_replay(pub: EventPublisher) -> None:
+    tier = Tier(pub)
+    with _sub(pub) as sub:
+        tier.store(2)
+        until(lambda: sub.sink.blocks("GPU") == set(tier.held), sub)
+        sub.pause()
+        for _ in range(5):
+            tier.remove([next(iter(tier.held))]) if len(tier.held) > 3 else tier.store(2)
+            time.sleep(0.02)
+        time.sleep(0.3)  # heartbeats too go by unseen
+        sub.resume()
+        until(lambda: sub.sink.blocks("GPU") == set(tier.held) and sub.stats()["replays"] >= 1, sub)
+        s = sub.stats()
+        assert s["gaps"] >= 1 and s["snapshots"] == 1 and not sub.approximate  # only the start snapshot
+
+
+def test_gap_older_than_the_ring_takes_a_snapshot() -> None:
+    with EventPublisher(EventsConfig("tcp://127.0.0.1:*", heartbeat_s=0.05, buffer_batches=4)) as pub:
+        tier = Tier(pub, "CPU")
+        with _sub(pub) as sub:
+            until(lambda: sub.stats()["snapshots"] == 1, sub)
+            sub.pause()
+            for _ in range(8):
+                tier.store(1)
+                time.sleep(0.03)  # one batch each, more than the ring keeps
+            sub.resume()
+            until(lambda: sub.stats()["snapshots"] == 2, sub)
+            until(lambda: sub.sink.blocks("CPU") == set(tier.held), sub)
+            assert sub.stats()["replays"] >= 1
+
+
+def test_full_queue_drops_and_counts_without_blocking_then_consumers_resync() -> None:
+    with EventPublisher(EventsConfig("tcp://127.0.0.1:*", queue_size=10, heartbeat_s=0.1)) as pub:
+        tier = Tier(pub)
+        with _sub(pub) as sub:
+            until(lambda: sub.stats()["snapshots"] == 1, sub)
+            tier.gate.clear()  # the publisher thread will hang in the next snapshot it serves
+            ctx = zmq.Context.instance()
+            dealer = ctx.socket(zmq.DEALER)
+            dealer.connect(pub.replay_endpoint)
+            dealer.send_multipart([b"", SNAPSHOT_REQUEST])
+            time.sleep(0.3)
+            t0 = time.perf_counter()
+            accepted = [pub.stored("GPU", [i.to_bytes(4, "big") * 8], [None], 4) for i in range(100, 200)]
+            elapsed = time.perf_counter() - t0
+            for i in range(100, 200):
+                tier.held[i.to_bytes(4, "big") * 8] = None
+            assert elapsed < 0.5, f"100 events took {elapsed:.3f} s with the publisher thread stuck"
+            assert sum(accepted) == 10 and pub.stats()["dropped_events"] == 90
+            tier.gate.set()
+            dealer.close(linger=0)
+            until(lambda: sub.sink.blocks("GPU") == set(tier.held), sub)
+            assert sub.stats()["snapshots"] == 2 and sub.stats()["unfilled_gaps"] == 0
+
+
+def test_heartbeats_when_idle_and_staleness_when_they_stop() -> None:
+    pub = EventPublisher(EventsConfig("tcp://127.0.0.1:*", heartbeat_s=0.05))
+    with _sub(pub, heartbeat_timeout_s=0.4) as sub:
+        until(lambda: sub.stats()["snapshots"] == 1, sub)
+        first = sub.last_seq
+        until(lambda: (sub.last_seq or 0) >= (first or 0) + 5, sub)  # only heartbeats went by
+        assert pub.stats()["heartbeats"] >= 5 and not sub.approximate
+        pub.close()
+        sub.poll(0.1)
+        assert sub.sink.held() == {}  # a clean shutdown ends with AllBlocksCleared
+        time.sleep(0.5)
+        sub.poll(0.0)
+        assert sub.approximate
+
+
+def test_a_plain_vllm_style_consumer_reads_the_stream_and_the_replay() -> None:
+    """Raw sockets, as vLLM's example subscriber uses them: SUB for three frames, then a
+    replay request from a start seq answered by (seq, payload) messages and the end marker."""
+    if os.environ.get("CI") != "true":
+        pytest.importorskip("msgspec")
+    import vllm_types as v
+
+    with EventPublisher(EventsConfig("tcp://127.0.0.1:*", topic="kv", heartbeat_s=60)) as pub:
+        ctx = zmq.Context.instance()
+        sub = ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, b"kv")
+        sub.connect(pub.endpoint)
+        time.sleep(0.3)  # ZeroMQ's slow joiner
+        pub.stored("CPU", [b"\x01" * 32], [None], 16)
+        assert sub.poll(5000)
+        topic, seq, payload = sub.recv_multipart()
+        assert topic == b"kv" and len(seq) == 8
+        batch = v.msgspec.msgpack.Decoder(v.KVEventBatch).decode(payload)
+        assert batch.events[0].block_hashes == [b"\x01" * 32] and batch.events[0].medium == "CPU"
+        req = ctx.socket(zmq.DEALER)
+        req.connect(pub.replay_endpoint)
+        req.send_multipart([b"", seq_frame(0)])
+        replies = []
+        while True:
+            assert req.poll(5000)
+            _, rseq, rpayload = req.recv_multipart()
+            if rseq == END_SEQ:
+                assert rpayload == b""
+                break
+            replies.append((parse_seq(rseq), decode_batch(rpayload)))
+        assert [s for s, _ in replies] == [0, parse_seq(seq)]  # seq 0 is the opening AllBlocksCleared
+        for s in (sub, req):
+            s.close(linger=0)
+
+
+def test_bad_endpoints_and_busy_ports_are_config_errors(pub: EventPublisher) -> None:
+    from kvstore.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="must start with"):
+        EventsConfig("http://127.0.0.1:5557")
+    with pytest.raises(ConfigError, match="cannot bind"):
+        EventPublisher(EventsConfig(pub.endpoint))
+    assert EventsConfig("tcp://127.0.0.1:5557").replay_endpoint == "tcp://127.0.0.1:5558"
+    assert EventsConfig("ipc:///tmp/kv").replay_endpoint == "ipc:///tmp/kv-replay"
+    assert EventsConfig("tcp://127.0.0.1:5557", "").replay_endpoint == ""

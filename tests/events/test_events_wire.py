@@ -1,0 +1,130 @@
+"""The wire format: golden bytes from docs/kv-events.md, vLLM's own decoder on our bytes, and
+our decoder on both encodings vLLM has used (tagged maps, tagged arrays)."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import pytest
+
+from kvstore.events.wire import (
+    END_SEQ,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+    UnknownEvent,
+    WireError,
+    decode_batch,
+    encode_batch,
+    parse_seq,
+    seq_frame,
+)
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "kv-events.md"
+K1, K2, K3 = b"\x11" * 32, b"\x22" * 32, b"\x33" * 32
+EXAMPLE = EventBatch(1764547200.5, [BlockStored([K1, K2], None, list(range(1, 9)), 4, "GPU"),
+                                    BlockRemoved([K3], "CPU")], 0, epoch=42)
+
+
+def _vllm() -> Any:
+    """vLLM's own types (tests/events/vllm_types.py); msgspec is in the test extra."""
+    if os.environ.get("CI") != "true":
+        pytest.importorskip("msgspec")
+    import vllm_types
+
+    return vllm_types
+
+
+def _doc_golden() -> bytes:
+    text = DOC.read_text()
+    block = re.search(r"<!-- golden:begin -->\n```\n(.*?)```\n<!-- golden:end -->", text, re.S)
+    assert block, "docs/kv-events.md lost its golden example"
+    return bytes.fromhex(block.group(1).replace("\n", " "))
+
+
+def test_encoder_writes_the_documented_bytes() -> None:
+    golden = _doc_golden()
+    assert encode_batch(EXAMPLE) == golden
+    assert f"{len(golden)} bytes" in DOC.read_text()
+    assert decode_batch(golden) == EXAMPLE
+
+
+def test_frames_are_vllms() -> None:
+    assert seq_frame(7) == b"\x00" * 7 + b"\x07"
+    assert parse_seq(seq_frame(2**64 - 2)) == 2**64 - 2
+    assert END_SEQ == b"\xff" * 8 and parse_seq(END_SEQ) == -1
+    with pytest.raises(WireError, match="8 bytes"):
+        parse_seq(b"\x00" * 4)
+
+
+def test_vllm_decoder_reads_our_batches_and_we_write_its_bytes() -> None:
+    v = _vllm()
+    ours = EventBatch(3.25, [BlockStored([K1, K2], K3, list(range(8)), 4, "DISK"), BlockRemoved([K1], "GPU"),
+                             AllBlocksCleared()], 0, epoch=2**64 - 1, snapshot=True)
+    got = v.msgspec.msgpack.Decoder(v.KVEventBatch).decode(encode_batch(ours))  # the extension is ignored
+    assert got.ts == 3.25 and got.data_parallel_rank == 0
+    stored, removed, cleared = got.events
+    assert stored.block_hashes == [K1, K2] and stored.parent_block_hash == K3 and stored.medium == "DISK"
+    assert stored.token_ids == list(range(8)) and stored.block_size == 4 and stored.group_idx == 0
+    assert removed.block_hashes == [K1] and removed.medium == "GPU"
+    assert isinstance(cleared, v.VCleared)
+    # without the extension element our payload is byte for byte what vLLM's encoder writes
+    plain = EventBatch(3.25, ours.events, 0)
+    theirs = v.KVEventBatch(ts=3.25, data_parallel_rank=0, events=[
+        v.VStored([K1, K2], K3, list(range(8)), 4, None, "DISK", None, group_idx=0,
+                  kv_cache_spec_kind="full_attention"),
+        v.VRemoved([K1], "GPU", group_idx=0), v.VCleared()])
+    assert encode_batch(plain) == v.msgspec.msgpack.encode(theirs)
+
+
+def test_decoder_reads_vllm_map_events_from_vllms_encoder() -> None:
+    v = _vllm()
+    payload = v.msgspec.msgpack.encode(v.KVEventBatch(ts=1.0, data_parallel_rank=1, events=[
+        v.VStored([123, 456], None, [1, 2, 3, 4], 2, None, "GPU", None, extra_keys=[None, None], group_idx=0),
+        v.VRemoved([123], None), v.VCleared()]))
+    batch = decode_batch(payload)
+    assert batch.epoch is None and not batch.snapshot and batch.data_parallel_rank == 1
+    assert batch.events[0] == BlockStored([123, 456], None, [1, 2, 3, 4], 2, "GPU", None, None, [None, None], 0, None)
+    assert batch.events[1] == BlockRemoved([123], None, None)
+    assert batch.events[2] == AllBlocksCleared()
+
+
+def test_decoder_reads_legacy_tagged_arrays() -> None:
+    v = _vllm()
+    payload = v.msgspec.msgpack.encode(v.OldBatch(2.0, [v.OldStored([9], 8, [5, 6], 2, None, "CPU"),
+                                                        v.OldRemoved([9])]))
+    assert msgpack.unpackb(payload)[1][0][0] == "BlockStored"  # really the array encoding
+    batch = decode_batch(payload)
+    assert batch.data_parallel_rank is None
+    assert batch.events == [BlockStored([9], 8, [5, 6], 2, "CPU", None, None, None, None, None),
+                            BlockRemoved([9], None, None)]
+
+
+def test_decoder_takes_mixed_batches_maps_and_unknown_events() -> None:
+    raw = msgpack.packb({"ts": 1, "events": [["AllBlocksCleared"], {"type": "BlockRemoved", "block_hashes": [b"x"],
+                                                                       "medium": "GPU"},
+                                             {"type": "SomethingNew", "x": 1}], "data_parallel_rank": 0})
+    batch = decode_batch(raw)
+    assert batch.events == [AllBlocksCleared(), BlockRemoved([b"x"], "GPU", None), UnknownEvent("SomethingNew")]
+
+
+@pytest.mark.parametrize("payload, match", [
+    (b"\xc1", "not msgpack"),
+    (msgpack.packb(5), "a batch is"),
+    (msgpack.packb(["t", []]), "timestamp"),
+    (msgpack.packb([1.0, {}]), "events must be an array"),
+    (msgpack.packb([1.0, [7]]), "neither a tagged map"),
+    (msgpack.packb([1.0, [{"block_hashes": []}]]), "no string tag"),
+    (msgpack.packb([1.0, [{"type": "BlockStored", "block_hashes": ["s"]}]]), "block_hashes"),
+    (msgpack.packb([1.0, [{"type": "BlockStored", "block_hashes": [], "block_size": -1}]]), "block_size"),
+    (msgpack.packb([1.0, [{"type": "BlockRemoved", "block_hashes": [], "medium": 3}]]), "medium"),
+    (msgpack.packb([1.0, [], "zero"]), "data_parallel_rank"),
+])
+def test_decoder_refuses_malformed_payloads(payload: bytes, match: str) -> None:
+    with pytest.raises(WireError, match=match):
+        decode_batch(payload)
