@@ -29,7 +29,6 @@ from kvstore.errors import ConfigError
 from kvstore.events.config import EventsConfig
 from kvstore.events.replay import Held, ReplayRing, serve_request, snapshot_batches
 from kvstore.events.wire import (
-    MEDIA,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -103,13 +102,11 @@ class EventPublisher:
         """``medium`` now holds ``keys`` (``parents[i]`` is key i's parent). ``token_ids``: the
         blocks' tokens, concatenated, or None where the tier does not know them. Never blocks;
         False when the queue was full and the event was dropped."""
-        assert medium in MEDIA, medium
         return self._put(("stored", medium, list(keys), list(parents), block_size,
                           None if token_ids is None else list(token_ids)))
 
     def removed(self, medium: str, keys: Sequence[bytes]) -> bool:
         """The last copy of each of ``keys`` left ``medium``. Never blocks (False: dropped)."""
-        assert medium in MEDIA, medium
         return self._put(("removed", medium, list(keys)))
 
     def cleared(self) -> bool:

@@ -21,6 +21,11 @@ from kvstore.events.replay import Held
 from kvstore.events.wire import TIER_MEDIA
 
 
+def medium_of(tier: str) -> str:
+    """The medium a store tier is published as (a level kvstore does not know yet: its name, upper-case)."""
+    return TIER_MEDIA.get(tier, tier.upper())
+
+
 class StoreEvents:
     """Publishes one store's tiers. ``attach()`` to start, ``detach()`` to stop."""
 
@@ -38,14 +43,14 @@ class StoreEvents:
             if self._held_back is not None:
                 self._held_back.append(("stored", tier, list(keys), list(parents)))
                 return
-        self.publisher.stored(TIER_MEDIA[tier], keys, parents, self.block_size)
+        self.publisher.stored(medium_of(tier), keys, parents, self.block_size)
 
     def blocks_removed(self, tier: str, keys: list[bytes]) -> None:
         with self._lock:
             if self._held_back is not None:
                 self._held_back.append(("removed", tier, list(keys)))
                 return
-        self.publisher.removed(TIER_MEDIA[tier], keys)
+        self.publisher.removed(medium_of(tier), keys)
 
     # lifecycle
 
@@ -60,9 +65,9 @@ class StoreEvents:
                     self.publisher.stored(medium, [k for k, _ in pairs], [p for _, p in pairs], block_size)
             for item in self._held_back:
                 if item[0] == "stored":
-                    self.publisher.stored(TIER_MEDIA[item[1]], item[2], item[3], self.block_size)
+                    self.publisher.stored(medium_of(item[1]), item[2], item[3], self.block_size)
                 else:
-                    self.publisher.removed(TIER_MEDIA[item[1]], item[2])
+                    self.publisher.removed(medium_of(item[1]), item[2])
             self._held_back = None
         self.publisher.add_source(self.held)
         return self
@@ -74,4 +79,4 @@ class StoreEvents:
     def held(self) -> list[Held]:
         """The snapshot source: every tier's (key, parent) pairs, as media."""
         by_tier = self.store.held_by_tier()
-        return [(TIER_MEDIA[tier], self.block_size, list(pairs)) for tier, pairs in by_tier.items()]
+        return [(medium_of(tier), self.block_size, list(pairs)) for tier, pairs in by_tier.items()]

@@ -14,7 +14,7 @@ import pytest
 
 from engine import LLMEngine, SamplingParams
 from kvstore.events import Subscriber
-from kvstore.events.wire import GPU, BlockStored
+from kvstore.events.wire import CPU, DISK, GPU, BlockStored
 
 TINY = dict(num_layers=2, hidden_size=64, intermediate_size=128, head_dim=16, vocab_size=128)
 BLOCK_BYTES, SLOT = 2048, 4096  # one block of TINY with block_size 4 in fp32; its host/disk slot
@@ -23,7 +23,7 @@ GREEDY = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
 
 def make(tmp_path: Path, endpoint: str, **kwargs: Any) -> LLMEngine:
     opts: dict[str, Any] = dict(random_model=TINY, block_size=4, kv_cache_bytes=12 * BLOCK_BYTES,
-                                host_bytes=10 * SLOT, disk_path=tmp_path / "disk", disk_bytes=24 * SLOT,
+                                host_bytes=10 * SLOT, disk_path=tmp_path / "disk", disk_bytes=14 * SLOT,
                                 fetch_policy="always", kv_events=endpoint)
     opts.update(kwargs)
     return LLMEngine(None, **opts)
@@ -57,6 +57,15 @@ def device_keys(llm: LLMEngine) -> set[bytes]:
     return {k for k, _ in llm.block_manager.held_blocks()}
 
 
+def truth(llm: LLMEngine) -> dict[str, set[bytes]]:
+    """What the engine and its store hold, from their own bookkeeping, per medium."""
+    held = {GPU: device_keys(llm)}
+    by_tier = llm.store.held_by_tier()
+    held[CPU], held[DISK] = {k for k, _ in by_tier["host"]}, {k for k, _ in by_tier["disk"]}
+    assert set(llm.store.held_keys()) == held[CPU] | held[DISK]
+    return {m: keys for m, keys in held.items() if keys}
+
+
 def until(cond: Callable[[], bool], sub: Subscriber, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while not cond():
@@ -76,20 +85,22 @@ def test_device_tier_view_equals_the_engine_after_evictions(tmp_path: Path) -> N
     try:
         until(lambda: sub.stats()["snapshots"] == 1, sub)
         converse(llm, 4)
-        assert llm.stats()["device"]["demoted"] > 0, "the workload must evict from the device"
-        until(lambda: sub.sink.blocks(GPU) == device_keys(llm), sub)
-        assert not sub.approximate and sub.stats()["unfilled_gaps"] == 0
+        stats = llm.stats()
+        assert stats["device"]["demoted"] > 0, "the workload must evict from the device"
+        assert stats["host"]["evictions"] > 0 and stats["disk"]["evictions"] > 0, "and through host and disk"
+        until(lambda: sub.sink.held() == truth(llm), sub)
+        assert not sub.approximate and sub.stats()["unfilled_gaps"] == 0 and sub.sink.num_unknown_removals == 0
         # device events carry the blocks' tokens, block_size of them per block
         gpu = [e for e in stored if e.medium == GPU]
         assert gpu and all(len(e.token_ids) == 4 * len(e.block_hashes) for e in gpu)
         late = subscribe(llm)  # a late subscriber catches up by snapshot alone
         try:
             until(lambda: late.stats()["snapshots"] == 1, late)
-            assert late.sink.blocks(GPU) == device_keys(llm) == sub.sink.blocks(GPU)
+            assert late.sink.held() == truth(llm) == sub.sink.held()
         finally:
             late.close()
         llm.evict_device_cache()
-        until(lambda: sub.sink.blocks(GPU) == set() == device_keys(llm), sub)
+        until(lambda: sub.sink.held() == truth(llm) and GPU not in truth(llm), sub)
     finally:
         sub.close()
         llm.close()
@@ -105,12 +116,14 @@ def test_engine_restart_is_a_new_epoch(tmp_path: Path) -> None:
         first_epoch = sub.epoch
         assert first_epoch == llm.kv_events.epoch  # type: ignore[union-attr]
         converse(llm, 2)
-        until(lambda: sub.sink.blocks(GPU) == device_keys(llm) != set(), sub)
+        until(lambda: sub.sink.held() == truth(llm) != {}, sub)
         llm.close()
         until(lambda: sub.sink.held() == {}, sub)  # the clean shutdown's AllBlocksCleared
-        llm = make(tmp_path, endpoint)
+        llm = make(tmp_path, endpoint)  # reopens the disk tier: its blocks are announced again
+        assert DISK in truth(llm)
+        until(lambda: sub.epoch == llm.kv_events.epoch and sub.sink.held() == truth(llm), sub)  # type: ignore[union-attr]
         converse(llm, 2, first=50)
-        until(lambda: sub.epoch == llm.kv_events.epoch and sub.sink.blocks(GPU) == device_keys(llm), sub)  # type: ignore[union-attr]
+        until(lambda: sub.sink.held() == truth(llm), sub)
         assert sub.epoch != first_epoch and sub.stats()["epochs"] == 1
         assert sub.stats()["snapshots"] >= 2 and not sub.approximate
     finally:
