@@ -62,6 +62,7 @@ class EventPublisher:
         self._sources: list[Source] = []
         self._sources_lock = threading.Lock()
         self._ring = ReplayRing(config.buffer_batches)
+        self.topic = config.topic
         self._topic = config.topic.encode()
         self._seq = 0  # the next batch's sequence number
         self._num_dropped = 0
