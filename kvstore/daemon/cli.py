@@ -25,6 +25,7 @@ def run_serve(args: argparse.Namespace) -> int:
         "token": args.token or env.token(), "tokens_file": args.tokens,
         "max_namespaces": args.max_namespaces, "write_policy": args.write_policy,
         "lease_s": args.lease_s, "shm": False if args.no_shm else None,
+        "kv_events": args.kv_events, "kv_events_replay": args.kv_events_replay,
     }
     try:
         config = load_config(args.config, overrides)
@@ -55,4 +56,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="write_through (default): an acknowledged put is on disk")
     p.add_argument("--lease-s", type=float, default=None, help="shared-memory lease lifetime (default 10 s)")
     p.add_argument("--no-shm", action="store_true", help="do not offer the shared-memory path")
+    p.add_argument("--kv-events", default=None, metavar="ENDPOINT",
+                   help="publish the tiers as KV events (vLLM's ZeroMQ format), e.g. tcp://127.0.0.1:5557")
+    p.add_argument("--kv-events-replay", default=None, metavar="ENDPOINT",
+                   help="the KV events replay/snapshot socket (default: the next port)")
     p.set_defaults(func=run_serve)

@@ -86,6 +86,9 @@ class DaemonConfig:
         write_policy: the stores' write policy; write_through makes an acknowledged put durable.
         shm: offer the shared-memory path to Unix-socket clients.
         drain_s: seconds SIGTERM waits for in-flight requests.
+        kv_events: publish every namespace's tiers as KV events on this ZeroMQ endpoint
+            (docs/kv-events.md); None: no events.
+        kv_events_replay: the replay/snapshot socket; None: the next port, "": none.
     """
 
     data_dir: Path = Path(".kvstore")
@@ -104,6 +107,8 @@ class DaemonConfig:
     write_policy: str = "write_through"
     shm: bool = True
     drain_s: float = 4.0
+    kv_events: str | None = None
+    kv_events_replay: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "data_dir", Path(self.data_dir))
@@ -124,6 +129,13 @@ class DaemonConfig:
             raise ConfigError(f"lease_s must be > 0 and drain_s >= 0, got {self.lease_s}, {self.drain_s}")
         if self.host_bytes < 4096 * self.max_namespaces:
             raise ConfigError(f"host_bytes={self.host_bytes} leaves no slot for {self.max_namespaces} namespaces")
+        if self.kv_events:
+            from kvstore.events.config import EventsConfig
+
+            try:
+                EventsConfig(self.kv_events, self.kv_events_replay)
+            except ConfigError as exc:
+                raise ConfigError(f"--kv-events: {exc}") from None
         for name in ("listen", "http"):
             addr = getattr(self, name)
             if addr:

@@ -11,6 +11,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kvstore.daemon.registry import Registry
+from kvstore.events.metrics import event_families
 
 GAUGES = {"capacity_bytes": "Capacity of the tier in bytes", "used_bytes": "Bytes the tier's blocks occupy",
           "num_blocks": "Blocks the tier holds"}
@@ -54,6 +55,8 @@ class StoreCollector(Collector):
             yield GaugeMetricFamily("kvstore_daemon_connections", "Open block protocol connections",
                                     value=self.daemon.num_connections)
             yield GaugeMetricFamily("kvstore_daemon_leases", "Live shared-memory leases", value=len(self.daemon.leases))
+            if getattr(self.daemon, "kv_events", None) is not None:
+                yield from event_families(self.daemon.kv_events.stats())
 
 
 def render(registry: Registry, daemon: Any = None) -> bytes:

@@ -18,6 +18,7 @@ import struct
 import sys
 import threading
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -174,6 +175,7 @@ class Registry:
         self.tokens = tokens
         self._lock = threading.Lock()
         self._namespaces: dict[str, NamespaceState] = {}
+        self.on_open: list[Callable[[TieredStore], None]] = []  # called with each store it opens (KV events)
 
     @classmethod
     def embedded(cls, store: TieredStore, tokens: Tokens | None = None) -> Registry:
@@ -210,6 +212,8 @@ class Registry:
                 raise ProtocolError(Code.LAYOUT, f"all {limit} namespace slots are taken; cannot open "
                                     f"{model_id} {layout.fingerprint()}")
             store = TieredStore(self._store_config(ns))
+            for hook in self.on_open:
+                hook(store)
             state = NamespaceState(ns.id, model_id, layout, hash_algo, store)
             self._namespaces[ns.id] = state
             return state

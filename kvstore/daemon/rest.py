@@ -152,6 +152,8 @@ def create_app(target: Registry | TieredStore, admin_token: str | None = None, d
             out["daemon"] = {"connections": daemon.num_connections, "inflight": daemon.num_inflight,
                              "leases": len(daemon.leases), "requests": dict(daemon.ops.requests),
                              "errors": dict(daemon.ops.errors)}
+            if getattr(daemon, "kv_events", None) is not None:
+                out["daemon"]["kv_events"] = daemon.kv_events.stats()
         return out
 
     @app.post("/v1/lookup")

@@ -55,6 +55,7 @@ class Daemon:
         self._handlers: set[asyncio.Task[None]] = set()
         self._http: Any = None
         self._stop = asyncio.Event()
+        self.kv_events: Any = None  # an EventPublisher once started with kv_events
 
     # ------------------------------------------------------------------------ lifecycle
 
@@ -62,6 +63,8 @@ class Daemon:
         cfg = self.config
         cfg.data_dir.mkdir(parents=True, exist_ok=True)
         loop = asyncio.get_running_loop()
+        if cfg.kv_events:
+            self._start_kv_events()
         await loop.run_in_executor(self.pool, self.registry.reopen_existing)
         if cfg.socket_path:
             path = Path(cfg.socket_path)
@@ -77,6 +80,20 @@ class Daemon:
             self.addresses.append(f"tcp://{_fmt(server.sockets[0].getsockname())}")
         if cfg.http:
             self.addresses.append(await self._start_http(*parse_hostport(cfg.http)))
+
+    def _start_kv_events(self) -> None:
+        """Publish every namespace's tiers (each store is attached as the registry opens it)."""
+        from kvstore.events import EventPublisher, EventsConfig
+        from kvstore.events.store_events import StoreEvents
+
+        assert self.config.kv_events
+        self.kv_events = publisher = EventPublisher(EventsConfig(self.config.kv_events, self.config.kv_events_replay))
+        def attach(store: Any) -> None:
+            StoreEvents(publisher, store).attach()
+
+        self.registry.on_open.append(attach)
+        replay = f" (replay {publisher.replay_endpoint})" if publisher.replay_endpoint else ""
+        print(f"kvstore serve: kv events on {publisher.endpoint}{replay}", flush=True)
 
     async def _start_http(self, host: str, port: int) -> str:
         import uvicorn
@@ -148,6 +165,8 @@ class Daemon:
         except asyncio.TimeoutError:
             print("kvstore serve: stores did not close in time; exiting (unacknowledged data only is lost)",
                   file=sys.stderr, flush=True)
+        if self.kv_events is not None:
+            self.kv_events.close()  # ends with AllBlocksCleared
         if self.config.socket_path:
             with contextlib.suppress(OSError):
                 os.unlink(self.config.socket_path)

@@ -4,9 +4,6 @@ holds; a late subscriber catches up by snapshot; a restarted engine is a new epo
 
 from __future__ import annotations
 
-import socket
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +12,8 @@ import pytest
 from engine import LLMEngine, SamplingParams
 from kvstore.events import Subscriber
 from kvstore.events.wire import CPU, DISK, GPU, BlockStored
+
+from events_helpers import free_port_pair, until
 
 TINY = dict(num_layers=2, hidden_size=64, intermediate_size=128, head_dim=16, vocab_size=128)
 BLOCK_BYTES, SLOT = 2048, 4096  # one block of TINY with block_size 4 in fp32; its host/disk slot
@@ -27,21 +26,6 @@ def make(tmp_path: Path, endpoint: str, **kwargs: Any) -> LLMEngine:
                                 fetch_policy="always", kv_events=endpoint)
     opts.update(kwargs)
     return LLMEngine(None, **opts)
-
-
-def free_ports() -> int:
-    """A port p with p + 1 free too (the replay socket's default)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        with socket.socket() as s2:
-            try:
-                s2.bind(("127.0.0.1", port + 1))
-                return port
-            except OSError:
-                continue
-    raise RuntimeError("no two adjacent free ports")
 
 
 def converse(llm: LLMEngine, turns: int, first: int = 0) -> None:
@@ -64,13 +48,6 @@ def truth(llm: LLMEngine) -> dict[str, set[bytes]]:
     held[CPU], held[DISK] = {k for k, _ in by_tier["host"]}, {k for k, _ in by_tier["disk"]}
     assert set(llm.store.held_keys()) == held[CPU] | held[DISK]
     return {m: keys for m, keys in held.items() if keys}
-
-
-def until(cond: Callable[[], bool], sub: Subscriber, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out; subscriber {sub.stats()}"
-        sub.poll(0.05)
 
 
 def subscribe(llm: LLMEngine, **kwargs: Any) -> Subscriber:
@@ -107,7 +84,7 @@ def test_device_tier_view_equals_the_engine_after_evictions(tmp_path: Path) -> N
 
 
 def test_engine_restart_is_a_new_epoch(tmp_path: Path) -> None:
-    port = free_ports()
+    port = free_port_pair()
     endpoint = f"tcp://127.0.0.1:{port}"
     llm = make(tmp_path, endpoint)
     sub = Subscriber(endpoint, replay_endpoint=f"tcp://127.0.0.1:{port + 1}", heartbeat_timeout_s=5)

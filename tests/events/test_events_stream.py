@@ -6,13 +6,14 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Callable
 
 import pytest
 import zmq
 
 from kvstore.events import EventPublisher, EventsConfig, Subscriber
 from kvstore.events.wire import END_SEQ, SNAPSHOT_REQUEST, BlockStored, decode_batch, parse_seq, seq_frame
+
+from events_helpers import until
 
 
 class Tier:
@@ -41,13 +42,6 @@ class Tier:
         for k in keys:
             del self.held[k]
         self.pub.removed(self.medium, keys)
-
-
-def until(cond: Callable[[], bool], sub: Subscriber, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out; subscriber {sub.stats()}"
-        sub.poll(0.05)
 
 
 @pytest.fixture
