@@ -1,0 +1,193 @@
+"""The remote tier against a real, healthy Redis Cluster and a real single redis-server."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+import redis
+
+from redis_cluster import RedisCluster, RedisServer, cli
+from remote_helpers import LAYOUT_ID, PAYLOAD, keys, payloads, tier
+from tiers.remote import RemoteTier, group_tags
+
+
+def node_of(cluster: RedisCluster, name: bytes) -> int:
+    """The port of the primary that holds ``name``."""
+    slot = int(cli(cluster.nodes[0].port, "CLUSTER", "KEYSLOT", name.decode()).strip())
+    for entry in redis.Redis(port=cluster.nodes[0].port).execute_command("CLUSTER", "SLOTS"):
+        if entry[0] <= slot <= entry[1]:
+            return int(entry[2][1])
+    raise AssertionError(f"no owner of slot {slot}")
+
+
+def raw(cluster: RedisCluster, name: bytes) -> redis.Redis:
+    return redis.Redis(port=node_of(cluster, name))
+
+
+@pytest.mark.parametrize("where", ["cluster", "server"])
+def test_round_trip_exact_bytes(where: str, request: pytest.FixtureRequest) -> None:
+    url = request.getfixturevalue(where).url
+    with tier(url) as t:
+        ks = keys(f"round-{where}", 40)
+        data = payloads(ks)
+        assert t.exists(ks) == 0
+        assert t.put(ks, list(data)) == 40
+        assert t.exists(ks) == 40 and t.contains(ks[:2] + keys("never", 1)) == [True, True, False]
+        out = np.zeros_like(data)
+        assert t.get(ks, list(out)) == [True] * 40
+        assert np.array_equal(out, data)
+        assert t.put(ks, list(data)) == 0  # held already: nothing sent
+        s = t.stats()
+        assert (s["hits"], s["misses"], s["errors"], s["skipped"]) == (40, 0, 0, 40)
+        assert s["bytes_written"] == s["bytes_read"] == 40 * PAYLOAD
+        assert s["num_blocks"] >= 40 and s["used_bytes"] > 40 * PAYLOAD and s["capacity_bytes"] > 0
+        assert s["nodes_up"] == (3 if where == "cluster" else 1)
+
+
+def test_a_batch_runs_one_pipeline_per_primary_in_parallel(cluster: RedisCluster) -> None:
+    with tier(cluster.url) as t:
+        ks = keys("spread", 64)
+        owners = {node_of(cluster, n) for n in t.names(ks)}
+        assert len(owners) == 3  # 64 blocks with G=1 spread over all three primaries
+        t.put(ks, list(payloads(ks)))
+        before = {n.port: int(n.info("stats")["total_commands_processed"]) for n in cluster.primaries()}
+        assert t.exists(ks) == 64
+        after = {n.port: int(n.info("stats")["total_commands_processed"]) for n in cluster.primaries()}
+        # each primary ran only its own keys' EXISTS (plus the INFO this check itself sends)
+        assert sum(after[p] - before[p] for p in before) <= 64 + 2 * len(before)
+
+
+def test_leading_run_stops_at_the_first_gap(cluster: RedisCluster) -> None:
+    with tier(cluster.url) as t:
+        ks = keys("gap", 10)
+        t.put(ks[:4] + ks[5:], list(payloads(ks[:4] + ks[5:])))
+        assert t.exists(ks) == 4
+        out = np.zeros((10, PAYLOAD), dtype=np.uint8)
+        assert t.get(ks, list(out)) == [True] * 4 + [False] + [True] * 5
+
+
+def test_run_length_groups_share_a_slot_and_round_trip(cluster: RedisCluster) -> None:
+    with tier(cluster.url, run_length=4) as t:
+        ks = keys("g4", 12)
+        tags = group_tags(ks, 4)
+        names = t.names(ks, tags)
+        assert len({node_of(cluster, n) for n in names[:4]}) == 1
+        t.put(ks, list(payloads(ks)), tags)
+        out = np.zeros((12, PAYLOAD), dtype=np.uint8)
+        assert t.get(ks, list(out), tags) == [True] * 12 and np.array_equal(out, payloads(ks))
+        with pytest.raises(ValueError, match="group tag"):
+            t.names(ks)
+    with tier(cluster.url) as g1:  # another G names other keys: they never meet
+        assert g1.exists(ks) == 0
+
+
+@pytest.mark.parametrize("damage", ["setrange", "truncate", "other_layout", "other_key", "garbage"])
+def test_bad_values_are_counted_misses_and_deleted(cluster: RedisCluster, damage: str) -> None:
+    with tier(cluster.url) as t:
+        ks = keys(f"bad-{damage}", 3)
+        data = payloads(ks)
+        t.put(ks, list(data))
+        name = t.names(ks[1:2])[0]
+        r = raw(cluster, name)
+        if damage == "setrange":
+            r.setrange(name, 40_000, b"\xff" if r.getrange(name, 40_000, 40_000) != b"\xff" else b"\x00")
+        elif damage == "truncate":
+            r.set(name, r.getrange(name, 0, 1000))
+        elif damage == "other_layout":
+            with RemoteTier(cluster.url, PAYLOAD, LAYOUT_ID + "-other") as other:
+                r.delete(name)
+                other.put(ks[1:2], list(data[1:2]))
+        elif damage == "other_key":
+            r.set(name, raw(cluster, t.names(ks[:1])[0]).get(t.names(ks[:1])[0]))
+        else:
+            r.set(name, b"not a block at all")
+        out = np.zeros_like(data)
+        assert t.get(ks, list(out)) == [True, False, True]
+        assert not out[1].any(), "a rejected value must not reach the caller's memory"
+        s = t.stats()
+        assert s["errors"] == s["errors_corrupt"] == 1 and s["misses"] == 1
+        assert r.exists(name) == 0, "the bad value stays in the cluster"
+        assert t.get(ks[1:2], [out[1]]) == [False]  # now simply absent: a miss, no new error
+        assert t.stats()["errors"] == 1
+
+
+def test_write_behind_flushes_and_drops_when_full(cluster: RedisCluster) -> None:
+    with tier(cluster.url, queue_blocks=8, batch_blocks=4) as t:
+        ks = keys("behind", 6)
+        data = payloads(ks)
+        started = time.perf_counter()
+        assert t.put_async(ks, list(data)) == 6
+        data[:] = 0  # the caller's memory may be reused at once: the tier holds copies
+        assert time.perf_counter() - started < 0.5
+        assert t.flush(timeout=10)
+        out = np.zeros_like(data)
+        assert t.get(ks, list(out)) == [True] * 6 and np.array_equal(out, payloads(ks))
+        many = keys("flood", 40)
+        queued = t.put_async(many, list(payloads(many)))
+        assert 8 <= queued < 40  # at most the bound, plus what the writer took meanwhile
+        assert t.flush(timeout=10)
+        s = t.stats()
+        assert s["dropped"] == 40 - queued and s["pending"] == 0
+        assert t.exists(many) >= 8
+
+
+def test_maxmemory_eviction_is_misses_never_errors(cluster: RedisCluster) -> None:
+    """Redis evicts on its own; used_memory stays at the limit (plus at most the command being
+    read: Redis checks the limit before each command); nothing raises; evicted blocks miss."""
+    limit = cluster.maxmemory
+    peaks: list[int] = []
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            peaks.append(max(int(n.info("memory")["used_memory"]) for n in cluster.primaries()))
+            time.sleep(0.05)
+
+    sampler = threading.Thread(target=sample)
+    with tier(cluster.url) as t:
+        sampler.start()
+        ks = keys("evict", 3 * 3 * limit // PAYLOAD)  # three times the cluster's memory
+        try:
+            for start in range(0, len(ks), 64):
+                t.put(ks[start : start + 64], list(payloads(ks[start : start + 64])))
+        finally:
+            stop.set()
+            sampler.join()
+        s = t.stats()
+        assert s["errors"] == 0 and s["dropped"] == 0, s
+        assert s["evictions"] > 0 and s["used_bytes"] <= s["capacity_bytes"] + 3 * 4 * PAYLOAD
+        assert max(peaks) <= limit + 4 * PAYLOAD, f"used_memory peaked at {max(peaks)} of {limit}"
+        out = np.zeros((64, PAYLOAD), dtype=np.uint8)
+        assert t.exists(ks[:64]) < 64  # the oldest are gone
+        ok = t.get(ks[:64], list(out))
+        assert not all(ok) and t.stats()["errors"] == 0
+        want = payloads(ks[:64])
+        assert all(np.array_equal(out[i], want[i]) for i in range(64) if ok[i])
+    for node in cluster.primaries():  # leave room for the rest of the module
+        cli(node.port, "FLUSHALL")
+
+
+def test_passwords_stay_secret(tmp_path_factory: pytest.TempPathFactory) -> None:
+    secret = "pw-never-shown-4711"
+    server = RedisServer.start(tmp_path_factory.mktemp("auth"), password=secret)
+    try:
+        url = f"redis://default:{secret}@127.0.0.1:{server.node.port}"
+        with tier(url) as good:
+            ks = keys("auth", 2)
+            assert good.put(ks, list(payloads(ks))) == 2
+            assert secret not in repr(good) and secret not in str(good.stats())
+            assert secret not in str([n.as_dict() for n in good.nodes()])
+        wrong = f"redis://default:wrong-{secret}@127.0.0.1:{server.node.port}"
+        with tier(wrong) as bad:
+            out = np.zeros((2, PAYLOAD), dtype=np.uint8)
+            assert bad.get(ks, list(out)) == [False, False]
+            assert bad.put(ks, list(payloads(ks))) == 0
+            s = bad.stats()
+            assert s["errors_auth"] >= 1 and s["misses"] == 2 and s["dropped"] == 2
+            assert secret not in repr(bad) and secret not in str(s)
+            assert all(secret not in n.error for n in bad.nodes())
+    finally:
+        server.close()

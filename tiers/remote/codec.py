@@ -1,0 +1,85 @@
+"""The value of one block in Redis: a small header, then the raw payload.
+
+    offset  size  field
+    0       4     magic b"KVRB"
+    4       2     format version (1), big-endian
+    6       2     key length K, big-endian
+    8       8     payload length P, big-endian
+    16      16    layout digest: xxh3_128 of the layout fingerprint text
+    32      K     the block key
+    32+K    16    checksum: xxh3_128 (seed 0) over bytes [0, 32+K) followed by the payload
+    48+K    P     payload
+
+The checksum covers the header and the key, so a value stored under another name, of another
+layout, torn, truncated or flipped fails like a corrupt one. Every failure has a reason name;
+the tier counts it, deletes the value and reports a miss.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import xxhash
+
+MAGIC = b"KVRB"
+VERSION = 1
+FIXED = struct.Struct(">4sHHQ16s")
+CHECKSUM_BYTES = 16
+MAX_KEY_BYTES = 64
+
+
+def layout_digest(layout_id: str) -> bytes:
+    """16 bytes naming a layout fingerprint (``KVLayout.fingerprint()`` text)."""
+    return xxhash.xxh3_128(layout_id.encode()).digest()
+
+
+def header_bytes(key_bytes: int) -> int:
+    """Bytes before the payload for a key of ``key_bytes`` bytes."""
+    return FIXED.size + key_bytes + CHECKSUM_BYTES
+
+
+def encode(key: bytes, layout: bytes, payload: memoryview) -> memoryview:
+    """One value: header + a copy of ``payload``. The copy is the snapshot a write-behind
+    needs anyway (the caller's slot may be reused before the value is sent)."""
+    if not 0 < len(key) <= MAX_KEY_BYTES:
+        raise ValueError(f"block keys are 1 to {MAX_KEY_BYTES} bytes, got {len(key)}")
+    n, head = payload.nbytes, FIXED.size + len(key)
+    value = bytearray(head + CHECKSUM_BYTES + n)
+    FIXED.pack_into(value, 0, MAGIC, VERSION, len(key), n, layout)
+    value[FIXED.size : head] = key
+    body = memoryview(value)
+    body[head + CHECKSUM_BYTES :] = payload
+    hasher = xxhash.xxh3_128(body[:head])
+    hasher.update(body[head + CHECKSUM_BYTES :])
+    body[head : head + CHECKSUM_BYTES] = hasher.digest()
+    return body
+
+
+def decode(value: bytes, key: bytes, layout: bytes, payload_bytes: int) -> tuple[memoryview | None, str]:
+    """The payload of ``value`` if it is exactly block ``key`` of ``layout``.
+
+    Returns:
+        ``(payload view, "")`` when every field and the checksum agree; else ``(None, reason)``
+        with reason one of magic, version, length, layout, key, checksum.
+    """
+    head = FIXED.size + len(key)
+    if len(value) < FIXED.size:
+        return None, "length"
+    magic, version, key_len, n, digest = FIXED.unpack_from(value, 0)
+    if magic != MAGIC:
+        return None, "magic"
+    if version != VERSION:
+        return None, "version"
+    if n != payload_bytes or key_len != len(key) or len(value) != head + CHECKSUM_BYTES + n:
+        return None, "length"
+    if digest != layout:
+        return None, "layout"
+    view = memoryview(value)
+    if view[FIXED.size : head] != key:
+        return None, "key"
+    hasher = xxhash.xxh3_128(view[:head])
+    payload = view[head + CHECKSUM_BYTES :]
+    hasher.update(payload)
+    if hasher.digest() != view[head : head + CHECKSUM_BYTES]:
+        return None, "checksum"
+    return payload, ""

@@ -1,0 +1,248 @@
+"""Who owns which key, and one pipeline per owning node, the nodes in parallel.
+
+For a cluster the slot map comes from ``CLUSTER SLOTS`` (asked of the known nodes and the
+seeds in turn); a ``MOVED`` reply fixes its slot at once and schedules a full refresh, so a
+reshard or failover converges without a storm of refreshes (at most one every
+``REFRESH_INTERVAL_S``, on a background thread: a request never waits for one). One server
+owns every key.
+
+Each node has its own ``redis.Redis`` client (socket timeouts on connect, send and receive;
+no retries: a cache's answer to a failure is a miss) and a circuit breaker. ``run`` sends one
+pipeline per node, all nodes at once on a small thread pool, and waits at most ``timeout_s``:
+a node that has not answered by then is a failure for this call, and its late answer is
+dropped on the floor. Workers only return what they read, never write caller memory, so a
+late answer cannot land anywhere.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+from redis.backoff import NoBackoff
+from redis.crc import key_slot
+from redis.exceptions import (
+    AskError,
+    AuthenticationError,
+    AuthorizationError,
+    ClusterDownError,
+    OutOfMemoryError,
+    RedisError,
+    TryAgainError,
+)
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.retry import Retry
+
+from tiers.remote.breaker import OPEN, CircuitBreaker
+from tiers.remote.url import Node, RemoteURL
+
+NUM_SLOTS = 16384
+REFRESH_INTERVAL_S = 0.25
+Command = tuple[Any, ...]
+
+
+class NodeUnavailable(Exception):
+    """A node was not asked: its breaker is open, or no node owns the slot yet."""
+
+
+def error_kind(error: BaseException) -> str:
+    """The counter a failure goes to: timeout, connection, auth, cluster, oom, unavailable, other."""
+    if isinstance(error, NodeUnavailable):
+        return "unavailable"
+    if isinstance(error, (RedisTimeoutError, TimeoutError)):
+        return "timeout"
+    if isinstance(error, (AuthenticationError, AuthorizationError)):
+        return "auth"
+    if isinstance(error, (AskError, ClusterDownError, TryAgainError)):  # MovedError is an AskError
+        return "cluster"
+    if isinstance(error, OutOfMemoryError):
+        return "oom"
+    if isinstance(error, (RedisConnectionError, OSError)):
+        return "connection"
+    if isinstance(error, RedisError) and str(error).startswith(("NOAUTH", "WRONGPASS", "NOPERM")):
+        return "auth"
+    return "other"
+
+
+@dataclass(frozen=True)
+class NodeReply:
+    """What one node's pipeline gave: per command a result or an exception; or one error."""
+
+    results: list[Any] | None
+    error: BaseException | None = None
+
+
+class Topology:
+    """Thread-safe. Owns the per-node clients, breakers, the slot map and the worker pool."""
+
+    def __init__(self, url: RemoteURL, timeout_s: float, *, breaker_threshold: int = 3,
+                 breaker_cooldown_s: float = 0.5, max_workers: int = 8) -> None:
+        self.url, self.timeout_s = url, timeout_s
+        self._breaker_settings = (breaker_threshold, breaker_cooldown_s, max(5.0, breaker_cooldown_s))
+        self._lock = threading.Lock()
+        self._clients: dict[Node, redis.Redis] = {}
+        self._breakers: dict[Node, CircuitBreaker] = {}
+        self._slots: list[Node | None] = [None] * NUM_SLOTS
+        self._known: list[Node] = list(url.nodes)  # seeds, then every node CLUSTER SLOTS named
+        self._last_refresh = 0.0
+        self._refreshing = False
+        self.num_refreshes = 0
+        self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="kvstore-remote")
+        self._refresher = ThreadPoolExecutor(1, thread_name_prefix="kvstore-remote-slots")
+        self._closed = False
+        if url.cluster:
+            self._refresh()  # best effort: with no node up, every key is unowned until one answers
+
+    # ----------------------------------------------------------------------------- owners
+
+    def owner(self, name: bytes) -> Node | None:
+        """The primary that owns ``name`` now, or None when no node is known to."""
+        if not self.url.cluster:
+            return self.url.nodes[0]
+        node = self._slots[key_slot(name)]
+        if node is None:
+            self.invalidate()
+        return node
+
+    def primaries(self) -> list[Node]:
+        """The primaries the slot map names (the one server without a cluster)."""
+        if not self.url.cluster:
+            return [self.url.nodes[0]]
+        return sorted({n for n in self._slots if n is not None})
+
+    def invalidate(self) -> None:
+        """Ask for a slot map refresh (at most one every REFRESH_INTERVAL_S, in the background)."""
+        if not self.url.cluster:
+            return
+        with self._lock:
+            if self._closed or self._refreshing or time.monotonic() - self._last_refresh < REFRESH_INTERVAL_S:
+                return
+            self._refreshing = True
+        with contextlib.suppress(RuntimeError):  # shut down meanwhile
+            self._refresher.submit(self._refresh)
+
+    def _refresh(self) -> None:
+        try:
+            with self._lock:
+                candidates = list(dict.fromkeys(self.primaries() + self._known))
+            for node in sorted(candidates, key=lambda n: self.breaker(n).state == OPEN):
+                try:
+                    reply = self.client(node).execute_command("CLUSTER", "SLOTS")
+                except RedisError:
+                    continue
+                slots, named = _parse_slots(reply, node)
+                if named:
+                    with self._lock:
+                        self._slots = slots
+                        self._known = list(dict.fromkeys(self._known + named))
+                        self.num_refreshes += 1
+                    return
+        finally:
+            with self._lock:
+                self._last_refresh, self._refreshing = time.monotonic(), False
+
+    def moved(self, error: AskError) -> None:
+        """A MOVED reply names the slot's new owner: use it now, refresh the rest later."""
+        if self.url.cluster and 0 <= error.slot_id < NUM_SLOTS:
+            self._slots[error.slot_id] = (error.host, int(error.port))
+        self.invalidate()
+
+    # ----------------------------------------------------------------------------- clients
+
+    def client(self, node: Node) -> redis.Redis:
+        with self._lock:
+            client = self._clients.get(node)
+            if client is None:
+                u = self.url
+                client = redis.Redis(
+                    host=node[0], port=node[1], db=u.db, username=u.username, password=u.password,
+                    ssl=u.tls, socket_timeout=self.timeout_s, socket_connect_timeout=self.timeout_s,
+                    retry=Retry(NoBackoff(), 0), health_check_interval=0, single_connection_client=False,
+                )
+                self._clients[node] = client
+            return client
+
+    def breaker(self, node: Node) -> CircuitBreaker:
+        with self._lock:
+            found = self._breakers.get(node)
+            if found is None:
+                found = self._breakers[node] = CircuitBreaker(*self._breaker_settings)
+            return found
+
+    # ----------------------------------------------------------------------------- pipelines
+
+    def run(self, batches: dict[Node, Sequence[Command]]) -> dict[Node, NodeReply]:
+        """One pipeline per node, nodes in parallel; returns within about ``timeout_s``.
+
+        Never raises for a node's failure: that node's reply carries the error instead.
+        """
+        replies: dict[Node, NodeReply] = {}
+        asked: dict[Node, Future[NodeReply]] = {}
+        for node, commands in batches.items():
+            if not self.breaker(node).allow():
+                replies[node] = NodeReply(None, NodeUnavailable(f"{node[0]}:{node[1]} circuit open"))
+            elif len(batches) == 1:  # one node: no hand-off to a worker thread
+                replies[node] = self._pipeline(node, commands)
+            else:
+                asked[node] = self._pool.submit(self._pipeline, node, commands)
+        if asked:
+            wait(asked.values(), timeout=self.timeout_s)
+        for node, future in asked.items():
+            if future.done():
+                replies[node] = future.result()
+            else:
+                self.breaker(node).failure()
+                replies[node] = NodeReply(None, TimeoutError(f"{node[0]}:{node[1]} gave no reply within "
+                                                             f"{self.timeout_s} s"))
+        return replies
+
+    def _pipeline(self, node: Node, commands: Sequence[Command]) -> NodeReply:
+        breaker = self.breaker(node)
+        try:
+            pipe = self.client(node).pipeline(transaction=False)
+            for command in commands:
+                pipe.execute_command(*command)
+            results = pipe.execute(raise_on_error=False)
+        except (RedisError, OSError) as e:
+            breaker.failure()
+            self.invalidate()
+            return NodeReply(None, e)
+        breaker.success()
+        for result in results:
+            if isinstance(result, AskError):  # MOVED or ASK: the slot lives elsewhere now
+                self.moved(result)
+            elif isinstance(result, (ClusterDownError, TryAgainError)):
+                self.invalidate()
+        return NodeReply(results)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            clients = list(self._clients.values())
+        self._refresher.shutdown(wait=False, cancel_futures=True)
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        for client in clients:
+            with contextlib.suppress(RedisError):
+                client.close()
+
+
+def _parse_slots(reply: Any, asked: Node) -> tuple[list[Node | None], list[Node]]:
+    """CLUSTER SLOTS -> (owner per slot, every node named). Empty host means the asked one."""
+    slots: list[Node | None] = [None] * NUM_SLOTS
+    named: list[Node] = []
+    for entry in reply or ():
+        start, end, primary, *replicas = entry
+        nodes = []
+        for item in (primary, *replicas):
+            host = item[0].decode() if isinstance(item[0], bytes) else str(item[0])
+            nodes.append((host or asked[0], int(item[1])))
+        named += nodes
+        slots[int(start) : int(end) + 1] = [nodes[0]] * (int(end) - int(start) + 1)
+    return slots, named
