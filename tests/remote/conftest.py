@@ -9,7 +9,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-
 from redis_cluster import MIB, RedisCluster, RedisServer, ci_requires_redis, need_binaries
 
 

@@ -117,10 +117,11 @@ class RedisServer:
     node: Node
 
     @classmethod
-    def start(cls, tmp: Path, maxmemory: int = 64 * MIB, password: str | None = None) -> RedisServer:
-        port = free_port(bus=False)
+    def start(cls, tmp: Path, maxmemory: int = 64 * MIB, password: str | None = None,
+              port: int | None = None) -> RedisServer:
+        port = port or free_port(bus=False)
         directory = tmp / f"redis-{port}"
-        directory.mkdir(parents=True)
+        directory.mkdir(parents=True, exist_ok=True)
         extra = ["--requirepass", password] if password else []
         node = Node(port, directory, _node_args(port, maxmemory, extra))
         node.start()

@@ -5,6 +5,9 @@ from __future__ import annotations
 import hashlib
 
 import numpy as np
+import redis
+from redis.crc import key_slot
+from redis_cluster import RedisCluster
 
 from tiers.remote import RemoteTier
 
@@ -27,3 +30,13 @@ def payloads(ks: list[bytes], size: int = PAYLOAD) -> np.ndarray:
 def tier(url: str, **kwargs: object) -> RemoteTier:
     kwargs.setdefault("timeout_s", 0.5)
     return RemoteTier(url, PAYLOAD, LAYOUT_ID, **kwargs)  # type: ignore[arg-type]
+
+
+def owner_port(cluster: RedisCluster, name: bytes) -> int:
+    """The port of the live primary that holds ``name`` (asked of the cluster itself)."""
+    slot = key_slot(name)
+    seed = next(n for n in cluster.nodes if n.alive)
+    for entry in redis.Redis(port=seed.port).execute_command("CLUSTER", "SLOTS"):
+        if entry[0] <= slot <= entry[1]:
+            return int(entry[2][1])
+    raise AssertionError(f"no owner of slot {slot}")

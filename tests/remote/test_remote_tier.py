@@ -8,23 +8,14 @@ import time
 import numpy as np
 import pytest
 import redis
-
 from redis_cluster import RedisCluster, RedisServer, cli
-from remote_helpers import LAYOUT_ID, PAYLOAD, keys, payloads, tier
+from remote_helpers import LAYOUT_ID, PAYLOAD, keys, owner_port, payloads, tier
+
 from tiers.remote import RemoteTier, group_tags
 
 
-def node_of(cluster: RedisCluster, name: bytes) -> int:
-    """The port of the primary that holds ``name``."""
-    slot = int(cli(cluster.nodes[0].port, "CLUSTER", "KEYSLOT", name.decode()).strip())
-    for entry in redis.Redis(port=cluster.nodes[0].port).execute_command("CLUSTER", "SLOTS"):
-        if entry[0] <= slot <= entry[1]:
-            return int(entry[2][1])
-    raise AssertionError(f"no owner of slot {slot}")
-
-
 def raw(cluster: RedisCluster, name: bytes) -> redis.Redis:
-    return redis.Redis(port=node_of(cluster, name))
+    return redis.Redis(port=owner_port(cluster, name))
 
 
 @pytest.mark.parametrize("where", ["cluster", "server"])
@@ -50,7 +41,7 @@ def test_round_trip_exact_bytes(where: str, request: pytest.FixtureRequest) -> N
 def test_a_batch_runs_one_pipeline_per_primary_in_parallel(cluster: RedisCluster) -> None:
     with tier(cluster.url) as t:
         ks = keys("spread", 64)
-        owners = {node_of(cluster, n) for n in t.names(ks)}
+        owners = {owner_port(cluster, n) for n in t.names(ks)}
         assert len(owners) == 3  # 64 blocks with G=1 spread over all three primaries
         t.put(ks, list(payloads(ks)))
         before = {n.port: int(n.info("stats")["total_commands_processed"]) for n in cluster.primaries()}
@@ -74,7 +65,7 @@ def test_run_length_groups_share_a_slot_and_round_trip(cluster: RedisCluster) ->
         ks = keys("g4", 12)
         tags = group_tags(ks, 4)
         names = t.names(ks, tags)
-        assert len({node_of(cluster, n) for n in names[:4]}) == 1
+        assert len({owner_port(cluster, n) for n in names[:4]}) == 1
         t.put(ks, list(payloads(ks)), tags)
         out = np.zeros((12, PAYLOAD), dtype=np.uint8)
         assert t.get(ks, list(out), tags) == [True] * 12 and np.array_equal(out, payloads(ks))

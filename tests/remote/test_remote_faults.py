@@ -1,0 +1,170 @@
+"""The remote tier when Redis fails: paused, killed, down at start, down and back.
+
+Every case holds the tier's contract: nothing raises to the caller, no wrong bytes, each
+failure is a counted miss or a counted dropped write, and hits come back with the nodes.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+from redis_cluster import RedisCluster, RedisServer, cli, free_port
+from remote_helpers import PAYLOAD, keys, owner_port, payloads, tier
+
+from tiers.remote import RemoteTier
+
+
+def wait_until(check: Callable[[], bool], timeout: float, what: str) -> float:
+    started = time.monotonic()
+    while time.monotonic() - started < timeout:
+        if check():
+            return time.monotonic() - started
+        time.sleep(0.1)
+    raise AssertionError(f"{what} did not happen within {timeout} s")
+
+
+def round_trip(t: RemoteTier, tag: str, n: int = 12) -> bool:
+    """Put fresh blocks and read them back exactly."""
+    ks = keys(tag, n)
+    data = payloads(ks)
+    t.put(ks, list(data))
+    out = np.zeros_like(data)
+    return all(t.get(ks, list(out))) and np.array_equal(out, data)
+
+
+def split_by_primary(t: RemoteTier, cluster: RedisCluster, port: int, tag: str) -> tuple[list[bytes], list[bytes]]:
+    """16 keys held by the primary on ``port``, and 16 held elsewhere."""
+    on: list[bytes] = []
+    off: list[bytes] = []
+    for k in keys(tag, 400):
+        (on if owner_port(cluster, t.names([k])[0]) == port else off).append(k)
+    return on[:16], off[:16]
+
+
+def test_client_pause_takes_the_timeout_path_within_the_deadline(cluster: RedisCluster) -> None:
+    timeout = 0.3
+    with tier(cluster.url, timeout_s=timeout, breaker_threshold=2, breaker_cooldown_s=0.5) as t:
+        paused = cluster.primaries()[0]
+        on, off = split_by_primary(t, cluster, paused.port, "pause")
+        ks = on + off
+        data = payloads(ks)
+        assert t.put(ks, list(data)) == 32
+        cli(paused.port, "CLIENT", "PAUSE", "2500", "ALL")
+        out = np.zeros_like(data)
+        started = time.monotonic()
+        ok = t.get(ks, list(out))
+        elapsed = time.monotonic() - started
+        assert elapsed < timeout + 0.5, f"get took {elapsed:.2f} s with a {timeout} s timeout"
+        assert ok == [False] * 16 + [True] * 16 and np.array_equal(out[16:], data[16:])
+        assert t.stats()["errors_timeout"] >= 1
+        t.get(ks, list(out))  # the second timeout opens the paused node's circuit
+        started = time.monotonic()
+        assert t.get(ks, list(out)) == [False] * 16 + [True] * 16
+        assert time.monotonic() - started < timeout, "an open circuit must not wait for the node"
+        assert t.stats()["errors_unavailable"] >= 1
+        wait_until(lambda: all(t.get(ks, list(out))), 10, "hits after the pause")
+        assert np.array_equal(out, data)
+
+
+def test_sigkill_of_a_primary_during_a_storm(cluster: RedisCluster) -> None:
+    """Readers and a writer run while a primary dies; its replica takes over."""
+    failures: list[BaseException] = []
+    wrong: list[int] = []
+    hits: list[tuple[float, int, int]] = []  # (time, hits, asked)
+    stop = threading.Event()
+    with tier(cluster.url, timeout_s=0.3, breaker_cooldown_s=0.3) as t:
+        written: list[list[bytes]] = []
+
+        def storm() -> None:
+            i = 0
+            try:
+                while not stop.is_set():
+                    ks = keys(f"storm-{i}", 8)
+                    t.put(ks, list(payloads(ks)))
+                    written.append(ks)
+                    recent = [k for chain in written[-4:] for k in chain]
+                    out = np.zeros((len(recent), PAYLOAD), dtype=np.uint8)
+                    ok = t.get(recent, list(out))
+                    want = payloads(recent)
+                    wrong.extend(j for j in range(len(recent)) if ok[j] and not np.array_equal(out[j], want[j]))
+                    hits.append((time.monotonic(), sum(ok), len(recent)))
+                    i += 1
+            except BaseException as e:  # the contract: nothing reaches the caller
+                failures.append(e)
+
+        worker = threading.Thread(target=storm)
+        worker.start()
+        time.sleep(1.0)
+        victim = cluster.primaries()[1]
+        killed_at = time.monotonic()
+        victim.kill()
+        cluster.wait_failover(victim)
+        recovered = time.monotonic()
+        wait_until(lambda: bool(hits) and hits[-1][0] > recovered + 1 and hits[-1][1] == hits[-1][2],
+                   15, "full hits after the failover")
+        stop.set()
+        worker.join(30)
+        assert not failures, failures
+        assert not wrong, f"{len(wrong)} blocks came back with other bytes"
+        during = [h for h in hits if killed_at < h[0] < recovered]
+        assert during and any(h[1] < h[2] for h in during), "the kill should have cost some hits"
+        s = t.stats()
+        assert s["errors"] > 0 and s["errors_connection"] + s["errors_timeout"] + s["errors_unavailable"] > 0
+        assert round_trip(t, "after-failover")
+
+
+def test_the_whole_cluster_down_then_back(cluster: RedisCluster) -> None:
+    with tier(cluster.url, timeout_s=0.3, breaker_cooldown_s=0.3) as t:
+        assert round_trip(t, "before-down")
+        for node in cluster.nodes:
+            node.kill()
+        ks = keys("down", 8)
+        out = np.zeros((8, PAYLOAD), dtype=np.uint8)
+        started = time.monotonic()
+        assert t.get(ks, list(out)) == [False] * 8
+        assert t.put(ks, list(payloads(ks))) == 0
+        assert t.put_async(ks, list(payloads(ks))) <= 8 and t.flush(10)
+        assert time.monotonic() - started < 3
+        s = t.stats()
+        assert s["nodes_up"] == 0 and s["errors"] > 0 and s["dropped"] >= 8
+        for node in cluster.nodes:
+            node.start()
+        cluster.wait_ok()
+        wait_until(lambda: round_trip(t, f"back-{time.monotonic()}"), 20, "the tier working again")
+
+
+def test_one_server_down_at_start_then_up_then_down_and_back(tmp_path: Path) -> None:
+    port = free_port(bus=False)
+    with tier(f"redis://127.0.0.1:{port}", timeout_s=0.3, breaker_cooldown_s=0.2) as t:
+        ks = keys("late", 8)
+        out = np.zeros((8, PAYLOAD), dtype=np.uint8)
+        assert t.get(ks, list(out)) == [False] * 8 and t.exists(ks) == 0
+        t.put_async(ks, list(payloads(ks)))
+        assert t.flush(10)
+        s = t.stats()
+        assert s["errors_connection"] >= 1 and s["dropped"] == 8 and s["nodes_up"] == 0
+        server = RedisServer.start(tmp_path, port=port)
+        try:
+            wait_until(lambda: round_trip(t, f"up-{time.monotonic()}"), 10, "the tier working once Redis is up")
+            server.close()
+            assert t.get(ks, list(out)) == [False] * 8  # down again: misses, no exception
+            server = RedisServer.start(tmp_path, port=port)
+            wait_until(lambda: round_trip(t, f"again-{time.monotonic()}"), 10, "the tier working again")
+        finally:
+            server.close()
+
+
+@pytest.mark.parametrize("bad", ["redis://127.0.0.1:1", "redis+cluster://127.0.0.1:1,127.0.0.1:2"])
+def test_nothing_listening_costs_little(bad: str) -> None:
+    started = time.monotonic()
+    with tier(bad, timeout_s=0.2) as t:
+        ks = keys("nobody", 4)
+        assert t.get(ks, list(np.zeros((4, PAYLOAD), dtype=np.uint8))) == [False] * 4
+        assert t.put(ks, list(payloads(ks))) == 0
+        assert t.stats()["errors"] >= 1
+    assert time.monotonic() - started < 3
