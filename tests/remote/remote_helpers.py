@@ -7,8 +7,8 @@ import hashlib
 import numpy as np
 import redis
 from redis.crc import key_slot
-from redis_cluster import RedisCluster
 
+from kvstore.redis_local import RedisCluster
 from tiers.remote import RemoteTier
 
 PAYLOAD = 64 * 1024

@@ -13,10 +13,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from redis_cluster import RedisCluster, RedisServer, cli, free_port
-from remote_helpers import PAYLOAD, keys, owner_port, payloads, tier
 
+from kvstore.redis_local import RedisCluster, RedisServer, cli, free_port
 from tiers.remote import RemoteTier
+
+from remote_helpers import PAYLOAD, keys, owner_port, payloads, tier
 
 
 def wait_until(check: Callable[[], bool], timeout: float, what: str) -> float:

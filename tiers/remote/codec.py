@@ -38,21 +38,15 @@ def header_bytes(key_bytes: int) -> int:
     return FIXED.size + key_bytes + CHECKSUM_BYTES
 
 
-def encode(key: bytes, layout: bytes, payload: memoryview) -> memoryview:
-    """One value: header + a copy of ``payload``. The copy is the snapshot a write-behind
-    needs anyway (the caller's slot may be reused before the value is sent)."""
+def encode(key: bytes, layout: bytes, payload: memoryview) -> bytes:
+    """One value: header + a copy of ``payload`` (one pass over it to hash, one to copy; the
+    copy is the snapshot a write-behind needs anyway: the caller's slot may be reused)."""
     if not 0 < len(key) <= MAX_KEY_BYTES:
         raise ValueError(f"block keys are 1 to {MAX_KEY_BYTES} bytes, got {len(key)}")
-    n, head = payload.nbytes, FIXED.size + len(key)
-    value = bytearray(head + CHECKSUM_BYTES + n)
-    FIXED.pack_into(value, 0, MAGIC, VERSION, len(key), n, layout)
-    value[FIXED.size : head] = key
-    body = memoryview(value)
-    body[head + CHECKSUM_BYTES :] = payload
-    hasher = xxhash.xxh3_128(body[:head])
-    hasher.update(body[head + CHECKSUM_BYTES :])
-    body[head : head + CHECKSUM_BYTES] = hasher.digest()
-    return body
+    head = FIXED.pack(MAGIC, VERSION, len(key), payload.nbytes, layout) + key
+    hasher = xxhash.xxh3_128(head)
+    hasher.update(payload)
+    return b"".join((head, hasher.digest(), payload))
 
 
 def decode(value: bytes, key: bytes, layout: bytes, payload_bytes: int) -> tuple[memoryview | None, str]:

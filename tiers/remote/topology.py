@@ -45,6 +45,7 @@ from tiers.remote.url import Node, RemoteURL
 
 NUM_SLOTS = 16384
 REFRESH_INTERVAL_S = 0.25
+READ_BYTES = 1 << 20  # socket reads of up to 1 MiB: a 192 KiB value in one or two recv calls
 Command = tuple[Any, ...]
 
 
@@ -164,7 +165,7 @@ class Topology:
                 client = redis.Redis(
                     host=node[0], port=node[1], db=u.db, username=u.username, password=u.password,
                     ssl=u.tls, socket_timeout=self.timeout_s, socket_connect_timeout=self.timeout_s,
-                    retry=Retry(NoBackoff(), 0), health_check_interval=0, single_connection_client=False,
+                    retry=Retry(NoBackoff(), 0), health_check_interval=0, socket_read_size=READ_BYTES,
                 )
                 self._clients[node] = client
             return client
@@ -184,16 +185,22 @@ class Topology:
         Never raises for a node's failure: that node's reply carries the error instead.
         """
         replies: dict[Node, NodeReply] = {}
-        asked: dict[Node, Future[NodeReply]] = {}
-        for node, commands in batches.items():
-            if not self.breaker(node).allow():
-                replies[node] = NodeReply(None, NodeUnavailable(f"{node[0]}:{node[1]} circuit open"))
-            elif len(batches) == 1:  # one node: no hand-off to a worker thread
-                replies[node] = self._pipeline(node, commands)
+        allowed: list[Node] = []
+        for node in batches:
+            if self.breaker(node).allow():
+                allowed.append(node)
             else:
-                asked[node] = self._pool.submit(self._pipeline, node, commands)
+                replies[node] = NodeReply(None, NodeUnavailable(f"{node[0]}:{node[1]} circuit open"))
+        # The caller's thread runs the biggest pipeline itself (its socket timeouts bound it);
+        # the others go to the pool, so a batch never waits on a thread hand-off it can avoid.
+        allowed.sort(key=lambda n: len(batches[n]))
+        inline = allowed.pop() if allowed else None
+        asked = {node: self._pool.submit(self._pipeline, node, batches[node]) for node in allowed}
+        started = time.monotonic()
+        if inline is not None:
+            replies[inline] = self._pipeline(inline, batches[inline])
         if asked:
-            wait(asked.values(), timeout=self.timeout_s)
+            wait(asked.values(), timeout=max(0.0, self.timeout_s - (time.monotonic() - started)))
         for node, future in asked.items():
             if future.done():
                 replies[node] = future.result()

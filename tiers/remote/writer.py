@@ -17,7 +17,7 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class PendingWrite:
     name: bytes
-    value: memoryview
+    value: bytes
 
 
 Send = Callable[[list[PendingWrite]], object]

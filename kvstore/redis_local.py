@@ -1,6 +1,6 @@
-"""Real redis-server processes for the remote tier's tests and benchmark: a cluster or one server.
+"""Local redis-server processes for the remote tier's tests and ``kvstore bench remote``.
 
-``RedisCluster.start(tmp)`` runs 6 ``redis-server`` processes on free loopback ports (3
+Not a deployment tool: a real cluster is someone's existing Redis. ``RedisCluster.start(tmp)`` runs 6 ``redis-server`` processes on free loopback ports (3
 primaries, 3 replicas, built by ``redis-cli --cluster create``), persistence off, a small
 ``maxmemory`` with ``allkeys-lru``, and waits until every node says ``cluster_state:ok``.
 Nodes can be killed (SIGKILL), paused, stopped and restarted, which the fault tests do.
@@ -8,7 +8,6 @@ Nodes can be killed (SIGKILL), paused, stopped and restarted, which the fault te
 
 from __future__ import annotations
 
-import os
 import shutil
 import signal
 import socket
@@ -228,6 +227,3 @@ class RedisCluster:
 def _cluster_ok(cluster_info: str) -> bool:
     return "cluster_state:ok" in cluster_info and "cluster_slots_ok:16384" in cluster_info
 
-
-def ci_requires_redis() -> bool:
-    return os.environ.get("CI", "").lower() in ("1", "true", "yes")

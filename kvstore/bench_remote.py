@@ -1,0 +1,213 @@
+"""``kvstore bench remote``: the remote tier against redis-py on the same local Redis Cluster.
+
+One run starts a real cluster (6 ``redis-server`` processes on loopback: 3 primaries, 3
+replicas, no persistence) and measures, in batches of 64 blocks of 192 KiB:
+
+- remote get and put vs redis-py's own cluster pipeline (``RedisCluster.pipeline()``) doing
+  GET/SET of the same bytes on the same cluster (its GET copies each value into the caller's
+  tensor once, as ours does; its SET sends ready-made bytes: no framing, no checksum, no
+  existence check);
+- the hash-tag run length sweep (G blocks of a chain per slot) that picks the default G.
+
+Rounds interleave ours and the baseline (best of N each), so a noisy neighbour slows both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvstore.bench import BENCH_LAYOUT, Row, machine, render, write_section
+from kvstore.redis_local import MIB, RedisCluster, need_binaries
+from tiers.remote import RemoteTier, group_tags
+
+NUM_BLOCKS = 64
+RUN_LENGTHS = (1, 4, 16, 64)
+
+
+def interleave(fns: list[Callable[[], object]], rounds: int) -> list[list[float]]:
+    """Every round runs each function once, in turn (the order reversed every other round,
+    so neither side always goes first); all times per function, by round."""
+    times: list[list[float]] = [[] for _ in fns]
+    for r in range(rounds):
+        order = list(range(len(fns)))
+        for i in order if r % 2 == 0 else order[::-1]:
+            t0 = time.perf_counter()
+            fns[i]()
+            times[i].append(time.perf_counter() - t0)
+    return times
+
+
+def paired_ratio(base: list[float], ours: list[float]) -> float:
+    """Median over rounds of base/ours, each pair measured back to back (robust to load)."""
+    ratios = sorted(b / o for b, o in zip(base, ours, strict=True))
+    return ratios[len(ratios) // 2]
+
+
+class Chains:
+    """Fresh 64-block chains from the store's own hasher (puts must write new blocks)."""
+
+    def __init__(self, model_id: str) -> None:
+        from kvstore.keys import BlockHasher, Namespace
+
+        self.hasher = BlockHasher(Namespace(model_id, BENCH_LAYOUT, "sha256"))
+        self.count = 0
+
+    def next(self) -> list[bytes]:
+        self.count += 1
+        base = self.count * 10**6
+        return self.hasher.block_keys(list(range(base, base + NUM_BLOCKS * BENCH_LAYOUT.block_size)))
+
+
+def bench_throughput(url: str, seeds: list[int], repeat: int) -> tuple[list[Row], dict[str, float]]:
+    from redis.cluster import ClusterNode
+    from redis.cluster import RedisCluster as PyCluster
+
+    layout, n = BENCH_LAYOUT, NUM_BLOCKS
+    payload = layout.bytes_per_block
+    blocks = torch.randn((n, *layout.block_shape)).to(layout.dtype)
+    rows_in = blocks.view(torch.uint8).reshape(n, payload)
+    out = torch.empty_like(rows_in)
+    chains = Chains(f"bench-remote-{time.time()}")
+    tier = RemoteTier(url, payload, layout.fingerprint(), timeout_s=5.0)
+    base = PyCluster(startup_nodes=[ClusterNode("127.0.0.1", p) for p in seeds])
+    values = [bytes(rows_in[i].numpy()) for i in range(n)]  # redis-py needs bytes objects
+    held = chains.next()
+    tier.put(held, list(rows_in))
+    base_names = [f"base:{i}:{k.hex()}" for i, k in enumerate(held)]  # no hash tag: spread like ours
+    pipe = base.pipeline()
+    for name, value in zip(base_names, values, strict=True):
+        pipe.set(name, value)
+    pipe.execute()
+    put_round = [0]
+
+    def ours_get() -> None:
+        ok = tier.get(held, list(out))
+        assert all(ok), "remote get missed a block it holds"
+
+    def base_get() -> None:
+        pipe = base.pipeline()
+        for name in base_names:
+            pipe.get(name)
+        for i, v in enumerate(pipe.execute()):
+            out[i].copy_(torch.frombuffer(bytearray(v), dtype=torch.uint8))
+
+    def ours_put() -> None:
+        assert tier.put(chains.next(), list(rows_in)) == n
+
+    def base_put() -> None:
+        put_round[0] += 1
+        pipe = base.pipeline()
+        for i, value in enumerate(values):
+            pipe.set(f"base-put:{put_round[0]}:{i}", value)
+        pipe.execute()
+
+    get_s, base_get_s, put_s, base_put_s = interleave([ours_get, base_get, ours_put, base_put], repeat)
+    tier.get(held, list(out))
+    assert torch.equal(out, rows_in), "remote get returned other bytes"
+    size = f"{n} x {payload // 1024} KiB"
+    rows = [
+        Row(f"remote get, {size}", min(get_s), min(base_get_s), "redis-py cluster pipeline GET", ">= 0.9x"),
+        Row(f"remote put, {size}", min(put_s), min(base_put_s), "redis-py cluster pipeline SET", ">= 0.9x"),
+    ]
+    spread = {name: (sorted(t)[len(t) // 2] / min(t) - 1) * 100
+              for name, t in (("get", get_s), ("base_get", base_get_s), ("put", put_s), ("base_put", base_put_s))}
+    spread["paired_get"] = paired_ratio(base_get_s, get_s)
+    spread["paired_put"] = paired_ratio(base_put_s, put_s)
+    spread["read_gbps"] = n * payload / min(get_s) / 1e9
+    tier.close()
+    base.close()
+    return rows, spread
+
+
+def bench_run_lengths(url: str, repeat: int) -> list[dict[str, Any]]:
+    """Get and put of 64-block chains for each G: G=1 spreads a batch over every primary."""
+    from redis.crc import key_slot
+
+    layout, n = BENCH_LAYOUT, NUM_BLOCKS
+    payload = layout.bytes_per_block
+    rows_in = torch.randn((n, *layout.block_shape)).to(layout.dtype).view(torch.uint8).reshape(n, payload)
+    out = torch.empty_like(rows_in)
+    chains = Chains(f"bench-remote-sweep-{time.time()}")
+    tiers = {g: RemoteTier(url, payload, layout.fingerprint(), run_length=g, timeout_s=5.0) for g in RUN_LENGTHS}
+    held = {g: chains.next() for g in RUN_LENGTHS}
+    for g, t in tiers.items():
+        t.put(held[g], list(rows_in), group_tags(held[g], g))
+    fns: list[Callable[[], object]] = []
+    for g, t in tiers.items():
+        def get(t: RemoteTier = t, g: int = g) -> None:
+            t.get(held[g], list(out), group_tags(held[g], g))
+
+        fns.append(get)
+
+        def put(t: RemoteTier = t, g: int = g) -> None:
+            ks = chains.next()
+            t.put(ks, list(rows_in), group_tags(ks, g))
+
+        fns.append(put)
+    times = interleave(fns, repeat)
+    found = []
+    for j, (g, t) in enumerate(tiers.items()):
+        names = t.names(held[g], group_tags(held[g], g))
+        nodes = {t._topology.owner(name) for name in names}
+        found.append({"G": g, "get_s": min(times[2 * j]), "put_s": min(times[2 * j + 1]),
+                      "slots": len({key_slot(name) for name in names}), "nodes": len(nodes)})
+        t.close()
+    return found
+
+
+def render_remote(rows: list[Row], sweep: list[dict[str, Any]], spread: dict[str, float], where: str) -> str:
+    text = render(rows, where).replace("## Tiers (`kvstore bench tiers`)", "## Remote tier (`kvstore bench remote`)", 1)
+    text = text.replace("Layout: 24 layers", "A local Redis Cluster of 6 `redis-server` 7.0 processes on loopback "
+                        "(3 primaries, 3 replicas, `--save '' --appendonly no`), started by the bench. Ours: "
+                        "`RemoteTier` (framing + xxh3 checksum, EXISTS before SET, one pipeline per primary "
+                        "on a thread each). Layout: 24 layers", 1)
+    lines = [text, "",
+             f"Spread (median over best, %): get {spread['get']:.0f}, baseline get {spread['base_get']:.0f}, "
+             f"put {spread['put']:.0f}, baseline put {spread['base_put']:.0f}. Median of the per-round "
+             f"ratios (each pair run back to back): get {spread['paired_get']:.2f}x, put "
+             f"{spread['paired_put']:.2f}x. Remote read bandwidth {spread['read_gbps']:.2f} GB/s.", "",
+             "Hash-tag run length G (blocks of one chain per hash slot), 64-block chains:", "",
+             "| G | slots per batch | primaries per batch | get | put |", "|---|---|---|---|---|"]
+    for r in sweep:
+        lines.append(f"| {r['G']} | {r['slots']} | {r['nodes']} | {r['get_s'] * 1e3:.1f} ms | {r['put_s'] * 1e3:.1f} ms |")
+    return "\n".join(lines)
+
+
+def run_remote_bench(args: argparse.Namespace) -> int:
+    missing = need_binaries()
+    if missing is not None:
+        print(f"kvstore bench remote: needs a local Redis: {missing}")
+        return 2
+    with tempfile.TemporaryDirectory(prefix="kvstore-bench-remote-") as tmp:
+        print("starting a local Redis Cluster ...", flush=True)
+        cluster = RedisCluster.start(Path(tmp), maxmemory=1024 * MIB)
+        try:
+            seeds = [n.port for n in cluster.nodes[:3]]
+            print("get/put vs redis-py ...", flush=True)
+            rows, spread = bench_throughput(cluster.url, seeds, args.repeat)
+            print("run length sweep ...", flush=True)
+            sweep = bench_run_lengths(cluster.url, args.repeat)
+        finally:
+            cluster.close()
+    text = render_remote(rows, sweep, spread, machine())
+    print(text)
+    if not args.no_write:
+        write_section("remote", text)
+        print("wrote docs/benchmarks.md (remote section)")
+    return 0
+
+
+def register_target(targets: argparse._SubParsersAction) -> None:
+    """Add ``remote`` to ``kvstore bench``'s targets."""
+    p = targets.add_parser("remote", help="remote tier (Redis Cluster) get/put vs redis-py, and the G sweep")
+    p.add_argument("--repeat", type=int, default=25, help="rounds; the best is kept (default 25)")
+    p.add_argument("--no-write", action="store_true", help="print only; leave docs/ untouched")
+    p.set_defaults(func=run_remote_bench)
+
