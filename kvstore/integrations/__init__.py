@@ -1,0 +1,1 @@
+"""kvstore inside other engines: the vLLM KV connector (``kvstore.integrations.vllm``)."""

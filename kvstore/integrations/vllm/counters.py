@@ -1,0 +1,41 @@
+"""Process-wide counters of the kvstore connectors (both roles), for logs, tests and benchmarks."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field, fields
+
+
+@dataclass
+class ConnectorCounters:
+    """Monotonic since the process started; ``snapshot()`` for a copy, differences for a run.
+
+    Attributes:
+        lookups, lookup_blocks, hit_blocks: scheduler-side lookups, blocks asked, blocks held.
+        loaded_blocks, load_errors: blocks copied into vLLM; blocks a load could not deliver
+            (corrupt, vanished, store down) and reported for recompute.
+        async_loads: loads run outside the step.
+        saved_blocks, save_skipped: blocks put; blocks not put (store down or full).
+    """
+
+    lookups: int = 0
+    lookup_blocks: int = 0
+    hit_blocks: int = 0
+    loaded_blocks: int = 0
+    load_errors: int = 0
+    async_loads: int = 0
+    saved_blocks: int = 0
+    save_skipped: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add(self, **deltas: int) -> None:
+        with self._lock:
+            for name, delta in deltas.items():
+                setattr(self, name, getattr(self, name) + delta)
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "_lock"}
+
+
+COUNTERS = ConnectorCounters()

@@ -1,0 +1,179 @@
+"""The scheduler side: which tokens kvstore holds for a request, and each step's loads and saves.
+
+Per request it keeps the chained keys of its full blocks (prompt first, then generated
+tokens as blocks fill), the vLLM block ids, and how many leading blocks the store is known
+to hold. A load covers the blocks kvstore holds beyond vLLM's own prefix-cache hit; a save
+covers each block the step completes that the store does not hold yet, so a request's
+blocks are in kvstore as soon as they are computed (a finished request leaves nothing to do).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvstore.integrations.vllm.backend import GuardedStore
+from kvstore.integrations.vllm.counters import COUNTERS
+from kvstore.integrations.vllm.metadata import KVStoreMetadata, LoadSpec, SaveSpec
+from kvstore.keys import ExtraKey
+
+logger = logging.getLogger("kvstore.vllm")
+
+
+@dataclass
+class _Tracked:
+    request: Any  # vLLM's Request (its all_token_ids grow as tokens are sampled)
+    tenant: str
+    keys: list[bytes] | None = None  # keys of the full blocks hashed so far; None: store down
+    num_held: int = 0  # leading blocks the store holds (from the lookup, then our saves)
+    tiers: tuple[str, ...] = ()
+    num_local_tokens: int = 0  # vLLM's own prefix-cache hit when the lookup ran
+    is_async: bool = False  # the planned load runs outside the step
+    loading: frozenset[int] = frozenset()  # vLLM block ids of the last planned load
+    load_failed: bool = False  # a load missed blocks: never plan another (no retry loop)
+    block_ids: list[int] = field(default_factory=list)
+
+
+class SchedulerSide:
+    """Lookups and per-step metadata; one per scheduler-side connector."""
+
+    def __init__(self, store: GuardedStore, block_size: int, async_tiers: tuple[str, ...],
+                 load: bool = True, save: bool = True) -> None:
+        self.store = store
+        self.block_size = block_size
+        self.async_tiers = async_tiers
+        self.can_load, self.can_save = load, save
+        self._tracked: dict[str, _Tracked] = {}
+        self._loads: list[LoadSpec] = []
+
+    # --------------------------------------------------------------------------- keys
+
+    def _extra_keys(self, request: Any, first: int, stop: int) -> list[list[ExtraKey] | None] | None:
+        """Per block in [first, stop): the LoRA name and the multimodal items it overlaps."""
+        lora = getattr(request, "lora_request", None)
+        features = getattr(request, "mm_features", None) or []
+        if lora is None and not features:
+            return None
+        b = self.block_size
+        out: list[list[ExtraKey] | None] = []
+        for i in range(first, stop):
+            extras: list[ExtraKey] = [f"lora:{lora.lora_name}"] if lora is not None else []
+            for f in features:
+                pos = f.mm_position
+                if pos.offset < (i + 1) * b and pos.offset + pos.length > i * b:
+                    extras += [f"mm:{f.identifier}", pos.offset]
+            out.append(extras or None)
+        return out
+
+    def _extend_keys(self, t: _Tracked, num_blocks: int) -> list[bytes] | None:
+        """Make ``t.keys`` cover ``num_blocks`` full blocks of the request's tokens."""
+        b = self.block_size
+        if t.keys is None:
+            t.keys = self.store.block_keys([], t.tenant)  # the tenant is known once the store is up
+            if t.keys is None:
+                return None
+        have = len(t.keys)
+        if num_blocks > have:
+            tokens = t.request.all_token_ids[have * b : num_blocks * b]
+            parent = t.keys[-1] if t.keys else None
+            more = self.store.block_keys(tokens, t.tenant, self._extra_keys(t.request, have, num_blocks), parent)
+            if more is None:
+                return None
+            t.keys += more
+        return t.keys
+
+    # ---------------------------------------------------------------------- the hooks
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        """Tokens kvstore holds beyond ``num_computed_tokens`` (whole blocks), and whether to load
+        them asynchronously. The prompt's last token is always left to compute."""
+        t = self._tracked.get(request.request_id)
+        if t is None:
+            t = self._tracked[request.request_id] = _Tracked(request, getattr(request, "cache_salt", None) or "")
+        usable = (len(request.prompt_token_ids) - 1) // self.block_size
+        keys = self._extend_keys(t, usable) if usable > 0 else None
+        if keys is None:
+            return 0, False
+        match = self.store.lookup(keys[:usable])
+        COUNTERS.add(lookups=1, lookup_blocks=usable, hit_blocks=match.num_blocks)
+        t.num_held, t.tiers = max(t.num_held, match.num_blocks), match.tiers
+        t.num_local_tokens = num_computed_tokens
+        first = num_computed_tokens // self.block_size
+        if not self.can_load or t.load_failed or match.num_blocks <= first:
+            return 0, False
+        t.is_async = any(tier in self.async_tiers for tier in match.tiers[first:])
+        return (match.num_blocks - first) * self.block_size, t.is_async
+
+    def hit_tiers(self, request_id: str, num_external_tokens: int) -> dict[str, int]:
+        """Tokens per tier ("host"/"disk") of the load planned for the request."""
+        t = self._tracked.get(request_id)
+        if t is None or num_external_tokens <= 0:
+            return {}
+        first = t.num_local_tokens // self.block_size
+        tiers = t.tiers[first : first + num_external_tokens // self.block_size]
+        return {tier: tiers.count(tier) * self.block_size for tier in set(tiers)}
+
+    def update_state_after_alloc(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
+        """Plan the load of the ``num_external_tokens`` promised for the request."""
+        t = self._tracked.get(request.request_id)
+        if t is None or num_external_tokens <= 0 or t.keys is None:
+            return
+        first = t.num_local_tokens // self.block_size
+        stop = first + num_external_tokens // self.block_size
+        if stop > len(block_ids) or stop > len(t.keys):
+            logger.warning("kvstore: request %s has %d blocks for a load up to block %d; not loading",
+                           request.request_id, len(block_ids), stop)
+            return
+        t.loading = frozenset(block_ids[first:stop])
+        self._loads.append(LoadSpec(request.request_id, t.keys[first:stop], list(block_ids[first:stop]), t.is_async))
+
+    def note_load_errors(self, block_ids: set[int]) -> None:
+        """Blocks the worker could not load: their requests load nothing more (vLLM recomputes)."""
+        for t in self._tracked.values():
+            if t.loading & block_ids:
+                t.load_failed = True
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVStoreMetadata:
+        """This step's loads (planned since the last call) and saves (blocks the step completes)."""
+        meta = KVStoreMetadata(loads=self._loads)
+        self._loads = []
+        scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            t = self._tracked.get(new.req_id)
+            if t is not None:
+                t.block_ids = list(new.block_ids[0])
+                self._plan_save(meta, new.req_id, t, new.num_computed_tokens, scheduled.get(new.req_id, 0))
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            t = self._tracked.get(req_id)
+            if t is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                t.block_ids = list(new_ids[0]) if new_ids is not None else []
+            elif new_ids is not None:
+                t.block_ids += new_ids[0]
+            self._plan_save(meta, req_id, t, cached.num_computed_tokens[i], scheduled.get(req_id, 0))
+        return meta
+
+    def _plan_save(self, meta: KVStoreMetadata, req_id: str, t: _Tracked, num_computed: int,
+                   num_scheduled: int) -> None:
+        if not self.can_save:
+            return
+        # vLLM recomputing blocks the lookup found (a load failed, or they were evicted since):
+        # the store lost them, so the step that recomputes them saves them again.
+        t.num_held = min(t.num_held, num_computed // self.block_size)
+        full = min(num_computed + num_scheduled, len(t.request.all_token_ids)) // self.block_size
+        full = min(full, len(t.block_ids))
+        if full <= t.num_held:
+            return
+        keys = self._extend_keys(t, full)
+        if keys is None:
+            return
+        meta.saves.append(SaveSpec(req_id, keys[t.num_held : full], t.block_ids[t.num_held : full]))
+        t.num_held = full
+
+    def request_finished(self, request: Any) -> None:
+        """Forget the request: every full block was saved by the step that completed it."""
+        self._tracked.pop(request.request_id, None)

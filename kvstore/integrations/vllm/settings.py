@@ -1,0 +1,91 @@
+"""ConnectorSettings: the connector's ``kv_connector_extra_config``, validated and frozen.
+
+Imports nothing from vLLM, so the settings can be checked (and documented) without it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+from kvstore.config import WRITE_POLICIES
+from kvstore.daemon.config import parse_size
+from kvstore.errors import ConfigError
+from kvstore.keys import HASHES
+
+TIERS = ("host", "disk")
+
+
+@dataclass(frozen=True)
+class ConnectorSettings:
+    """What ``kv_connector_extra_config`` may hold (every key optional).
+
+    Attributes:
+        store: ``unix:///path/kvstore.sock`` or ``tcp://HOST:PORT`` of a kvstore daemon
+            (several vLLM processes share it), or "embedded" (default): a TieredStore in
+            this process, which needs the scheduler and the worker in one process.
+        token: the daemon token (default: KVSTORE_TOKEN); it names the daemon-side tenant.
+        host_bytes, disk_path, disk_bytes, write_policy: the embedded store's tiers
+            (sizes as ints or text like ``"2GiB"``); ignored for a daemon.
+        model_id: the namespace's model identity, when the checkpoint path is not stable
+            across machines (default: derived from vLLM's model config, see identity.py).
+        hash_algo: the key hash ("sha256"; "xxh3_128" only where one tenant sends prompts).
+        async_tiers: loads touching one of these tiers run asynchronously (the request waits
+            while others run); loads from faster tiers run inside the step that needs them.
+        retry_s: after a store failure, seconds before the next connection attempt.
+        timeout_s: seconds one daemon request may take before the store counts as down.
+    """
+
+    store: str = "embedded"
+    token: str | None = None
+    host_bytes: int = 1 << 30
+    disk_path: str | None = None
+    disk_bytes: int = 0
+    write_policy: str = "write_back"
+    model_id: str | None = None
+    hash_algo: str = "sha256"
+    async_tiers: tuple[str, ...] = ("disk",)
+    retry_s: float = 10.0
+    timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.store != "embedded" and not self.store.startswith(("unix://", "tcp://")):
+            raise ConfigError(f"store must be 'embedded', unix:///path or tcp://host:port, got {self.store!r}")
+        for name in ("host_bytes", "disk_bytes"):
+            object.__setattr__(self, name, parse_size(getattr(self, name)))
+        if self.disk_path is not None and self.disk_bytes <= 0:
+            raise ConfigError(f"disk_path={self.disk_path!r} needs disk_bytes > 0")
+        if self.write_policy not in WRITE_POLICIES:
+            raise ConfigError(f"write_policy must be one of {list(WRITE_POLICIES)}, got {self.write_policy!r}")
+        if self.hash_algo not in HASHES:
+            raise ConfigError(f"hash_algo must be one of {sorted(HASHES)}, got {self.hash_algo!r}")
+        tiers = (self.async_tiers,) if isinstance(self.async_tiers, str) else tuple(self.async_tiers)
+        if any(t not in TIERS for t in tiers):
+            raise ConfigError(f"async_tiers must name tiers among {list(TIERS)}, got {list(tiers)}")
+        object.__setattr__(self, "async_tiers", tiers)
+        for name in ("retry_s", "timeout_s"):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"{name} must be a positive number of seconds, got {value!r}")
+
+    @property
+    def is_daemon(self) -> bool:
+        return self.store != "embedded"
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:
+        """Build from the extra config dict; ConfigError naming any key that is not a setting."""
+        extra = dict(extra or {})
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            raise ConfigError(f"unknown kv_connector_extra_config keys {unknown}; known: {sorted(known)}")
+        return cls(**extra)
+
+    def describe(self) -> str:
+        """One log line; never the token."""
+        if self.is_daemon:
+            return f"daemon {self.store}"
+        disk = f", disk {self.disk_path} ({self.disk_bytes} B)" if self.disk_path else ""
+        return f"embedded store (host {self.host_bytes} B{disk}, {self.write_policy})"

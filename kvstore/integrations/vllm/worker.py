@@ -1,0 +1,159 @@
+"""The worker side: loads from kvstore into vLLM's blocks, saves vLLM's blocks to kvstore.
+
+Synchronous loads (the step's forward needs them) start in ``start_load_kv`` and are copied
+in layer by layer as ``wait_for_layer_load`` asks; asynchronous loads copy every layer on the
+transfer thread and are reported in ``finished_recving``. Saves gather each layer as
+``save_kv_layer`` hands it over and are put in ``wait_for_save``. A block a load could not
+deliver (corrupt, vanished, store down) is reported by ``load_errors`` and vLLM recomputes it.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from kvstore.integrations.vllm.backend import GuardedStore
+from kvstore.integrations.vllm.counters import COUNTERS
+from kvstore.integrations.vllm.metadata import KVStoreMetadata, LoadSpec, SaveSpec
+from kvstore.integrations.vllm.paged import PagedKV
+from kvstore.transfer import FetchHandle
+
+logger = logging.getLogger("kvstore.vllm")
+
+
+@dataclass
+class _Load:
+    spec: LoadSpec
+    staging: torch.Tensor
+    handle: FetchHandle
+    block_ids: torch.Tensor
+    delivered: int | None = None  # set once the fetch is waited for
+    layers_done: set[str] = field(default_factory=set)
+
+
+@dataclass
+class _Save:
+    spec: SaveSpec
+    staging: torch.Tensor
+    block_ids: torch.Tensor
+    layers_done: set[str] = field(default_factory=set)
+
+
+class WorkerSide:
+    """One per worker-side connector; vLLM calls it from one thread, transfers use others."""
+
+    def __init__(self, store: GuardedStore, layer_names: Sequence[str], layer_bytes: int) -> None:
+        self.store = store
+        self.layer_names = tuple(layer_names)
+        self.layer_bytes = layer_bytes
+        self.paged: PagedKV | None = None
+        self._loads: list[_Load] = []
+        self._saves: list[_Save] = []
+        self._lock = threading.Lock()
+        self._finished_recving: set[str] = set()
+        self._errors: set[int] = set()
+        self._pending_async = 0
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self.paged = PagedKV(kv_caches, self.layer_names, self.store.layout, self.layer_bytes)
+
+    # ------------------------------------------------------------------------ loads
+
+    def start_load_kv(self, meta: KVStoreMetadata) -> None:
+        if self.paged is None:
+            return
+        for spec in meta.loads:
+            staging = self.paged.staging(len(spec.keys))
+            load = _Load(spec, staging, self.store.fetch(spec.keys, staging),
+                         torch.tensor(spec.block_ids, dtype=torch.long))
+            if spec.is_async:
+                with self._lock:
+                    self._pending_async += 1
+                COUNTERS.add(async_loads=1)
+                load.handle.add_done_callback(functools.partial(self._finish_async, load))
+            else:
+                self._loads.append(load)
+
+    def _settle(self, load: _Load) -> int:
+        """Wait for the fetch; record the blocks it did not deliver as load errors."""
+        if load.delivered is None:
+            load.delivered = load.handle.result().num_blocks
+            failed = load.spec.block_ids[load.delivered :]
+            COUNTERS.add(loaded_blocks=load.delivered, load_errors=len(failed))
+            if failed:
+                logger.warning("kvstore: request %s: %d of %d blocks could not be loaded; vLLM recomputes them",
+                               load.spec.req_id, len(failed), len(load.spec.block_ids))
+                with self._lock:
+                    self._errors.update(failed)
+        return load.delivered
+
+    def _finish_async(self, load: _Load, _handle: FetchHandle | None = None) -> None:
+        assert self.paged is not None
+        try:
+            n = self._settle(load)
+            with torch.inference_mode():  # vLLM's caches are inference tensors
+                for layer in self.layer_names:
+                    self.paged.scatter_layer(layer, load.block_ids[:n], load.staging)
+        except Exception as exc:  # the copy failed: every block of the load is recomputed
+            logger.warning("kvstore: async load for %s failed: %s", load.spec.req_id, exc)
+            with self._lock:
+                self._errors.update(load.spec.block_ids)
+        with self._lock:
+            self._pending_async -= 1
+            self._finished_recving.add(load.spec.req_id)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        if self.paged is None or layer_name not in self.paged.layer_index:
+            return
+        for load in self._loads:
+            if layer_name not in load.layers_done:
+                n = self._settle(load)
+                self.paged.scatter_layer(layer_name, load.block_ids[:n], load.staging)
+                load.layers_done.add(layer_name)
+
+    # ------------------------------------------------------------------------ saves
+
+    def save_kv_layer(self, layer_name: str, meta: KVStoreMetadata) -> None:
+        if self.paged is None or layer_name not in self.paged.layer_index or not meta.saves:
+            return
+        if not self._saves:
+            self._saves = [_Save(s, self.paged.staging(len(s.keys)), torch.tensor(s.block_ids, dtype=torch.long))
+                           for s in meta.saves]
+        for save in self._saves:
+            self.paged.gather_layer(layer_name, save.block_ids, save.staging)
+            save.layers_done.add(layer_name)
+
+    def wait_for_save(self) -> None:
+        """Finish the step: put every fully gathered save, and drop the step's loads."""
+        # A sync load whose layers were never asked for still reports what it missed.
+        for load in self._loads:
+            self._settle(load)
+        self._loads = []
+        saves, self._saves = self._saves, []
+        for save in saves:
+            if len(save.layers_done) == len(self.layer_names) and self.store.put(save.spec.keys, save.staging):
+                COUNTERS.add(saved_blocks=len(save.spec.keys))
+            else:
+                COUNTERS.add(save_skipped=len(save.spec.keys))
+
+    # ------------------------------------------------------------------------ reports
+
+    def get_finished(self) -> set[str]:
+        with self._lock:
+            done, self._finished_recving = self._finished_recving, set()
+        return done
+
+    def load_errors(self) -> set[int]:
+        with self._lock:
+            errors, self._errors = self._errors, set()
+        return errors
+
+    def shutdown(self) -> None:
+        for load in self._loads:
+            load.handle.wait(5.0)
+        self._loads = []

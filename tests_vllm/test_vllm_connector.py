@@ -1,0 +1,104 @@
+"""kvstore as vLLM's KV cache backend, end to end: real vLLM processes, real daemons.
+
+Every output is compared with the same prompt through vLLM without any connector (greedy,
+so equal KV means equal tokens). vLLM's CPU block is 128 tokens and the last prompt token is
+always computed, so a 600-token prompt has 4 loadable blocks (512 tokens).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import run_plan
+
+from tests.daemon.daemon_helpers import DaemonProc
+
+BLOCK = 128
+P = [(i * 7919) % 997 + 2 for i in range(600)]  # 4 loadable blocks
+Q = [(i * 104729) % 991 + 3 for i in range(400)]  # 3 loadable blocks
+
+
+def llm(model: str, extra: dict[str, Any] | None) -> dict[str, Any]:
+    return {"llm": {"model": model, "extra": extra}}
+
+
+def gen(*prompts: tuple[list[int], str | None]) -> dict[str, Any]:
+    return {"generate": [{"ids": ids, "salt": salt} for ids, salt in prompts]}
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir: str) -> dict[str, list[int]]:
+    """P's and Q's greedy tokens from vLLM with no connector (kvstore never imported)."""
+    _, (p, q) = run_plan([llm(model_dir, None), gen((P, None), (Q, None))])
+    assert p["cached"] == 0 and q["cached"] == 0 and p["counters"] == {}
+    return {"P": p["tokens"], "Q": q["tokens"]}
+
+
+@pytest.fixture
+def daemon(tmp_path: Path):  # type: ignore[no-untyped-def]
+    proc = DaemonProc(tmp_path / "data", host_mem="64MiB", disk="64MiB")
+    yield proc
+    if proc.proc.poll() is None:
+        proc.kill9()
+
+
+def test_a_fresh_process_loads_what_another_saved_and_salts_never_share(
+        model_dir: str, reference: dict[str, list[int]], daemon: DaemonProc) -> None:
+    store = {"store": daemon.unix}
+    _, (a,) = run_plan([llm(model_dir, store), gen((P, None))])
+    assert a["tokens"] == reference["P"]
+    assert a["cached"] == 0 and a["counters"]["hit_blocks"] == 0
+    assert a["counters"]["saved_blocks"] == 4  # 607 computed tokens: 4 full blocks
+
+    # A second process, a new vLLM with an empty device cache, same daemon.
+    _, (b, b_salted), _, (c_salted, c_other) = run_plan([
+        llm(model_dir, store), gen((P, None), (P, "tenant-1")),
+        llm(model_dir, store), gen((P, "tenant-1"), (P, "tenant-2")),
+    ])
+    assert b["cached"] == 4 * BLOCK and b["counters"]["loaded_blocks"] == 4 and b["counters"]["load_errors"] == 0
+    assert b["tokens"] == reference["P"]
+    # A salt is a tenant: the unsalted blocks are not its, vLLM's own cache is salted too.
+    assert b_salted["counters"]["hit_blocks"] == 0 and b_salted["cached"] == 0
+    assert b_salted["tokens"] == reference["P"] and b_salted["counters"]["saved_blocks"] == 4
+    # The same salt, in a fresh vLLM instance: the blocks come from kvstore.
+    assert c_salted["cached"] == 4 * BLOCK and c_salted["counters"]["loaded_blocks"] == 4
+    assert c_salted["tokens"] == reference["P"]
+    assert c_other["counters"]["hit_blocks"] == 0 and c_other["cached"] == 0
+    assert c_other["tokens"] == reference["P"]
+
+
+def test_a_killed_daemon_costs_hits_never_requests(model_dir: str, reference: dict[str, list[int]],
+                                                   daemon: DaemonProc) -> None:
+    store = {"store": daemon.unix, "retry_s": 0.5}
+    _, (a,), _, (q, p_salted), _, (p_after,) = run_plan([
+        llm(model_dir, store), gen((P, None)),
+        {"kill": daemon.proc.pid},  # mid-life: the connection breaks under the connector
+        gen((Q, None), (P, "tenant-1")),
+        llm(model_dir, store), gen((P, None)),  # a new vLLM while nothing listens
+    ])
+    daemon.proc.wait(10)
+    assert a["tokens"] == reference["P"] and a["counters"]["saved_blocks"] == 4
+    for r, ref in ((q, reference["Q"]), (p_salted, reference["P"]), (p_after, reference["P"])):
+        assert r["tokens"] == ref
+        assert r["cached"] == 0 and r["counters"]["hit_blocks"] == 0 and r["counters"]["loaded_blocks"] == 0
+    assert q["counters"]["save_skipped"] + p_salted["counters"]["save_skipped"] > 0
+
+
+def test_a_corrupt_block_is_recomputed(model_dir: str, reference: dict[str, list[int]], tmp_path: Path) -> None:
+    disk = tmp_path / "kv"
+    store = {"host_bytes": "16MiB", "disk_path": str(disk), "disk_bytes": "32MiB", "write_policy": "write_through"}
+    slot_bytes = 2 * 2 * BLOCK * 2 * 32 * 4  # 2 layers x (K, V) x 128 tokens x 2 heads x 32 dims, fp32
+    _, (a,), _, _, _, (b,) = run_plan([
+        llm(model_dir, store), gen((P, None)),
+        llm(model_dir, None),  # the first instance is gone: its store closed, the blocks are on disk only
+        {"flip": {"path": str(disk / "slab-000.bin"), "offset": 2 * slot_bytes + 1000}},
+        llm(model_dir, store), gen((P, None)),
+    ])
+    assert a["counters"]["saved_blocks"] == 4
+    assert b["tokens"] == reference["P"]
+    # Slots are taken in order, so the third block is the corrupt one: two load, the rest recompute.
+    assert b["counters"]["async_loads"] == 1  # disk-tier hits load outside the step
+    assert b["counters"]["loaded_blocks"] == 2 and b["counters"]["load_errors"] >= 1
+    # (vLLM's num_cached_tokens still counts the 4 blocks: it is recorded when the load is planned.)
