@@ -186,18 +186,22 @@ class Router:
             in_flight = np.array([s.in_flight for s in states])
             queued = np.array([max(s.load.queued_prefill_tokens, s.routed_prefill_tokens) for s in states])
             decoding = np.array([max(s.load.running_decode_seqs, s.in_flight - s.prefilling) for s in states])
+            free = np.array([np.inf if s.load.num_free_blocks is None else
+                             max(0, s.load.num_free_blocks * self.block_tokens - s.routed_prefill_tokens)
+                             for s in states])  # the router's own requests will fill some
             if policy == CACHE_AWARE:
                 self.history.expire(now)
             match = self.index.match(ids, [s.name for s in states])
             saved = scoring.saved_tokens(match.saved_blocks, self.block_tokens, prompt_tokens)
+            saved[match.num_blocks < self.config.min_match * ids.size] = 0.0
             if policy == ROUND_ROBIN:
                 choice, reason = start, ROUND_ROBIN
-                cost = scoring.costs(prompt_tokens, saved, queued, decoding, self.config)
+                cost = scoring.costs(prompt_tokens, saved, queued, decoding, free, self.config)
             elif policy == LEAST_LOADED:
-                cost = scoring.costs(prompt_tokens, np.zeros(n), queued, decoding, self.config)
+                cost = scoring.costs(prompt_tokens, np.zeros(n), queued, decoding, np.full(n, np.inf), self.config)
                 choice, reason = scoring.pick(cost, in_flight, np.ones(n, bool), start), LEAST_LOADED
             else:
-                cost = scoring.costs(prompt_tokens, saved, queued, decoding, self.config)
+                cost = scoring.costs(prompt_tokens, saved, queued, decoding, free, self.config)
                 allowed = ~scoring.overloaded(in_flight, queued, self.config)
                 choice = scoring.pick(cost, in_flight, allowed, start)
                 reason = self._reason(match, saved, allowed, choice, states)

@@ -5,7 +5,10 @@ All functions are pure and work on arrays with one entry per candidate replica:
     saved_i  = tokens of the prompt's leading run replica i holds, each block weighted by its
                best tier (tiers.py), at most prompt_tokens - 1 (the last token is computed)
     cost_i   = cache_weight * (prompt_tokens - saved_i) + queued_prefill_i
-               + decode_weight * decode_seqs_i
+               + decode_weight * decode_seqs_i + eviction_weight * evicted_i
+    evicted_i = max(0, prompt_tokens - saved_i - free device tokens_i): what the request would
+               push out of a full cache (other prefixes, recomputed later if reused); 0 where
+               the replica does not report its free blocks
 
 The lowest cost wins among the replicas the gate lets through. The gate comes first: a replica
 more than ``gate_ratio`` x the mean in-flight requests (or queued prefill tokens) and at least
@@ -27,10 +30,12 @@ def saved_tokens(saved_blocks: np.ndarray, block_tokens: int, prompt_tokens: int
 
 
 def costs(prompt_tokens: int, saved: np.ndarray, queued_tokens: np.ndarray, decode_seqs: np.ndarray,
-          config: RouterConfig) -> np.ndarray:
-    """Prefill tokens each replica would spend before this request's first token (see module)."""
-    return (config.cache_weight * (prompt_tokens - saved) + queued_tokens
-            + config.decode_weight_tokens * decode_seqs)
+          free_tokens: np.ndarray, config: RouterConfig) -> np.ndarray:
+    """What sending the request to each replica costs, in prefill tokens (see module)."""
+    uncached = prompt_tokens - saved
+    evicted = np.maximum(0.0, uncached - free_tokens)
+    return (config.cache_weight * uncached + queued_tokens + config.decode_weight_tokens * decode_seqs
+            + config.eviction_weight * evicted)
 
 
 def overloaded(in_flight: np.ndarray, queued_tokens: np.ndarray, config: RouterConfig) -> np.ndarray:

@@ -102,10 +102,13 @@ class DeviceCache:
         overflow = len(self.keys) + need - self.capacity
         if overflow > 0:
             protected = frozenset(keys)
-            victims = [self.policy.pop_victim(lambda k: k not in protected) for _ in range(overflow)]
-            assert None not in victims, f"nothing evictable in a tier of {self.capacity} blocks"
-            self.keys.difference_update(victims)  # type: ignore[arg-type]
-            self._on_removed(victims)  # type: ignore[arg-type]
+            victims: list[bytes] = []
+            for _ in range(overflow):
+                victim = self.policy.pop_victim(lambda k: k not in protected)
+                assert isinstance(victim, bytes), f"nothing evictable in a tier of {self.capacity} blocks"
+                victims.append(victim)
+            self.keys.difference_update(victims)
+            self._on_removed(victims)
         stored: list[bytes] = []
         end = len(keys)
         while end > 0:  # segments of the chain, tail first
@@ -178,6 +181,18 @@ class SimResult:
         return float(means.max() / means.min()) if means.min() > 0 else float("inf")
 
 
+def _events_to(router: Router, name: str) -> tuple[Callable[[list[bytes]], None], Callable[[list[bytes]], None]]:
+    """A replica's BlockStored / BlockRemoved events for its device tier, delivered at once."""
+
+    def stored(keys: list[bytes]) -> None:
+        router.stored(name, keys, GPU)
+
+    def removed(keys: list[bytes]) -> None:
+        router.removed(name, keys, GPU)
+
+    return stored, removed
+
+
 def simulate(requests: list[TraceRequest], config: SimConfig, router_config: RouterConfig) -> SimResult:
     """Replay ``requests`` through a Router over ``config.num_replicas`` simulated replicas."""
     router = Router(BLOCK_TOKENS, router_config)
@@ -186,10 +201,9 @@ def simulate(requests: list[TraceRequest], config: SimConfig, router_config: Rou
     for i in range(config.num_replicas):
         name = f"replica-{i}"
         router.add_replica(name)
-        cache = DeviceCache(config.capacity_blocks, make_policy(config.eviction),
-                            lambda keys, n=name: router.stored(n, keys, GPU),
-                            lambda keys, n=name: router.removed(n, keys, GPU))
-        replicas.append(SimReplica(name, cache))
+        stored, removed = _events_to(router, name)
+        replicas.append(SimReplica(name, DeviceCache(config.capacity_blocks, make_policy(config.eviction),
+                                                     stored, removed)))
     by_name = {r.name: r for r in replicas}
     events: list[tuple[float, int, str, object]] = []  # (time, seq, kind, payload)
     seq = 0
@@ -227,7 +241,8 @@ def simulate(requests: list[TraceRequest], config: SimConfig, router_config: Rou
             req = payload
             assert isinstance(req, TraceRequest)
             for r in replicas:
-                router.update_load(r.name, LoadReport(int(r.queued_tokens(now, rate)), r.decoding))
+                router.update_load(r.name, LoadReport(int(r.queued_tokens(now, rate)), r.decoding,
+                                                      num_free_blocks=r.cache.capacity - len(r.cache.keys)))
             decision = router.route_keys(req.chain, req.input_tokens, now=now)
             target = by_name[decision.replica]
             cached_now = target.cache.lookup(req.chain) * BLOCK_TOKENS
@@ -245,7 +260,8 @@ def simulate(requests: list[TraceRequest], config: SimConfig, router_config: Rou
             push(now + job.request.output_tokens * config.decode_s_per_token, "finished", (replica, job))
             start_next(replica, now)
         elif kind == "finished":
-            replica, job = payload  # type: ignore[misc]
+            assert isinstance(payload, tuple)
+            replica, job = payload
             replica.decoding -= 1
             router.finished(job.decision)
         else:

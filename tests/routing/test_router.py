@@ -116,9 +116,9 @@ def test_without_the_gate_a_hot_prefix_piles_up() -> None:
 
 def test_load_moves_a_request_off_a_busy_replica() -> None:
     router = make_router()
-    store(router, "a", prompt(6)[: 2 * BLOCK])
+    store(router, "a", prompt(6)[: 6 * BLOCK])
     router.update_load("a", LoadReport(queued_prefill_tokens=50_000))
-    d = router.route(prompt(6), now=0.0)  # saving 32 tokens is not worth a 50k-token queue
+    d = router.route(prompt(6), now=0.0)  # saving 96 tokens is not worth a 50k-token queue
     assert d.replica != "a" and d.reason == "load"
     router.update_load("a", LoadReport(queued_prefill_tokens=100_000))  # past the token gate
     long = prompt(11, 1875 * BLOCK)  # 30,000 tokens, all on "a": the cost alone would pick it
@@ -155,6 +155,15 @@ def test_unhealthy_replicas_are_skipped_and_forgotten() -> None:
     with pytest.raises(RoutingError, match="no healthy replica among 3"):
         router.route(prompt(10), now=0.0)
     router.index.check_integrity()
+
+
+def test_a_prefix_below_min_match_does_not_count() -> None:
+    router = make_router()
+    system = prompt(12)[: 2 * BLOCK]  # a system prompt every conversation starts with
+    store(router, "a", system)
+    chosen = [router.route(system + prompt(200 + i, 8 * BLOCK), now=0.0) for i in range(3)]
+    assert [d.reason for d in chosen] == ["no_prefix"] * 3  # 2 of 10 blocks < 50%
+    assert sorted(d.replica for d in chosen) == ["a", "b", "c"]  # spread, not piled onto "a"
 
 
 def test_bad_configuration_is_refused() -> None:
