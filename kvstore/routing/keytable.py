@@ -125,9 +125,9 @@ class KeyTable:
         pos = self.find(ids)
         new = pos < 0
         if new.any():
-            self._reserve(int(new.sum()))
-            pos = self.find(ids)  # a rebuild moves every slot
-            pos[pos < 0] = self._place(ids[pos < 0])
+            if self._reserve(int(new.sum())):
+                pos = self.find(ids)  # a rebuild moved every slot
+            pos[new] = self._place(ids[new])
         before = self._masks[pos, column].copy()
         self._masks[pos, column] = before | np.uint8(bits)
         return before
@@ -149,6 +149,18 @@ class KeyTable:
         live = np.flatnonzero(self._masks[:-1, column] & np.uint8(bits))
         self._masks[live, column] &= np.uint8(~bits & 0xFF)
         self._free_empty(live)
+
+    def rotate_column(self, column: int, new_bit: int, old_bit: int) -> int:
+        """In ``column``: ``old_bit`` := ``new_bit``, ``new_bit`` := 0 (one generation passes);
+        empty rows free their slots. Returns how many rows had ``new_bit`` (now ``old_bit``)."""
+        col = self._masks[:-1, column]
+        rows = np.flatnonzero(col & np.uint8(new_bit | old_bit))
+        values = col[rows]
+        moved = (values & np.uint8(new_bit)) != 0
+        values = (values & np.uint8(~(new_bit | old_bit) & 0xFF)) | np.where(moved, np.uint8(old_bit), np.uint8(0))
+        self._masks[rows, column] = values
+        self._free_empty(rows)
+        return int(np.count_nonzero(moved))
 
     def column_counts(self, column: int, bit: int) -> int:
         """How many rows have ``bit`` set in ``column`` (a full scan; for checks and tests)."""
@@ -172,10 +184,11 @@ class KeyTable:
             self.num_live -= int(empty.size)
             self._num_tombs += int(empty.size)
 
-    def _reserve(self, count: int) -> None:
-        """Rebuild (bigger when needed) so that ``count`` more ids keep the load under MAX_LOAD."""
+    def _reserve(self, count: int) -> bool:
+        """Rebuild (bigger when needed) so that ``count`` more ids keep the load under MAX_LOAD;
+        True when it rebuilt (every slot moved)."""
         if self.num_live + self._num_tombs + count <= MAX_LOAD * self.capacity:
-            return
+            return False
         need = max(MIN_CAPACITY, 2 * (self.num_live + count))  # load 0.25-0.5 after
         capacity = 1 << (need - 1).bit_length()
         live = np.flatnonzero(self._ids >= 2)
@@ -183,6 +196,7 @@ class KeyTable:
         self._alloc(capacity, self.num_columns)
         pos = self._place(ids)
         self._masks[pos] = masks
+        return True
 
     def _place(self, ids: np.ndarray) -> np.ndarray:
         """Put absent, distinct ``ids`` into free slots (room reserved); returns their slots."""

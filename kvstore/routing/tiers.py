@@ -19,6 +19,10 @@ MEDIA = (GPU, CPU, DISK, REMOTE)
 TIERS = (*MEDIA, ROUTED)
 BITS = {name: 1 << i for i, name in enumerate(TIERS)}
 ALL_MEDIA_BITS = BITS[GPU] | BITS[CPU] | BITS[DISK] | BITS[REMOTE]
+# Guesses live in two generations (history.py): ROUTED holds the current one, this bit the
+# previous one; both count as the ROUTED tier.
+ROUTED_OLD_BIT = 1 << len(TIERS)
+ROUTED_BITS = BITS[ROUTED] | ROUTED_OLD_BIT
 
 # Round figures (docs/routing.md): PCIe 4.0 x16 host copies, one NVMe drive, a 25 GbE link;
 # an 8B model's prefill on one datacenter GPU; Llama-3-8B fp16 KV (32 x 8 x 128 x 2 x 2 bytes).
@@ -80,7 +84,8 @@ class TierWeights:
         weight_of = np.zeros(256, dtype=np.float64)
         tier_of = np.full(256, len(TIERS), dtype=np.int64)
         for mask in range(1, 256):
-            held = [(weights[t], -i, i) for i, t in enumerate(TIERS) if mask & BITS[t]]
+            bits = mask | BITS[ROUTED] if mask & ROUTED_OLD_BIT else mask
+            held = [(weights[t], -i, i) for i, t in enumerate(TIERS) if bits & BITS[t]]
             if held:
                 best = max(held)
                 weight_of[mask], tier_of[mask] = best[0], best[2]
