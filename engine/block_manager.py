@@ -1,5 +1,6 @@
 """BlockManager: the device tier. Owns the KV pool's blocks, their reference counts, the device
-prefix cache (key -> block) and the LRU of free-but-cached blocks; demotes evictions to the store.
+prefix cache (key -> block) and the LRU of free-but-cached blocks; demotes evictions to the store
+(on the demoter's thread when an allocation evicts: the engine loop only gathers the bytes).
 With an event publisher it announces the device tier (medium GPU): a block when it is sealed
 under its key, its removal when the key leaves the device cache.
 
@@ -12,6 +13,7 @@ Sequences release their blocks tail first, so a prefix's tail is evicted before 
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
@@ -19,6 +21,7 @@ from typing import Any
 import torch
 
 import kernels
+from engine.demoter import Demoter
 from kvstore.errors import KVStoreError
 from kvstore.events.wire import GPU
 from tiers.device import DevicePool
@@ -48,6 +51,10 @@ class BlockManager:
         self.evictable: OrderedDict[int, None] = OrderedDict()
         self.num_demoted = 0
         self.num_dropped = 0
+        self.demote_s = 0.0  # seconds the engine loop spent demoting (gathers; puts when synchronous)
+        # Evictions while allocating are demoted on a background thread (bounded: up to the
+        # pool's size, at least 64 MiB, of gathered bytes); evict_all and write_back wait.
+        self.demoter = Demoter(store, max(pool.capacity_bytes, 64 << 20)) if store is not None else None
 
     @property
     def num_available(self) -> int:
@@ -122,9 +129,9 @@ class BlockManager:
         self.release([block_id])
         return new
 
-    def _evict(self, n: int) -> None:
+    def _evict(self, n: int, background: bool = True) -> None:
         victims = [self.evictable.popitem(last=False)[0] for _ in range(n)]
-        self._demote(victims)
+        self._demote(victims, background)
         keys = []
         for b in victims:
             block = self.blocks[b]
@@ -139,30 +146,57 @@ class BlockManager:
         """Push every cached-but-unused block out of the device (to the store); returns how many."""
         n = len(self.evictable)
         if n:
-            self._evict(n)
+            self._evict(n, background=False)
         return n
 
     def write_back(self) -> None:
         """Copy every keyed block the store lacks to the store, keeping it on the device."""
-        self._demote([b.block_id for b in self.blocks if b.key is not None])
+        self._demote([b.block_id for b in self.blocks if b.key is not None], background=False)
 
-    def _demote(self, block_ids: list[int]) -> None:
-        """Put the blocks' bytes in the store, one put per chain run (heads before tails)."""
+    def close(self) -> None:
+        """Finish the background demotions and stop their thread."""
+        if self.demoter is not None:
+            self.demoter.close()
+
+    def _demote(self, block_ids: list[int], background: bool) -> None:
+        """Put the blocks' bytes in the store, one put per chain run (heads before tails).
+
+        ``background``: gather the bytes now and leave the puts to the demoter thread;
+        otherwise put them now, after the demotions queued before.
+        """
         if self.store is None or not block_ids:
             self.num_dropped += len(block_ids) if self.store is None else 0
             return
-        blocks = [self.blocks[b] for b in block_ids]
-        present = self.store.contains([b.key for b in blocks])
-        todo = [b for b, p in zip(blocks, present, strict=True) if not p]
-        # Tails come first in eviction order; reversed, a chain reads head to tail.
-        todo.reverse()
+        t0 = time.perf_counter()
+        try:
+            if background and self.demoter is not None:
+                for run in self._runs([self.blocks[b] for b in block_ids]):
+                    ids = torch.tensor([b.block_id for b in run], dtype=torch.long)
+                    self.demoter.submit([b.key for b in run], kernels.gather_blocks(self.pool.pool, ids),  # type: ignore[misc]
+                                        run[0].tenant)
+            else:
+                if self.demoter is not None:
+                    self.demoter.drain()  # keep the order: heads queued before are stored first
+                self._demote_now(block_ids)
+        finally:
+            self.demote_s += time.perf_counter() - t0
+
+    @staticmethod
+    def _runs(blocks: list[Block]) -> list[list[Block]]:
+        """Chain runs of ``blocks`` (given tail first, in eviction order), heads first."""
         runs: list[list[Block]] = []
-        for b in todo:
+        for b in reversed(blocks):
             if runs and runs[-1][-1].key == b.parent_key and runs[-1][-1].tenant == b.tenant:
                 runs[-1].append(b)
             else:
                 runs.append([b])
-        for run in runs:
+        return runs
+
+    def _demote_now(self, block_ids: list[int]) -> None:
+        blocks = [self.blocks[b] for b in block_ids]
+        present = self.store.contains([b.key for b in blocks])
+        todo = [b for b, p in zip(blocks, present, strict=True) if not p]
+        for run in self._runs(todo):
             ids = torch.tensor([b.block_id for b in run], dtype=torch.long)
             payload = kernels.gather_blocks(self.pool.pool, ids)
             try:
@@ -179,11 +213,13 @@ class BlockManager:
         return [(key, blocks[b].parent_key) for key, b in items]
 
     def stats(self) -> dict[str, int]:
+        d = self.demoter
         in_use = sum(1 for b in self.blocks if b.ref_count > 0)
         bpb = self.pool.bytes_per_block
         return {"capacity_bytes": self.pool.capacity_bytes, "used_bytes": (in_use + len(self.evictable)) * bpb,
                 "num_blocks": in_use + len(self.evictable), "num_in_use": in_use, "num_cached": len(self.cached),
-                "num_free": self.pool.num_free, "demoted": self.num_demoted, "dropped": self.num_dropped}
+                "num_free": self.pool.num_free, "demoted": self.num_demoted + (d.num_demoted if d else 0),
+                "dropped": self.num_dropped + (d.num_dropped if d else 0), "demoting": d.num_pending if d else 0}
 
     def check_integrity(self) -> None:
         used = [b.block_id for b in self.blocks if b.ref_count > 0 or b.key is not None]

@@ -13,6 +13,7 @@ block), starting from the documented defaults below until the first measurement.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ from typing import Any
 import torch
 
 import kernels
+from kvstore.transfer import FetchResult
 
 LATENCY_S = 5e-4  # fixed cost of one fetch: thread hand-off, lookups, the scatter launch
 DEFAULT_BANDWIDTH = {"host": 2e9, "disk": 3e8}  # bytes/s until measured
@@ -28,17 +30,65 @@ DEFAULT_PREFILL_RATE = {"cpu": 2e3, "cuda": 2e4}  # tokens/s until measured
 EMA = 0.3  # weight of the newest measurement
 
 
+MAX_DIRECT_RUNS = 8  # a fetch into more runs of adjacent device blocks goes through staging
+
+
 @dataclass
 class Loading:
-    """A fetch in flight: ``keys`` land in ``block_ids`` (the sequence's blocks after its device hits)."""
+    """A fetch in flight: ``keys`` land in ``block_ids`` (the sequence's blocks after its device
+    hits), straight into the pool (``staging`` None) or into a staging tensor scattered later."""
 
     handle: Any
     keys: list[bytes]
     block_ids: list[int]
     tiers: tuple[str, ...]
-    staging: torch.Tensor
+    staging: torch.Tensor | None
     started_s: float
     finished_s: list[float] = field(default_factory=list)
+    copy_s: float = 0.0  # the scatter from staging into the pool
+
+
+class RunsHandle:
+    """One fetch handle over several, each filling one run of adjacent device blocks. Its
+    result is the leading run delivered: a run counts only after every earlier one in full."""
+
+    def __init__(self, handles: list[Any]) -> None:
+        self.handles = handles
+        self.num_requested = sum(h.num_requested for h in handles)
+
+    def done(self) -> bool:
+        return all(h.done() for h in self.handles)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for h in self.handles:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not h.wait(left):
+                return False
+        return True
+
+    def result(self, timeout: float | None = None) -> FetchResult:
+        tiers: list[str] = []
+        for h in self.handles:
+            got = h.result(timeout)
+            tiers += got.tiers
+            if got.num_blocks < h.num_requested:
+                break
+        return FetchResult(len(tiers), tuple(tiers))
+
+    def add_done_callback(self, fn: Any) -> None:
+        left = [len(self.handles)]
+        lock = threading.Lock()
+
+        def one_done(_h: Any) -> None:
+            with lock:
+                left[0] -= 1
+                last = left[0] == 0
+            if last:
+                fn(self)
+
+        for h in self.handles:
+            h.add_done_callback(one_done)
 
 
 class Fetcher:
@@ -78,9 +128,17 @@ class Fetcher:
         return best
 
     def start(self, keys: list[bytes], block_ids: list[int], tiers: tuple[str, ...]) -> Loading:
-        staging = torch.empty((len(keys), *self.pool.shape[1:]), dtype=self.pool.dtype, device=self.pool.device)
-        loading = Loading(None, keys, block_ids, tiers, staging, time.perf_counter())
-        loading.handle = self.store.fetch(keys, into=staging)
+        """Fetch ``keys`` into device blocks ``block_ids``: straight into the pool, one fetch
+        per run of adjacent ids, when there are few runs; else into staging (see finish)."""
+        runs = _runs(block_ids)
+        loading = Loading(None, keys, block_ids, tiers, None, time.perf_counter())
+        if len(runs) <= MAX_DIRECT_RUNS:
+            handles = [self.store.fetch(keys[i:j], into=self.pool[first : first + j - i]) for i, j, first in runs]
+            loading.handle = handles[0] if len(handles) == 1 else RunsHandle(handles)
+        else:
+            loading.staging = torch.empty((len(keys), *self.pool.shape[1:]), dtype=self.pool.dtype,
+                                          device=self.pool.device)
+            loading.handle = self.store.fetch(keys, into=loading.staging)
         loading.handle.add_done_callback(lambda _h: loading.finished_s.append(time.perf_counter()))
         return loading
 
@@ -96,8 +154,11 @@ class Fetcher:
             tiers = ()
         n = len(tiers)
         if n:
-            ids = torch.tensor(loading.block_ids[:n], dtype=torch.long)
-            kernels.scatter_blocks(self.pool, ids, loading.staging[:n])
+            if loading.staging is not None:
+                t0 = time.perf_counter()
+                ids = torch.tensor(loading.block_ids[:n], dtype=torch.long)
+                kernels.scatter_blocks(self.pool, ids, loading.staging[:n])
+                loading.copy_s = time.perf_counter() - t0
             elapsed = (loading.finished_s[0] if loading.finished_s else time.perf_counter()) - loading.started_s
             self._measure(tiers, elapsed)
         self.num_fetched_blocks += n
@@ -126,3 +187,14 @@ class Fetcher:
     def record_prefill(self, num_tokens: int, seconds: float) -> None:
         if num_tokens >= self.block_size and seconds > 0:
             self.prefill_rate = self._blend("prefill", self.prefill_rate, num_tokens / seconds)
+
+
+def _runs(ids: list[int]) -> list[tuple[int, int, int]]:
+    """``(start, stop, first id)`` of each run of consecutive ids in ``ids``."""
+    runs: list[tuple[int, int, int]] = []
+    start = 0
+    for i in range(1, len(ids) + 1):
+        if i == len(ids) or ids[i] != ids[i - 1] + 1:
+            runs.append((start, i, ids[start]))
+            start = i
+    return runs

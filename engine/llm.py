@@ -208,6 +208,9 @@ class LLMEngine:
             logits = logits[rows]
         tokens = self.runner.sample(logits, seqs) if seqs else []
         now = time.perf_counter()
+        for it in prefill:  # the step's wall time, for each request still before its first token
+            if it.seq.request.metrics.ttft_s is None:
+                it.seq.request.metrics.stages["prefill"] += now - t0
         touched: dict[str, Request] = {}
         for seq, token in zip(seqs, tokens, strict=True):
             request = seq.request
@@ -216,6 +219,7 @@ class LLMEngine:
             m.num_generated_tokens += 1
             if m.ttft_s is None:
                 m.ttft_s = now - m.arrival_s
+                m.stages["schedule"] = max(0.0, m.ttft_s - sum(v for k, v in m.stages.items() if k != "schedule"))
             reason = self._stop_reason(seq.request.params, token, seq.num_output_tokens, seq.num_tokens)
             if reason is not None:
                 self.scheduler.finish(seq, reason)
@@ -301,6 +305,7 @@ class LLMEngine:
         self._requests.clear()
         if self.store is not None:
             self.block_manager.write_back()
+            self.block_manager.close()
             if self._owns_store:
                 self.store.close()
         if self._store_events is not None:

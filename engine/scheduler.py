@@ -17,6 +17,7 @@ prefix up like any prompt, so a preempted sequence usually reloads, not recomput
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -101,7 +102,9 @@ class Scheduler:
             return 0
         need = -(-(start + n) // self.block_size) - len(seq.block_table)
         if need > 0:
+            demoted = self.blocks.demote_s
             seq.block_table += self.blocks.allocate(need)
+            seq.request.metrics.stages["demote"] += self.blocks.demote_s - demoted
         batch.append(Scheduled(seq, start, n))
         return n
 
@@ -154,13 +157,18 @@ class Scheduler:
     def _admit(self, seq: Sequence) -> bool:
         """Give ``seq`` its cached prefix (device hits now, lower tiers by fetch); False: no room."""
         caching = self.block_keys is not None and not seq.request.params.prompt_logits
+        stages = seq.request.metrics.stages
+        t0 = time.perf_counter()
         keys = self.ensure_keys(seq, (seq.num_tokens - 1) // self.block_size) if caching else []
+        t1 = time.perf_counter()
+        stages["hash"] += t1 - t0
         hits = self.blocks.match(keys)
         rest = keys[len(hits):]
         tiers: tuple[str, ...] = ()
         if rest and self.fetcher is not None:
             found = self.fetcher.store.lookup(rest).tiers
             tiers = tuple(found[: self.fetcher.plan(found)])
+            stages["lookup"] += time.perf_counter() - t1
         # room for the hits we revive, the fetched blocks, and one block of computation
         if self.blocks.num_reusable(hits) + len(tiers) + 1 > self.blocks.num_available:
             return False
@@ -170,7 +178,9 @@ class Scheduler:
         seq.request.metrics.cached_tokens["device"] += seq.num_cached_tokens
         if tiers:
             assert self.fetcher is not None
-            ids = self.blocks.allocate(len(tiers))
+            demoted = self.blocks.demote_s
+            ids = sorted(self.blocks.allocate(len(tiers)))  # fresh blocks: sorted, fewer runs to fetch into
+            stages["demote"] += self.blocks.demote_s - demoted
             seq.block_table += ids
             seq.loading = self.fetcher.start(rest[: len(tiers)], ids, tiers)
             seq.status = SeqStatus.LOADING
@@ -202,6 +212,8 @@ class Scheduler:
         for tier in tiers:
             metrics.cached_tokens[tier] += self.block_size
         metrics.loading_s += max(loading.finished_s[0] - loading.started_s, 0.0) if loading.finished_s else 0.0
+        metrics.stages["fetch"] += time.perf_counter() - loading.started_s - loading.copy_s
+        metrics.stages["device_copy"] += loading.copy_s
         seq.loading = None
         seq.status = SeqStatus.RUNNING
         self.loading.remove(seq)

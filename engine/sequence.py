@@ -20,11 +20,22 @@ class SeqStatus(enum.Enum):
     FINISHED = "finished"
 
 
+STAGES = ("hash", "lookup", "demote", "fetch", "device_copy", "prefill", "schedule")
+
+
 @dataclass
 class RequestMetrics:
     """Per request. ``cached_tokens`` counts prompt tokens served from each tier instead of being
     computed; ``num_computed_tokens`` counts tokens prefilled (recomputation after a preemption
-    or a failed fetch included)."""
+    or a failed fetch included).
+
+    ``stages`` splits the time to the first token (seconds, summing to ``ttft_s``): ``hash``
+    the prompt's block keys, ``lookup`` the store's prefix lookup, ``demote`` evicting device
+    blocks to make room (only the gathers: the puts run on the demoter thread), ``fetch`` from
+    the fetch's start until the engine saw it done, ``device_copy`` a staged fetch's scatter
+    into the pool, ``prefill`` the model steps that computed its uncached tokens (and sampled
+    the first), ``schedule`` the rest: queueing and the engine loop.
+    """
 
     arrival_s: float = field(default_factory=time.perf_counter)
     ttft_s: float | None = None
@@ -35,6 +46,7 @@ class RequestMetrics:
     cached_tokens: dict[str, int] = field(default_factory=lambda: {"device": 0, "host": 0, "disk": 0})
     loading_s: float = 0.0
     num_preemptions: int = 0
+    stages: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STAGES, 0.0))
 
 
 @dataclass

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+import time
+
 import torch
 
 from engine.block_manager import BlockManager
@@ -35,6 +38,9 @@ def test_allocate_share_release_and_evict_tail_first() -> None:
     assert bm.match(keys) == ids  # freed blocks stay findable until their slot is reused
     got = bm.allocate(3)  # 2 free + one eviction: block 3 (the tail) is demoted to the store
     assert got == [4, 5, 3]
+    bm.pool.pool[3].fill_(-1.0)  # reused at once: the demotion gathered its bytes before
+    assert bm.demoter is not None
+    bm.demoter.drain()  # the eviction's put ran on the demoter thread
     assert bm.match(keys) == [0, 1, 2]
     assert store.lookup(keys).num_blocks == 0 and store.contains(keys) == [False, False, False, True]
     assert torch.equal(store.get(keys[3:])[0], torch.full(LAYOUT.block_shape, 4.0))
@@ -45,6 +51,60 @@ def test_allocate_share_release_and_evict_tail_first() -> None:
     assert torch.equal(store.get(keys), torch.stack([torch.full(LAYOUT.block_shape, float(i + 1)) for i in range(4)]))
     bm.check_integrity()
     store.check_integrity()
+    store.close()
+
+
+class GatedStore(TieredStore):
+    """A real store whose puts wait for a gate: a slow store, as a loaded disk tier is."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.gate = threading.Event()
+
+    def put(self, *args: object, **kwargs: object) -> None:
+        assert self.gate.wait(30)
+        super().put(*args, **kwargs)  # type: ignore[arg-type]
+
+
+def test_eviction_does_not_wait_for_the_store() -> None:
+    store = GatedStore(StoreConfig(layout=LAYOUT, model_id="bm", host_bytes=16 * 4096))
+    bm = BlockManager(DevicePool(2, LAYOUT.block_shape, LAYOUT.dtype), LAYOUT.block_size, store)
+    keys = store.block_keys(list(range(4)))
+    ids = bm.allocate(2)
+    for i, b in enumerate(ids):
+        bm.pool.pool[b].fill_(float(i + 1))
+        bm.seal(b, keys[i], keys[i - 1] if i else None, "")
+    bm.release(ids)
+    t0 = time.monotonic()
+    assert sorted(bm.allocate(2)) == [0, 1]  # evicts both; their put is stuck behind the gate
+    assert time.monotonic() - t0 < 5 and bm.stats()["demoting"] == 2
+    assert store.contains(keys) == [False, False]
+    store.gate.set()
+    assert bm.demoter is not None
+    bm.demoter.drain()
+    assert bm.stats()["demoted"] == 2 and bm.stats()["demoting"] == 0
+    assert torch.equal(store.get(keys), torch.stack([torch.full(LAYOUT.block_shape, v) for v in (1.0, 2.0)]))
+    bm.close()
+    store.close()
+
+
+def test_demotions_over_the_bound_are_dropped_not_waited_for() -> None:
+    store = GatedStore(StoreConfig(layout=LAYOUT, model_id="bm", host_bytes=16 * 4096))
+    bm = BlockManager(DevicePool(4, LAYOUT.block_shape, LAYOUT.dtype), LAYOUT.block_size, store)
+    assert bm.demoter is not None
+    bm.demoter.max_pending_bytes = LAYOUT.bytes_per_block  # room for one queued block
+    for salt in range(3):  # three separate one-block chains, evicted one at a time
+        (b,) = bm.allocate(1)
+        bm.seal(b, store.block_keys([salt, 7])[0], None, "")
+        bm.release([b])
+        bm.evictable.move_to_end(b, last=False)  # this one is evicted next
+        bm.allocate(bm.pool.num_free + 1)
+        bm.release([i for i in range(4) if bm.blocks[i].ref_count])
+    store.gate.set()
+    bm.demoter.drain()
+    stats = bm.stats()
+    assert stats["dropped"] >= 1 and stats["demoted"] + stats["dropped"] == 3, stats
+    bm.close()
     store.close()
 
 

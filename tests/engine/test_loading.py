@@ -105,3 +105,37 @@ def test_estimates_follow_measurements() -> None:
     assert 800 < f.prefill_rate < 1600
     f._measure(("host",) * 4, 4 * (1 << 20) / 2e9 + LATENCY_S)
     assert abs(f.bandwidth["host"] - 2e9) / 2e9 < 1e-6
+
+
+def test_fetch_lands_straight_in_the_pool_run_by_run() -> None:
+    layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=4, block_size=2, dtype=torch.float32)
+    store = TieredStore(StoreConfig(layout=layout, model_id="fetch", host_bytes=64 * 4096))
+    keys = store.block_keys(list(range(2 * 12)))
+    blocks = torch.randn((12, *layout.block_shape))
+    store.put(keys, blocks)
+    pool = torch.full((40, *layout.block_shape), float("nan"))
+    fetcher = Fetcher(store, pool, "always", 2)
+    for ids in ([5, 6, 7, 8], [9, 10, 2, 3, 30], list(range(0, 24, 2))):  # 1 run, 3 runs, 12 runs (staged)
+        n = len(ids)
+        loading = fetcher.start(keys[:n], ids, ("host",) * n)
+        assert (loading.staging is None) == (len(ids) < 12)
+        assert loading.handle.wait(10)
+        assert fetcher.finish(loading) == ("host",) * n
+        assert torch.equal(pool[torch.tensor(ids)], blocks[:n])
+    # a run that misses ends the delivered run there, even if later runs arrived
+    store.delete(keys[2:3])
+    loading = fetcher.start(keys[:5], [20, 21, 22, 11, 12], ("host",) * 5)
+    assert loading.handle.wait(10) and fetcher.finish(loading) == ("host", "host")
+    store.close()
+
+
+def test_stages_of_a_host_hit_add_up_to_its_ttft(llama_dir: Path) -> None:
+    with make_engine(llama_dir) as llm:
+        prompt = list(range(3, 3 + 41))
+        llm.generate([prompt], GREEDY)
+        llm.evict_device_cache()
+        m = llm.generate([prompt], GREEDY)[0].metrics
+        assert m.cached_tokens["host"] == 40
+        assert m.ttft_s is not None and abs(sum(m.stages.values()) - m.ttft_s) < 1e-6
+        assert all(m.stages[s] > 0 for s in ("hash", "lookup", "fetch", "prefill")), m.stages
+        assert m.stages["device_copy"] == 0.0  # fetched straight into the pool

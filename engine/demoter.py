@@ -1,0 +1,116 @@
+"""Demoter: writes evicted device blocks to the store on a background thread.
+
+When admitting a request evicts cached device blocks, their bytes are gathered out of the
+pool at once (the blocks are reused right after), and the store's ``put`` (the host copy, and
+behind it any disk write, sync and catalog commit of the store's own cascade) runs here, off
+the engine loop: the request that caused the eviction does not wait for it.
+
+Bounded: at most ``max_pending_bytes`` of gathered payloads wait at a time. A submission
+beyond that is dropped and counted (a cache may lose a demotion; it must not stall a request
+or grow without limit). ``drain()`` waits until everything submitted is stored or dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from typing import Any
+
+import torch
+
+from kvstore.errors import KVStoreError
+
+log = logging.getLogger("engine.demoter")
+
+
+class Demoter:
+    """One worker thread putting runs of blocks into ``store``, in submission order."""
+
+    def __init__(self, store: Any, max_pending_bytes: int) -> None:
+        self.store = store
+        self.max_pending_bytes = max_pending_bytes
+        self.num_demoted = 0  # blocks the store took
+        self.num_present = 0  # blocks skipped: the store already held them
+        self.num_dropped = 0  # blocks lost: over the bound, the store full, or an error
+        self.busy_s = 0.0  # seconds the worker spent storing
+        self._queue: deque[tuple[list[bytes], torch.Tensor, str]] = deque()
+        self._pending_bytes = 0
+        self._busy = 0  # blocks of the run being stored
+        self._closed = False
+        self._cv = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="engine-demoter", daemon=True)
+        self._thread.start()
+
+    @property
+    def num_pending(self) -> int:
+        """Blocks submitted and not yet stored or dropped (the run being stored included)."""
+        with self._cv:
+            return sum(len(keys) for keys, _, _ in self._queue) + self._busy
+
+    def submit(self, keys: list[bytes], payload: torch.Tensor, tenant: str) -> bool:
+        """Queue one chain run (``payload[i]`` is ``keys[i]``'s block); False if dropped."""
+        size = payload.numel() * payload.element_size()
+        with self._cv:
+            if self._closed or self._pending_bytes + size > self.max_pending_bytes:
+                self.num_dropped += len(keys)
+                return False
+            self._queue.append((keys, payload, tenant))
+            self._pending_bytes += size
+            self._cv.notify_all()
+        return True
+
+    def drain(self) -> None:
+        """Wait until every submitted run is stored (or dropped)."""
+        with self._cv:
+            while self._queue or self._busy:
+                self._cv.wait()
+
+    def close(self) -> None:
+        """Store what is queued, then stop the worker."""
+        self.drain()
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue and not self._closed:
+                    self._cv.wait()
+                if not self._queue:
+                    return
+                keys, payload, tenant = self._queue.popleft()
+                self._busy = len(keys)
+            t0 = time.perf_counter()
+            try:
+                self._store(keys, payload, tenant)
+            except Exception:  # a store or daemon failure costs these blocks, never the engine
+                log.exception("demoting %d blocks failed", len(keys))
+                self.num_dropped += len(keys)
+            finally:
+                self.busy_s += time.perf_counter() - t0
+                with self._cv:
+                    self._pending_bytes -= payload.numel() * payload.element_size()
+                    self._busy = 0
+                    self._cv.notify_all()
+
+    def _store(self, keys: list[bytes], payload: torch.Tensor, tenant: str) -> None:
+        present = self.store.contains(keys)
+        start = 0
+        while start < len(keys):  # one put per sub-run of blocks the store lacks
+            if present[start]:
+                self.num_present += 1
+                start += 1
+                continue
+            stop = start
+            while stop < len(keys) and not present[stop]:
+                stop += 1
+            try:
+                self.store.put(keys[start:stop], payload[start:stop], tenant=tenant)
+                self.num_demoted += stop - start
+            except KVStoreError:  # the store is full of pinned or in-flight blocks
+                self.num_dropped += stop - start
+            start = stop
