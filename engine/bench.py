@@ -21,6 +21,7 @@ from engine.llm import LLMEngine
 from engine.loader import random_checkpoint, save_random_checkpoint
 from engine.sampling import SamplingParams
 from engine.sequence import STAGES
+from engine.serve import bench as served
 from kvstore.bench import DOCS, machine, write_section
 
 BENCH_MODEL = dict(num_layers=24, hidden_size=256, intermediate_size=1024, num_heads=4, num_kv_heads=2,
@@ -150,7 +151,8 @@ def bench_decode(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     return r
 
 
-def render(t: dict[str, Any], d: dict[str, Any], tiers: dict[str, Any] | None, args: argparse.Namespace) -> str:
+def render(t: dict[str, Any], d: dict[str, Any], tiers: dict[str, Any] | None, args: argparse.Namespace,
+           s: dict[str, Any] | None = None) -> str:
     host_x, disk_x = t["recompute_s"] / t["host_s"], t["recompute_s"] / t["disk_s"]
     full_x = t["recompute_s"] / t["full_s"]
     b1, b16 = d["ours_b1_tps"] / d["hf_b1_tps"], d["ours_b16_tps"] / d["hf_b16_tps"]
@@ -167,6 +169,7 @@ def render(t: dict[str, Any], d: dict[str, Any], tiers: dict[str, Any] | None, a
         ("decode, batch 16", f"{d['ours_b16_tps']:.1f} tok/s", f"transformers generate {d['hf_b16_tps']:.1f} tok/s",
          f"{b16:.2f}x", ">= 2x", b16 >= 2),
     ]
+    rows += served.rows(s) if s else []
     lines = [
         "## Engine (`kvstore bench engine`)",
         "",
@@ -232,9 +235,11 @@ def run(args: argparse.Namespace) -> int:
         t = bench_ttft(args, Path(tmp))
         print("decode vs transformers ...", flush=True)
         d = bench_decode(args, Path(tmp))
+    print("served: TTFT over HTTP vs in process, concurrent vs sequential requests ...", flush=True)
+    s = served.bench_served(args, engine, BENCH_MODEL, BLOCK, pool_bytes(args))
     tiers_json = DOCS / "bench_tiers.json"
     tiers = json.loads(tiers_json.read_text()) if tiers_json.exists() else None
-    text = render(t, d, tiers, args)
+    text = render(t, d, tiers, args, s)
     print(text)
     if not args.no_write:
         write_section("engine", text)

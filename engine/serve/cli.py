@@ -33,7 +33,8 @@ def run_engine(args: argparse.Namespace) -> int:
             disk_bytes=parse_size(args.disk) if args.disk_path else 0, tokens_file=args.tokens,
             router_token=args.router_token, kv_events=args.kv_events, drain_s=args.drain_s, device=args.device,
             dtype=DTYPES_BY_NAME[args.dtype], kv_cache_bytes=parse_size(args.kv_cache), block_size=args.block_size,
-            max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, seed=args.seed)
+            max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed)
         return serve(config)
     except (ConfigError, CheckpointError, json.JSONDecodeError) as exc:
         print(f"kvstore engine: {exc}", file=sys.stderr)
@@ -76,5 +77,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
     p.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
     p.add_argument("--max-num-seqs", type=int, default=64, help="sequences running at once (default 64)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="per-step token budget (default 2048)")
     p.add_argument("--drain-s", type=float, default=10.0, help="SIGTERM waits this long for requests (default 10)")
     p.set_defaults(func=run_engine)

@@ -76,8 +76,11 @@ async def run(config: ServeConfig) -> int:
         aloop.add_signal_handler(sig, on_signal)
     state = await aloop.run_in_executor(None, build_state, config)
     family = socket.AF_INET6 if ":" in config.host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # proto IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on sockets that name it, and
+    # without it Nagle holds each SSE chunk back until the client's delayed ACK (~40 ms).
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.bind((config.host, config.port))
     server = _Server(uvicorn.Config(create_app(state), log_level="warning", lifespan="off", access_log=False,
                                     timeout_graceful_shutdown=1))
