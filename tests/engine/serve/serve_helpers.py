@@ -30,8 +30,9 @@ ENGINE_ARGS = ["--random-model", "--random-config", json.dumps(TINY), "--block-s
 class EngineServer:
     """``python -m kvstore.cli engine ...`` in a subprocess; ``url`` is its http://host:port."""
 
-    def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
-        cmd = [sys.executable, "-m", "kvstore.cli", "engine", *ENGINE_ARGS, "--port", "0", *args]
+    def __init__(self, *args: str, model: str | None = None, env: dict[str, str] | None = None) -> None:
+        which = ["--model", model, "--host-mem", "8MiB", "--kv-cache", "4MiB"] if model else ENGINE_ARGS
+        cmd = [sys.executable, "-m", "kvstore.cli", "engine", *which, "--port", "0", *args]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.lines: list[str] = []
