@@ -57,7 +57,7 @@ class ServerState:
     metrics: ServerMetrics = field(init=False)
 
     def __post_init__(self) -> None:
-        self.metrics = ServerMetrics(lambda: self.loop.load)
+        self.metrics = ServerMetrics(lambda: self.loop.load, self.loop.llm.kv_events)
 
     def info(self) -> dict[str, Any]:
         llm = self.loop.llm

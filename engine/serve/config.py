@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -27,7 +26,8 @@ class ServeConfig:
         store_token: the daemon token (None: KVSTORE_TOKEN).
         tokens_file: TOML mapping Bearer tokens to tenants (the daemon's format, docs/protocol.md).
         router_token: the secret with which a trusted front may name the tenant in a header.
-        kv_events: a ZeroMQ endpoint to publish KV events on (None: none).
+        kv_events: a ZeroMQ endpoint to publish KV events on (None: none); ``kv_events_replay``
+            its replay/snapshot socket (None: the next port, "": none). docs/kv-events.md.
         drain_s: seconds SIGTERM waits for requests in flight before cancelling them.
         engine: the remaining LLMEngine settings (device, dtype, kv_cache_bytes, block_size, ...).
     """
@@ -45,6 +45,7 @@ class ServeConfig:
     tokens_file: str | None = None
     router_token: str | None = None
     kv_events: str | None = None
+    kv_events_replay: str | None = None
     drain_s: float = 10.0
     device: str = "cpu"
     dtype: torch.dtype = torch.float32
@@ -89,9 +90,5 @@ class ServeConfig:
         if self.model is None:
             kw["random_model"] = self.random_config
         if self.kv_events is not None:
-            from engine.config import EngineConfig
-
-            if "kv_events" not in {f.name for f in dataclasses.fields(EngineConfig)}:
-                raise ConfigError("--kv-events: this build's engine has no KV events publisher")
-            kw["kv_events"] = self.kv_events
+            kw.update(kv_events=self.kv_events, kv_events_replay=self.kv_events_replay)
         return kw

@@ -3,7 +3,8 @@
 Counted by the HTTP side as requests end: requests by endpoint and status, time to first
 token, inter-token latency, prompt / cached (by tier) / computed / generated tokens. Read from
 the engine loop's last ``Load`` at scrape time: sequences running / waiting / loading, device
-KV usage, blocks fetched from lower tiers and fetched blocks that fell back to recompute.
+KV usage, blocks fetched from lower tiers and fetched blocks that fell back to recompute;
+with ``--kv-events``, the publisher's ``kvstore_kv_events_*`` counters.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from prometheus_client.registry import Collector
 
 from engine.serve.generation import TIERS, Generation
 from engine.serve.loop import Load
+from kvstore.events.metrics import event_families
 
 PREFIX = "kvstore_engine"
 TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -24,10 +26,13 @@ ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 
 
 
 class _LoadCollector(Collector):
-    def __init__(self, load: Callable[[], Load]) -> None:
+    def __init__(self, load: Callable[[], Load], events: Any) -> None:
         self.load = load
+        self.events = events  # the engine's EventPublisher, or None
 
     def collect(self) -> Iterator[Any]:
+        if self.events is not None:
+            yield from event_families(self.events.stats())
         load = self.load()
         seqs = GaugeMetricFamily(f"{PREFIX}_sequences", "Sequences by scheduler state", labels=["state"])
         for state in ("running", "waiting", "loading"):
@@ -48,7 +53,7 @@ class _LoadCollector(Collector):
 class ServerMetrics:
     """The counters and histograms the HTTP handlers update; ``render()`` is the exposition."""
 
-    def __init__(self, load: Callable[[], Load]) -> None:
+    def __init__(self, load: Callable[[], Load], events: Any = None) -> None:
         self.registry = r = CollectorRegistry(auto_describe=True)
         self.requests = Counter(f"{PREFIX}_requests", "HTTP API requests by endpoint and status",
                                 ["endpoint", "status"], registry=r)
@@ -63,7 +68,7 @@ class ServerMetrics:
         self.generation_tokens = Counter(f"{PREFIX}_generation_tokens", "Tokens generated", registry=r)
         for tier in TIERS:
             self.cached_tokens.labels(tier)
-        r.register(_LoadCollector(load))
+        r.register(_LoadCollector(load, events))
 
     def request_done(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint, str(status)).inc()

@@ -29,12 +29,12 @@ from engine.serve.tokenizer import load_tokenizer
 log = logging.getLogger("kvstore.engine.serve")
 
 
-def kv_events_info(llm: Any, endpoint: str | None) -> dict[str, Any]:
-    """The KV events publisher's addresses for /v1/kvstore/info (None where there is none)."""
-    publisher = getattr(llm, "kv_events", None)
-    return {"endpoint": getattr(publisher, "endpoint", endpoint),
-            "replay_endpoint": getattr(publisher, "replay_endpoint", None),
-            "topic": getattr(publisher, "topic", "")}
+def kv_events_info(llm: Any) -> dict[str, Any]:
+    """The KV events publisher's bound addresses and topic for /v1/kvstore/info (null: none)."""
+    if llm.kv_events is None:
+        return {"endpoint": None, "replay_endpoint": None, "topic": ""}
+    info = llm.kv_events.info()
+    return {"endpoint": info["endpoint"], "replay_endpoint": info["replay_endpoint"], "topic": info["topic"]}
 
 
 def build_state(config: ServeConfig) -> ServerState:
@@ -50,7 +50,7 @@ def build_state(config: ServeConfig) -> ServerState:
         raise
     loop = EngineLoop(llm)
     loop.start()
-    return ServerState(loop, tokenizer, auth, config.model_name, kv_events_info(llm, config.kv_events))
+    return ServerState(loop, tokenizer, auth, config.model_name, kv_events_info(llm))
 
 
 async def run(config: ServeConfig) -> int:
