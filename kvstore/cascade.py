@@ -41,6 +41,7 @@ class Cascade:
 
     def __init__(self, levels: list[Level]) -> None:
         assert levels and isinstance(levels[0], HostLevel), "rank 0 must be host RAM"
+        assert len({level.raw_bytes for level in levels}) == 1, "levels disagree on the raw block size"
         assert [level.rank for level in levels] == list(range(len(levels))), "levels out of rank order"
         self.levels = levels
         self.host = cast(HostLevel, levels[0])
@@ -94,7 +95,7 @@ class Cascade:
             if demoted:
                 payloads = level.export([v.key for v in demoted], [v.slots[rank] for v in demoted])  # type: ignore[misc]
                 readable = [(v, p) for v, p in zip(demoted, payloads, strict=True) if p is not None]
-                self.store(below.rank, [v for v, _ in readable], [p for _, p in readable])
+                self.store(below.rank, [v for v, _ in readable], [p for _, p in readable], source_rank=rank)
         self._drop(level, victims)
         level.counters.evictions += len(victims)
 
@@ -119,14 +120,22 @@ class Cascade:
         for entry in entries:
             self.forget_if_unheld(entry)
 
-    def store(self, rank: int, entries: list[BlockEntry], payloads: torch.Tensor | Sequence[torch.Tensor]) -> int:
+    def store(self, rank: int, entries: list[BlockEntry], payloads: torch.Tensor | Sequence[torch.Tensor],
+              source_rank: int | None = None) -> int:
         """Write ``entries`` (chain order: heads before tails) into level ``rank`` in one batch,
         making room first; publish what the level stored. Returns how many were stored.
 
-        Blocks that find no room (everything pinned) or meet a medium failure get no slot
-        there (the failure is counted); nothing half-written is ever published.
+        ``payloads`` are raw blocks: the bytes put (``source_rank`` None) or the copies of
+        level ``source_rank``. A copy that is not the bytes put (decoded from a lossy level)
+        never enters a lossless level below host, whose copies must stay exact across
+        restarts. Blocks that find no room (everything pinned) or meet a medium failure get
+        no slot there (the failure is counted); nothing half-written is ever published.
         """
         level = self.levels[rank]
+        exact = [source_rank is None or e.is_exact(source_rank) for e in entries]
+        if rank > 0 and not level.lossy and not all(exact):
+            kept = [i for i, ok in enumerate(exact) if ok]
+            entries, payloads, exact = [entries[i] for i in kept], [payloads[i] for i in kept], [True] * len(kept)
         if not entries:
             return 0
         short = len(entries) - level.num_free
@@ -139,18 +148,37 @@ class Cascade:
         slots = level.allocate(n)
         if not level.write(entries, slots, payloads[:n]):
             return 0
-        level.counters.bytes_written += n * self._payload_bytes()
-        self.publish(rank, entries, slots)
+        level.counters.bytes_written += n * level.payload_bytes
+        self.publish(rank, entries, slots, exact[:n])
         return n
 
-    def publish(self, rank: int, entries: list[BlockEntry], slots: Sequence[int]) -> None:
-        """Make ``entries`` (their bytes already in ``slots`` of level ``rank``) visible there."""
+    def publish(self, rank: int, entries: list[BlockEntry], slots: Sequence[int],
+                exact: Sequence[bool] | None = None) -> None:
+        """Make ``entries`` (their bytes already in ``slots`` of level ``rank``) visible there.
+        ``exact[i]``: the bytes written were the bytes put (default: all were); a lossy
+        level's copies are never exact."""
         level = self.levels[rank]
-        for entry, slot in zip(entries, slots, strict=True):
+        bit = 1 << rank
+        for i, (entry, slot) in enumerate(zip(entries, slots, strict=True)):
             entry.slots[rank] = slot
+            if level.lossy or (exact is not None and not exact[i]):
+                entry.inexact |= bit
+            else:
+                entry.inexact &= ~bit
         keys, parents = [e.key for e in entries], [e.parent for e in entries]
         level.policy.insert(keys, parents)
         self.listeners.stored(level.name, keys, parents)
+
+    def discard_copy(self, rank: int, entry: BlockEntry) -> None:
+        """Level ``rank`` gives up ``entry``'s copy (e.g. a decoded copy making way for the
+        bytes put); the entry stays indexed even if no level holds it now."""
+        level = self.levels[rank]
+        slot = entry.slots[rank]
+        assert slot is not None
+        level.policy.remove(entry.key)
+        level.drop([entry.key], [slot])
+        entry.slots[rank] = None
+        self.listeners.removed(level.name, [entry.key])
 
     def lost(self, rank: int, entries: list[BlockEntry]) -> None:
         """Level ``rank`` found these blocks corrupt or unreadable and already freed their slots."""
@@ -268,7 +296,8 @@ class Cascade:
             if entry.slots[below.rank] is None and below.admits(entry):
                 host_only.append(entry)
         keep = host_only[-below.num_slots :][::-1]
-        self.store(below.rank, keep, self.host.views([e.slots[0] for e in keep]))  # type: ignore[misc]
+        payloads = self.host.export([e.key for e in keep], [e.slots[0] for e in keep])  # type: ignore[misc]
+        self.store(below.rank, keep, payloads, source_rank=0)  # type: ignore[arg-type]
 
     def _recover(self, level: Level) -> None:
         """Index what a persistent level kept from an earlier run: its catalog is the truth."""
@@ -278,8 +307,7 @@ class Cascade:
             if entry is None:
                 entry = self.index.new_entry(item.key, None, item.tenant, item.created)
             entry.slots[level.rank] = item.slot
+            if level.lossy:
+                entry.inexact |= 1 << level.rank
         # newest first: the policy treats the list like a chain and evicts its end first
         level.policy.insert([d.key for d in found], [None] * len(found))
-
-    def _payload_bytes(self) -> int:
-        return self.host.tier.payload_bytes

@@ -6,7 +6,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvstore.errors import ConfigError
+from kvstore.codecs import CODECS, get_codec, stored_bytes
+from kvstore.errors import ConfigError, LayoutMismatchError
 from kvstore.eviction import DEFAULT_POLICY, POLICIES
 from kvstore.keys import HASHES
 from kvstore.layout import KVLayout
@@ -40,6 +41,11 @@ class StoreConfig:
         transfer_threads: worker threads for asynchronous fetches and prefetches.
         shared_host: back the host pool with a memfd that other processes of this user can
             map (the daemon's same-host fast path); a shared pool is never page-locked.
+        host_codec, disk_codec, remote_codec: how each tier represents blocks
+            (kvstore.codecs: "none", "int8", "int8-fp32", "fp8"). A lossy tier holds about
+            half the bytes per block (twice the blocks fit) and a get from it returns the
+            decoded values, not the bytes put (``get(exact=True)`` refuses those).
+            ``remote_codec`` applies to the remote tier once a store has one.
     """
 
     layout: KVLayout
@@ -58,19 +64,37 @@ class StoreConfig:
     direct_io: bool = True
     transfer_threads: int = 2
     shared_host: bool = False
+    host_codec: str = "none"
+    disk_codec: str = "none"
+    remote_codec: str = "none"
 
     def __post_init__(self) -> None:
         if not isinstance(self.layout, KVLayout):
             raise ConfigError(f"layout must be a KVLayout, got {type(self.layout).__name__}")
         if not isinstance(self.model_id, str) or not self.model_id:
             raise ConfigError(f"model_id must be a non-empty string, got {self.model_id!r}")
-        slot = self.slot_bytes
+        for name in ("host_codec", "disk_codec", "remote_codec"):
+            value = getattr(self, name)
+            if value not in CODECS:
+                raise ConfigError(f"{name} must be one of {list(CODECS)}, got {value!r}")
+            try:
+                get_codec(value).encoded_bytes(self.layout)
+            except LayoutMismatchError as e:
+                raise ConfigError(f"{name}={value!r}: {e}") from e
+        if get_codec(self.host_codec).lossy and not get_codec(self.disk_codec).lossy and self.disk_path is not None:
+            raise ConfigError(f"disk_codec={self.disk_codec!r} below host_codec={self.host_codec!r} would store "
+                              "decoded values at full size; give the disk a lossy codec too")
+        if self.shared_host and get_codec(self.host_codec).lossy:
+            raise ConfigError(f"shared_host needs host_codec='none' (other processes map raw slots), "
+                              f"got {self.host_codec!r}")
+        slot = self.tier_slot_bytes("host")
         if not isinstance(self.host_bytes, int) or self.host_bytes < slot:
             raise ConfigError(
                 f"host_bytes={self.host_bytes} is smaller than one block slot ({slot} bytes for "
                 f"{self.layout.bytes_per_block}-byte blocks)"
             )
         if self.disk_path is not None:
+            slot = self.tier_slot_bytes("disk")
             if not isinstance(self.disk_bytes, int) or self.disk_bytes < slot:
                 raise ConfigError(
                     f"disk_bytes={self.disk_bytes} is smaller than one block slot ({slot} bytes); "
@@ -94,8 +118,13 @@ class StoreConfig:
 
     @property
     def slot_bytes(self) -> int:
-        """Bytes one block occupies in the host and disk tiers (payload rounded up to 4 KiB)."""
+        """Bytes one raw block occupies in a tier (payload rounded up to 4 KiB)."""
         return -(-self.layout.bytes_per_block // PAGE) * PAGE
+
+    def tier_slot_bytes(self, tier: str) -> int:
+        """Bytes one block occupies in ``tier`` ("host", "disk", "remote") under its codec."""
+        codec = get_codec(getattr(self, f"{tier}_codec"))
+        return -(-stored_bytes(codec, self.layout, PAGE) // PAGE) * PAGE
 
     @property
     def has_disk(self) -> bool:

@@ -14,7 +14,9 @@ class BlockEntry:
     """One block the store knows. It lives in at least one indexed level.
 
     ``slots[r]`` is the block's slot in the level of rank ``r`` (0 = host, 1 = disk, ...), or
-    None where that level does not hold it. Only the cascade changes ``slots``.
+    None where that level does not hold it. Bit ``r`` of ``inexact`` is set when the copy at
+    rank ``r`` is not the bytes put: a lossy level's encoding, or a copy decoded from one.
+    Only the cascade changes ``slots`` and ``inexact``.
     """
 
     key: bytes
@@ -26,6 +28,7 @@ class BlockEntry:
     readers: int = 0  # copies in flight outside the store lock; never evicted while > 0
     num_uses: int = 0  # puts and reads, for "seen twice" admission
     last_access: float = 0.0  # time.time() of the last put or read (0.0: not since loaded)
+    inexact: int = 0  # bit r: the copy at rank r differs from the bytes put (lossy codec)
 
     @property
     def best_rank(self) -> int | None:
@@ -34,6 +37,18 @@ class BlockEntry:
             if slot is not None:
                 return rank
         return None
+
+    @property
+    def exact_rank(self) -> int | None:
+        """The fastest level holding the bytes that were put, None when none does."""
+        for rank, slot in enumerate(self.slots):
+            if slot is not None and not self.inexact >> rank & 1:
+                return rank
+        return None
+
+    def is_exact(self, rank: int) -> bool:
+        """Whether the copy at ``rank`` (which must exist) is the bytes put."""
+        return not self.inexact >> rank & 1
 
     @property
     def is_held(self) -> bool:
@@ -51,10 +66,13 @@ class PrefixMatch:
     Attributes:
         num_blocks: length of the leading run of found blocks (a lookup stops at the first miss).
         tiers: for each found block, the fastest tier holding it ("host", "disk", ...).
+        lossy: for each found block, whether that copy differs from the bytes put (a lossy
+            codec's); empty when the lookup did not say.
     """
 
     num_blocks: int
     tiers: tuple[str, ...] = field(default=())
+    lossy: tuple[bool, ...] = field(default=(), compare=False)
 
     def count(self, tier: str) -> int:
         return sum(1 for t in self.tiers if t == tier)
@@ -94,14 +112,19 @@ class BlockIndex:
     def discard(self, key: bytes) -> None:
         self.entries.pop(key, None)
 
-    def match(self, keys: list[bytes]) -> PrefixMatch:
-        """Pure query: per leading key, the best level holding it; stops at the first miss."""
+    def match(self, keys: list[bytes], *, exact: bool = False) -> PrefixMatch:
+        """Pure query: per leading key, the best level holding it; stops at the first miss.
+        With ``exact``, only copies holding the bytes put count (lossy ones are misses)."""
         entries, names = self.entries, self.level_names
         tiers: list[str] = []
+        lossy: list[bool] = []
         for key in keys:
             entry = entries.get(key)
-            rank = entry.best_rank if entry is not None else None
+            if entry is None:
+                break
+            rank = entry.exact_rank if exact else entry.best_rank
             if rank is None:
                 break
             tiers.append(names[rank])
-        return PrefixMatch(num_blocks=len(tiers), tiers=tuple(tiers))
+            lossy.append(bool(entry.inexact >> rank & 1))
+        return PrefixMatch(num_blocks=len(tiers), tiers=tuple(tiers), lossy=tuple(lossy))

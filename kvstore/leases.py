@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvstore.cascade import Cascade
+from kvstore.errors import KVStoreError
 from kvstore.index import BlockEntry
 from kvstore.reads import ReadPath
 from kvstore.writes import WritePath
@@ -24,6 +25,12 @@ class HostLeases:
         self.reads = reads
         self.writes = writes
 
+    def _check_raw(self) -> None:
+        coding = self.cascade.host.coding
+        if coding is not None:
+            raise KVStoreError(f"host slots hold {coding.codec.name}-encoded blocks; leases hand out raw "
+                               "slots and need host_codec='none'")
+
     def acquire(self, keys: list[bytes]) -> list[int]:
         """Hold the leading run of ``keys`` in host RAM and return its host slot ids.
 
@@ -36,6 +43,7 @@ class HostLeases:
             reused) until ``release(keys[:n])``.
         """
         cascade = self.cascade
+        self._check_raw()
         with cascade.lock:
             cascade.check_open()
             match = cascade.index.match(keys)
@@ -74,6 +82,7 @@ class HostLeases:
         Raises:
             CapacityError: fewer than ``n`` slots can be freed (the rest pinned or in flight).
         """
+        self._check_raw()
         with self.cascade.lock:
             self.cascade.check_open()
             return self.cascade.reserve_host_exactly(n)

@@ -31,9 +31,11 @@ class ReadPath:
         self.cascade = cascade
         self.promote = promote
 
-    def read_into(self, keys: Sequence[bytes], dst: torch.Tensor | None, *, count: bool = False) -> FetchResult:
-        """Copy the leading run of found blocks into ``dst`` rows ([n, payload] uint8, CPU);
-        with ``dst=None``, only promote lower-level blocks to host (a prefetch)."""
+    def read_into(self, keys: Sequence[bytes], dst: torch.Tensor | None, *, count: bool = False,
+                  exact: bool = False) -> FetchResult:
+        """Copy the leading run of found blocks into ``dst`` rows ([n, raw block] uint8, CPU);
+        with ``dst=None``, only promote lower-level blocks to host (a prefetch). With
+        ``exact``, a block held only as a lossy copy ends the run (a miss)."""
         cascade = self.cascade
         names = cascade.index.level_names
         with cascade.lock:
@@ -44,7 +46,7 @@ class ReadPath:
                 entry = entries.get(key)
                 if entry is None:
                     break
-                rank = entry.best_rank
+                rank = entry.exact_rank if exact else entry.best_rank
                 if rank is None:
                     break
                 entry.readers += 1
@@ -58,11 +60,12 @@ class ReadPath:
             lower = [(e, r) for e, r in plan if r > 0]
             promo_slots = cascade.reserve_host(len(lower)) if lower and self.promote else []
         ok: dict[bytes, bool] = {}
+        unplaced: set[bytes] = set()
         try:
-            ok = self._copy(plan, lower, promo_slots, dst)
+            ok, unplaced = self._copy(plan, lower, promo_slots, dst)
         finally:
             with cascade.lock:
-                self._finish(plan, lower, promo_slots, ok)
+                self._finish(plan, lower, promo_slots, ok, unplaced)
         delivered = 0
         for entry, _rank in plan:
             if not ok.get(entry.key, True):
@@ -71,10 +74,11 @@ class ReadPath:
         return FetchResult(delivered, tuple(names[r] for _, r in plan[:delivered]))
 
     def _copy(self, plan: list[tuple[BlockEntry, int]], lower: list[tuple[BlockEntry, int]],
-              promo_slots: list[int], dst: torch.Tensor | None) -> dict[bytes, bool]:
+              promo_slots: list[int], dst: torch.Tensor | None) -> tuple[dict[bytes, bool], set[bytes]]:
+        """Move the bytes; returns per lower block whether it was read, and the keys read but
+        not placed in their promotion slot."""
         cascade = self.cascade
         host = cascade.host
-        payload = host.tier.payload_bytes
         ok: dict[bytes, bool] = {}
         rows = {e.key: i for i, (e, _r) in enumerate(plan)}
         host_items = [(rows[e.key], e.slots[0]) for e, r in plan if r == 0]
@@ -85,11 +89,13 @@ class ReadPath:
             else:
                 for i, slot in host_items:
                     host.read_rows([slot], dst[i : i + 1])  # type: ignore[list-item]
-            host.counters.bytes_read += len(host_items) * payload
+            host.counters.bytes_read += len(host_items) * host.payload_bytes
+        unplaced: set[bytes] = set()
         if not lower:
-            return ok
+            return ok, unplaced
         # Each lower block goes into its reserved host slot, or straight into dst without one.
-        outs: list[torch.Tensor] = host.views(promo_slots)
+        targets_on_host = host.promotion_targets(promo_slots)
+        outs: list[torch.Tensor] = list(targets_on_host)
         if dst is not None:
             outs += [dst[rows[e.key]] for e, _r in lower[len(promo_slots) :]]
         targets = list(zip(lower[: len(outs)], outs, strict=True))
@@ -101,17 +107,22 @@ class ReadPath:
                                [out for _, out in mine])
             for (entry, _out), good in zip(mine, flags, strict=True):
                 ok[entry.key] = good
-            level.counters.bytes_read += sum(flags) * payload
-        if dst is not None:
-            for (entry, _r), slot in zip(lower, promo_slots, strict=False):
-                if ok[entry.key]:
-                    host.read_rows([slot], dst[rows[entry.key]].unsqueeze(0))
-        return ok
+            level.counters.bytes_read += sum(flags) * level.payload_bytes
+        raw = host.raw_bytes
+        read = [ok[e.key] for e, _r in lower[: len(promo_slots)]]
+        promoted = host.finish_promotion(promo_slots, targets_on_host, read)
+        for (entry, _r), target, good, placed in zip(lower, targets_on_host, read, promoted, strict=False):
+            if dst is not None and good:
+                dst[rows[entry.key]].copy_(target[:raw])
+            if good and not placed:
+                unplaced.add(entry.key)
+        return ok, unplaced
 
     def _finish(self, plan: list[tuple[BlockEntry, int]], lower: list[tuple[BlockEntry, int]],
-                promo_slots: list[int], ok: dict[bytes, bool]) -> None:
+                promo_slots: list[int], ok: dict[bytes, bool], unplaced: set[bytes]) -> None:
         cascade = self.cascade
         promoted: list[BlockEntry] = []
+        exact: list[bool] = []  # a copy decoded from a lossy level is not the bytes put
         promoted_slots: list[int] = []
         unused: list[int] = []
         for i, (entry, rank) in enumerate(lower):
@@ -121,14 +132,15 @@ class ReadPath:
             elif good:
                 cascade.levels[rank].policy.access([entry.key])
             if i < len(promo_slots):
-                if good and entry.slots[0] is None and entry.key in cascade.index:
+                if good and entry.slots[0] is None and entry.key in cascade.index and entry.key not in unplaced:
                     promoted.append(entry)
                     promoted_slots.append(promo_slots[i])
+                    exact.append(entry.is_exact(rank))
                 else:
                     unused.append(promo_slots[i])
         cascade.end_reservation(len(promo_slots), unused)
         if promoted:
-            cascade.publish(0, promoted, promoted_slots)
+            cascade.publish(0, promoted, promoted_slots, exact)
         for entry, _rank in plan:
             entry.readers -= 1
             cascade.forget_if_unheld(entry)

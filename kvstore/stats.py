@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import Any
 
 
 @dataclass
@@ -15,6 +16,7 @@ class TierCounters:
     bytes_read: int = 0
     bytes_written: int = 0
     errors: int = 0
+    refused: int = 0  # blocks whose encoding (another codec's format version) this reader refuses
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -32,3 +34,8 @@ def tier_stats(
     out.update(counters.as_dict())
     out["errors"] += extra_errors
     return out
+
+
+def is_count(value: Any) -> bool:
+    """Whether a ``stats()`` value is a number to sum (not the tier's codec name or lossy flag)."""
+    return isinstance(value, int) and not isinstance(value, bool)

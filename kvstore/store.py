@@ -17,13 +17,16 @@ import numpy as np
 import torch
 
 from kvstore.cascade import Cascade
-from kvstore.config import StoreConfig
+from kvstore.codecs import get_codec
+from kvstore.config import PAGE, StoreConfig
 from kvstore.errors import CapacityError
 from kvstore.eviction import make_policy
 from kvstore.index import PrefixMatch
 from kvstore.keys import BlockHasher, ExtraKey, Namespace
+from kvstore.layout import KVLayout
 from kvstore.leases import HostLeases
 from kvstore.levels import DiskLevel, HostLevel, Level
+from kvstore.levels.coding import LevelCodec
 from kvstore.listeners import StoreListener
 from kvstore.reads import ReadPath
 from kvstore.transfer import FetchHandle, FetchResult
@@ -33,16 +36,29 @@ from tiers.host import HostTier
 
 
 def build_levels(config: StoreConfig, namespace: Namespace) -> list[Level]:
-    """The cascade a config describes, fastest first: host RAM, then disk when configured."""
-    payload = config.layout.bytes_per_block
+    """The cascade a config describes, fastest first: host RAM, then disk when configured.
+    Each level stores blocks under its configured codec (``*_codec``)."""
+    layout = config.layout
+    host_coding = _coding(config.host_codec, layout, 1)
+    payload = host_coding.stored_bytes if host_coding else layout.bytes_per_block
     host = HostTier(config.host_bytes, payload, pin_memory=config.pin_host_memory, shared=config.shared_host)
-    levels: list[Level] = [HostLevel(host, make_policy(config.host_policy))]
+    levels: list[Level] = [HostLevel(host, make_policy(config.host_policy), host_coding)]
     if config.disk_path is not None:
+        disk_coding = _coding(config.disk_codec, layout, PAGE)
+        payload = disk_coding.stored_bytes if disk_coding else layout.bytes_per_block
+        # A directory holding this layout under another codec is reformatted (its blocks
+        # become misses) rather than refused: the slot size changed with the codec.
+        others = LevelCodec.sibling_sizes(layout, PAGE) - {payload}
         disk = DiskTier(config.disk_path, config.disk_bytes, payload, sync=config.sync_disk,
-                        direct_io=config.direct_io)
+                        direct_io=config.direct_io, replaceable=others)
         levels.append(DiskLevel(disk, len(levels), make_policy(config.disk_policy), config.disk_admission,
-                                namespace.id))
+                                namespace.id, disk_coding))
     return levels
+
+
+def _coding(name: str, layout: KVLayout, align: int) -> LevelCodec | None:
+    codec = get_codec(name)
+    return LevelCodec(codec, layout, align) if codec.lossy else None
 
 
 class TieredStore:
@@ -64,6 +80,7 @@ class TieredStore:
         self._writes = WritePath(cascade, write_through=config.write_policy == "write_through")
         self._reads = ReadPath(cascade, promote=config.promotion != "never")
         self._leases = HostLeases(cascade, self._reads, self._writes)
+        self._codings = [level.coding for level in cascade.levels if level.coding is not None]
         self._executor = ThreadPoolExecutor(config.transfer_threads, thread_name_prefix="kvstore-transfer")
 
     @property
@@ -97,10 +114,14 @@ class TieredStore:
 
         Raises:
             LayoutMismatchError: wrong shape, dtype or count.
+            CodecError: a tier's lossy codec could not store a block (NaN or Inf in it, or a
+                value past the codec's range); nothing is stored.
             CapacityError: host RAM has no evictable slot left (everything pinned or in flight).
         """
         keys = self._check_keys(keys)
         self.layout.check_blocks(blocks, len(keys))
+        for coding in self._codings:  # refused now, not at a later demotion
+            coding.check_encodable(blocks)
         src = _as_bytes(blocks.detach().to("cpu").contiguous(), len(keys), self._payload)
         # A put bigger than host RAM goes in chunks, tails first: the head chunk is stored last,
         # so it ends up the most recent and a prefix's tail is what gets demoted.
@@ -112,8 +133,10 @@ class TieredStore:
 
     # ----------------------------------------------------------------------------- reads
 
-    def lookup(self, keys: Sequence[bytes]) -> PrefixMatch:
-        """Pure query: the leading run of ``keys`` that some tier holds, and where.
+    def lookup(self, keys: Sequence[bytes], *, exact: bool = False) -> PrefixMatch:
+        """Pure query: the leading run of ``keys`` that some tier holds, where, and whether
+        that copy is lossy (``PrefixMatch.lossy``); with ``exact``, the run of blocks held
+        as the bytes put.
 
         Changes no recency and no placement. With ``promotion="lookup"`` it also starts an
         asynchronous copy of the matched lower-tier blocks up to host (a prefetch hint).
@@ -121,7 +144,7 @@ class TieredStore:
         keys = self._check_keys(keys)
         with self._lock:
             self._cascade.check_open()
-            match = self._index.match(keys)
+            match = self._index.match(keys, exact=exact)
             self._cascade.count_lookup(match, len(keys))
         host = self._cascade.host.name
         if self.config.promotion == "lookup" and any(t != host for t in match.tiers):
@@ -129,30 +152,37 @@ class TieredStore:
             self._executor.submit(self._reads.read_into, lower, None)
         return match
 
-    def get(self, keys: Sequence[bytes], out: torch.Tensor | None = None) -> torch.Tensor:
+    def get(self, keys: Sequence[bytes], out: torch.Tensor | None = None, *, exact: bool = False) -> torch.Tensor:
         """The blocks under ``keys`` as a CPU tensor ``[len(keys), *block_shape]``.
+
+        A block read from a tier with a lossy codec (``*_codec="int8"``...) comes back as the
+        codec's decoded values, not the bytes put; ``exact=True`` treats a block held only
+        that way as missing.
 
         Args:
             keys: one chain, in prefix order.
             out: optional contiguous CPU tensor of that shape and the layout's dtype to fill.
+            exact: only the bytes put count as a hit.
 
         Raises:
-            KeyError: naming the first key no tier holds (a corrupt block counts as missing).
+            KeyError: naming the first key no tier holds (a corrupt block counts as missing,
+                and with ``exact`` so does a lossy copy).
         """
         keys = self._check_keys(keys)
         out = self.layout.output_blocks(len(keys), out)
-        result = self._reads.read_into(keys, _as_bytes(out, len(keys), self._payload), count=True)
+        result = self._reads.read_into(keys, _as_bytes(out, len(keys), self._payload), count=True, exact=exact)
         if result.num_blocks < len(keys):
             raise KeyError(f"block {keys[result.num_blocks].hex()} (#{result.num_blocks}) is not in the store")
         return out
 
-    def fetch(self, keys: Sequence[bytes], into: torch.Tensor) -> FetchHandle:
+    def fetch(self, keys: Sequence[bytes], into: torch.Tensor, *, exact: bool = False) -> FetchHandle:
         """Copy the blocks under ``keys`` into ``into`` asynchronously.
 
         Args:
             keys: one chain, in prefix order.
             into: a contiguous tensor ``[len(keys), *block_shape]`` of the layout's dtype,
                 on any device; it must stay alive until the handle is done.
+            exact: as for ``get``: a block held only as a lossy copy ends the run.
 
         Returns:
             A handle whose result() is a FetchResult: the leading run of blocks delivered.
@@ -164,12 +194,12 @@ class TieredStore:
         self._cascade.check_open()
         if into.device.type == "cpu":
             dst = _as_bytes(into, len(keys), self._payload)
-            return FetchHandle(self._executor.submit(self._reads.read_into, keys, dst), len(keys))
+            return FetchHandle(self._executor.submit(self._reads.read_into, keys, dst, exact=exact), len(keys))
 
         def to_device() -> FetchResult:
             staging = torch.empty((len(keys), self._payload), dtype=torch.uint8,
                                   pin_memory=self._cascade.host.pinned)
-            result = self._reads.read_into(keys, staging)
+            result = self._reads.read_into(keys, staging, exact=exact)
             n = result.num_blocks
             _as_bytes(into, len(keys), self._payload)[:n].copy_(staging[:n], non_blocking=True)
             torch.cuda.current_stream(into.device).synchronize()
@@ -291,8 +321,12 @@ class TieredStore:
             names = self._index.level_names
             tiers = [names[rank] for rank, slot in enumerate(entry.slots) if slot is not None]
             slots = {names[rank]: slot for rank, slot in enumerate(entry.slots) if slot is not None}
+            codecs = {names[rank]: self._cascade.levels[rank].describe_codec()["codec"]
+                      for rank, slot in enumerate(entry.slots) if slot is not None}
             return {
                 "key": key.hex(), "tier": tiers[0] if tiers else None, "tiers": tiers, "slots": slots,
+                "codecs": codecs, "lossy": bool(tiers) and not entry.is_exact(entry.slots.index(slots[tiers[0]])),
+                "exact_tier": names[entry.exact_rank] if entry.exact_rank is not None else None,
                 "size": self._payload,
                 "tenant": entry.tenant, "created": entry.created,
                 "last_access": entry.last_access or entry.created, "pins": entry.pins,
@@ -300,11 +334,18 @@ class TieredStore:
 
     # ----------------------------------------------------------------------------- state
 
-    def stats(self) -> dict[str, dict[str, int]]:
+    def stats(self) -> dict[str, dict[str, Any]]:
         """Per tier: capacity_bytes, used_bytes, num_blocks, hits, misses, evictions,
-        bytes_read, bytes_written, errors."""
+        bytes_read, bytes_written, errors, refused (blocks in a format this reader refuses:
+        misses), and the tier's ``codec`` (name) and ``lossy`` (bool). Bytes count what the
+        tier stores (the encoded size under a codec)."""
         with self._lock:
-            return {level.name: level.stats() for level in self._cascade.levels}
+            return {level.name: {**level.stats(), "codec": level.describe_codec()["codec"], "lossy": level.lossy}
+                    for level in self._cascade.levels}
+
+    def codecs(self) -> dict[str, dict[str, Any]]:
+        """Per tier: ``{"codec", "lossy", "block_bytes", ...}``, how it represents blocks."""
+        return {level.name: level.describe_codec() for level in self._cascade.levels}
 
     def __len__(self) -> int:
         return len(self._index)

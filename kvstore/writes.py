@@ -41,7 +41,9 @@ class WritePath:
                 entry = index.new_entry(keys[i], keys[i - 1] if i > 0 else None, tenant, now)
                 fresh.append(i)
                 entries.append(entry)
-            elif entry.slots[0] is None:
+            elif entry.slots[0] is None or not (entry.is_exact(0) or cascade.host.lossy):
+                if entry.slots[0] is not None:  # a copy decoded from a lossy level: replaced
+                    cascade.discard_copy(0, entry)
                 fresh.append(i)
                 entries.append(entry)
             else:
@@ -94,7 +96,7 @@ class WritePath:
         touch ``refreshed``, the keys of the same chain host already held."""
         cascade = self.cascade
         host = cascade.host
-        host.counters.bytes_written += len(placed) * host.tier.payload_bytes
+        host.counters.bytes_written += len(placed) * host.payload_bytes
         cascade.publish(0, placed, slots)
         # Touched after the insert: a found head must stay more recent than the new tail
         # behind it, or LRU would cut the prefix at its head.
@@ -102,7 +104,8 @@ class WritePath:
             host.policy.access(refreshed)
         if self.write_through:
             on_host = [e for e in placed if e.slots[1] is None]
-            cascade.store(1, on_host, host.views([e.slots[0] for e in on_host]))  # type: ignore[misc]
+            payloads = host.export([e.key for e in on_host], [e.slots[0] for e in on_host])  # type: ignore[misc]
+            cascade.store(1, on_host, payloads, source_rank=0)  # type: ignore[arg-type]
 
     def commit(self, keys: list[bytes], slots: Sequence[int], tenant: str) -> None:
         """Publish ``keys[i]`` as the bytes just written into reserved host ``slots[i]``.

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 import struct
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import TypeVar
 
 import lmdb
@@ -84,10 +84,15 @@ class Catalog:
             ) from e
         self.map_bytes = new_bytes
 
-    def check_geometry(self, payload_bytes: int, slot_bytes: int, num_slots: int) -> None:
-        """Record the geometry on first use; refuse a directory made for another payload size."""
+    def check_geometry(
+        self, payload_bytes: int, slot_bytes: int, num_slots: int, replaceable: Collection[int] = ()
+    ) -> int:
+        """Record the geometry on first use; refuse a directory made for another payload size,
+        unless that size is in ``replaceable``: then every entry is dropped in the same
+        transaction that records the new geometry. Returns the number of entries dropped."""
 
-        def body(txn: lmdb.Transaction[bytes]) -> None:
+        def body(txn: lmdb.Transaction[bytes]) -> int:
+            dropped = 0
             stored = txn.get(b"geometry", db=self.meta)
             if stored is not None:
                 magic, version, old_payload, old_slot, _ = GEOMETRY.unpack(stored)
@@ -95,7 +100,10 @@ class Catalog:
                     raise TierError(
                         f"catalog at {self.path} has format {magic!r} v{version}; expected {MAGIC!r} v{FORMAT_VERSION}"
                     )
-                if (old_payload, old_slot) != (payload_bytes, slot_bytes):
+                if old_payload != payload_bytes and old_payload in replaceable:
+                    dropped = txn.stat(self.blocks)["entries"]
+                    txn.drop(self.blocks, delete=False)
+                elif (old_payload, old_slot) != (payload_bytes, slot_bytes):
                     raise TierError(
                         f"disk tier at {os.path.dirname(self.path)} holds payload_bytes={old_payload} "
                         f"(slot_bytes={old_slot}) but was opened with payload_bytes={payload_bytes} "
@@ -106,9 +114,10 @@ class Catalog:
                 GEOMETRY.pack(MAGIC, FORMAT_VERSION, payload_bytes, slot_bytes, num_slots),
                 db=self.meta,
             )
+            return dropped
 
         try:
-            self.write(body)
+            return self.write(body)
         except TierError:
             raise
         except struct.error as e:

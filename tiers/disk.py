@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -52,6 +52,9 @@ class DiskTier:
             says whether it is in use); otherwise buffered I/O plus POSIX_FADV_DONTNEED.
         map_bytes: initial LMDB map size (default: 1 MiB + 512 bytes per slot).
         max_map_bytes: the map never grows past this; the next full map is TierFullError.
+        replaceable: payload sizes a directory may hold instead of ``payload_bytes`` and be
+            reformatted for it (every entry dropped, counted in ``num_dropped_on_open``)
+            rather than refused; the store passes its layout's sizes under other codecs.
 
     Raises:
         TierError: the path is unusable (missing parent, not a directory, not writable, open
@@ -70,6 +73,7 @@ class DiskTier:
         direct_io: bool = True,
         map_bytes: int | None = None,
         max_map_bytes: int = 1 << 40,
+        replaceable: Collection[int] = (),
     ) -> None:
         self._closed = True  # until everything below is open
         files = TierFiles.open(
@@ -80,9 +84,11 @@ class DiskTier:
             direct_io=direct_io,
             map_bytes=map_bytes,
             max_map_bytes=max_map_bytes,
+            replaceable=replaceable,
         )
         try:
-            slots, self.num_dropped_on_open = load_slot_table(files)
+            slots, num_dropped = load_slot_table(files)
+            self.num_dropped_on_open = num_dropped + files.num_replaced
         except BaseException:
             files.close()
             raise

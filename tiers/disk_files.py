@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from tiers.catalog import Catalog, initial_map_bytes
@@ -60,6 +61,7 @@ class TierFiles:
     lock_fd: int
     catalog: Catalog
     slab: Slab
+    num_replaced: int = 0  # entries dropped because the directory held another payload size
 
     @classmethod
     def open(
@@ -72,6 +74,7 @@ class TierFiles:
         direct_io: bool,
         map_bytes: int | None,
         max_map_bytes: int,
+        replaceable: Collection[int] = (),
     ) -> TierFiles:
         """Validate the geometry and open everything, or raise with nothing left open."""
         if isinstance(payload_bytes, bool) or not isinstance(payload_bytes, int) or payload_bytes <= 0:
@@ -93,7 +96,7 @@ class TierFiles:
                 max_map_bytes=max_map_bytes,
                 sync=sync,
             )
-            catalog.check_geometry(payload_bytes, slot_bytes, num_slots)
+            num_replaced = catalog.check_geometry(payload_bytes, slot_bytes, num_slots, replaceable)
             slab = Slab(
                 os.path.join(path, "slab-000.bin"), num_slots, slot_bytes, payload_bytes, direct_io=direct_io
             )
@@ -102,7 +105,7 @@ class TierFiles:
                 catalog.close()
             os.close(lock_fd)
             raise
-        return cls(path, lock_fd, catalog, slab)
+        return cls(path, lock_fd, catalog, slab, num_replaced)
 
     def close(self) -> None:
         """Close slab, catalog and lock (only in the process that opened them)."""

@@ -22,6 +22,7 @@ from kvstore.codecs.int8 import Int8Codec, Int8Fp32Codec
 from kvstore.codecs.raw import RawCodec
 from kvstore.codecs.scaled import ScaledCodec
 from kvstore.errors import CodecFormatError, ConfigError
+from kvstore.layout import KVLayout
 
 _FACTORIES: dict[str, Callable[[], Codec]] = {
     RawCodec.name: RawCodec,
@@ -45,6 +46,14 @@ def get_codec(name: str) -> Codec:
     return codec
 
 
+def stored_bytes(codec: Codec, layout: KVLayout, align: int) -> int:
+    """Bytes a medium stores per block of ``layout`` under ``codec``: the encoded size rounded
+    up to ``align``; raw blocks are stored as they are (not padded)."""
+    if not codec.lossy:
+        return layout.bytes_per_block
+    return -(-codec.encoded_bytes(layout) // align) * align
+
+
 def codec_for_header(header: BlockHeader) -> ScaledCodec:
     """The codec whose blocks carry ``header``'s codec id, version and scale dtype.
 
@@ -63,4 +72,4 @@ def codec_for_header(header: BlockHeader) -> ScaledCodec:
 
 
 __all__ = ["CODECS", "Codec", "Fp8Codec", "Int8Codec", "Int8Fp32Codec", "RawCodec", "ScaledCodec",
-           "codec_for_header", "get_codec"]
+           "codec_for_header", "get_codec", "stored_bytes"]

@@ -77,6 +77,11 @@ class Codec(ABC):
         A bool ``[n]`` tensor; lets a reader turn refused blocks into misses before decoding.
         """
 
+    def check_encodable(self, blocks: torch.Tensor) -> None:
+        """Raise CodecError, naming the block, if ``encode`` would refuse any of ``blocks``
+        (one pass over them; a store runs it at put, long before a demotion encodes)."""
+        return None  # a lossless codec takes anything
+
     def describe(self) -> dict[str, Any]:
         """What ``stats()``, REST and ``block_info`` say about the codec."""
         return {"codec": self.name, "lossy": self.lossy}

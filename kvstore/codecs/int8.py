@@ -28,6 +28,7 @@ class Int8Codec(ScaledCodec):
     scale_layout = SCALE_PER_TOKEN_HEAD
     element_dtype = torch.int8
     default_scale_dtype = torch.float16
+    max_amax = 65504.0 * QMAX  # a larger amax needs a scale past float16's largest value
 
     def __init__(self) -> None:
         super().__init__(self.default_scale_dtype)
@@ -35,8 +36,11 @@ class Int8Codec(ScaledCodec):
     def scale_shape(self, block_shape: tuple[int, ...]) -> tuple[int, ...]:
         return tuple(block_shape[:-1])  # [layers, 2, block_size, kv_heads]
 
-    def _quantize(self, x: torch.Tensor) -> torch.Tensor:
-        scales = _round_up(x.abs().amax(dim=-1) / QMAX, self.scale_dtype, self.name)
+    def _amax(self, x: torch.Tensor) -> torch.Tensor:
+        return x.abs().amax(dim=-1)
+
+    def _quantize(self, x: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+        scales = _round_up(amax / QMAX, self.scale_dtype, self.name)
         divisor = scales.float()
         divisor = torch.where(divisor > 0, divisor, 1.0)  # a zero row stays zeros
         x.div_(divisor.unsqueeze(-1)).round_().clamp_(-QMAX, QMAX)
@@ -53,6 +57,7 @@ class Int8Fp32Codec(Int8Codec):
 
     name = "int8-fp32"
     default_scale_dtype = torch.float32
+    max_amax = float("inf")
 
 
 def _round_up(scales: torch.Tensor, dtype: torch.dtype, codec: str) -> torch.Tensor:

@@ -33,11 +33,11 @@ class RawCodec(Codec):
     def decode(self, src: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         layout = check_blocks(out, tuple(DTYPE_NAMES))
         n = check_src(src, layout.bytes_per_block)
-        if n != out.shape[0] or not out.is_contiguous():
-            raise LayoutMismatchError(f"decode of {n} rows needs a contiguous out of {n} blocks, got "
+        if n != out.shape[0] or (n > 0 and not out[0].is_contiguous()):
+            raise LayoutMismatchError(f"decode of {n} rows needs an out of {n} contiguous blocks, got "
                                       f"{tuple(out.shape)} strides {out.stride()}")
         if n:
-            out.view(torch.uint8).view(n, -1).copy_(src)
+            out.flatten(1).view(torch.uint8).copy_(src)
         return out
 
     def readable(self, src: torch.Tensor, layout: KVLayout) -> torch.Tensor:

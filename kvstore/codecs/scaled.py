@@ -33,6 +33,7 @@ class ScaledCodec(Codec):
     """An 8-bit element per value times a float scale shared by a group of values."""
 
     lossy = True
+    max_amax: ClassVar[float] = float("inf")  # the largest |x| whose scale the scale dtype holds
     codec_id: ClassVar[int]
     version: ClassVar[int] = 1
     scale_layout: ClassVar[int]
@@ -46,9 +47,13 @@ class ScaledCodec(Codec):
         """The shape of one block's scales."""
 
     @abstractmethod
-    def _quantize(self, x: torch.Tensor) -> torch.Tensor:
-        """Turn float32 blocks ``x`` in place into the values their elements store (finite,
-        in range); return the scales in ``scale_dtype``. ``x`` is finite."""
+    def _amax(self, x: torch.Tensor) -> torch.Tensor:
+        """max |x| over each scale group of float32 blocks ``x`` (NaN where one is NaN)."""
+
+    @abstractmethod
+    def _quantize(self, x: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+        """Turn float32 blocks ``x`` (finite) in place into the values their elements store;
+        return the scales, in ``scale_dtype``, derived from ``amax``."""
 
     @abstractmethod
     def _dequantize(self, scales: torch.Tensor, elements: torch.Tensor, out: torch.Tensor) -> None:
@@ -103,10 +108,25 @@ class ScaledCodec(Codec):
         chunk = self._chunk(layout)
         for start in range(0, n, chunk):
             x = blocks[start : start + chunk].detach().to("cpu", torch.float32, copy=True)
-            _check_finite(x, start, self.name)
-            scales[start : start + chunk].copy_(self._quantize(x))
+            amax = self._amax(x)
+            if not bool(torch.isfinite(amax).all()):  # amax carries any NaN or Inf of its group
+                _check_finite(x, start, self.name)
+            scales[start : start + chunk].copy_(self._quantize(x, amax))
             elements[start : start + chunk].copy_(x)
         return out
+
+    def check_encodable(self, blocks: torch.Tensor) -> None:
+        n = blocks.shape[0]
+        if n == 0:
+            return
+        amax = blocks.detach().abs().reshape(n, -1).amax(dim=1).float()
+        bad = ~(amax <= self.max_amax)  # NaN compares false: caught here too
+        if not bool(bad.any()):
+            return
+        i = int(bad.nonzero()[0])
+        _check_finite(blocks[i : i + 1].float(), i, self.name)
+        raise CodecError(f"block {i} has values up to {float(amax[i]):.4g}; {self.name} holds at most "
+                         f"{self.max_amax:.4g} (its {self.scale_dtype} scales overflow)")
 
     # ---------------------------------------------------------------------------- decode
 
@@ -118,8 +138,8 @@ class ScaledCodec(Codec):
     def decode(self, src: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         layout = check_blocks(out, FLOAT_DTYPES)
         n = src.shape[0] if isinstance(src, torch.Tensor) else -1
-        if n != out.shape[0] or not out.is_contiguous():
-            raise LayoutMismatchError(f"decode of {n} rows needs a contiguous out of {n} blocks, got "
+        if n != out.shape[0] or (n > 0 and not out[0].is_contiguous()):
+            raise LayoutMismatchError(f"decode of {n} rows needs an out of {n} contiguous blocks, got "
                                       f"{tuple(out.shape)} strides {out.stride()}")
         ok = self.readable(src, layout)
         if n and not bool(ok.all()):

@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from kvstore import env
+from kvstore.codecs import CODECS
 from kvstore.errors import ConfigError
 
 
@@ -26,6 +27,7 @@ def run_serve(args: argparse.Namespace) -> int:
         "max_namespaces": args.max_namespaces, "write_policy": args.write_policy,
         "lease_s": args.lease_s, "shm": False if args.no_shm else None,
         "kv_events": args.kv_events, "kv_events_replay": args.kv_events_replay,
+        "disk_codec": args.disk_codec, "remote_codec": args.remote_codec,
     }
     try:
         config = load_config(args.config, overrides)
@@ -60,4 +62,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="publish the tiers as KV events (vLLM's ZeroMQ format), e.g. tcp://127.0.0.1:5557")
     p.add_argument("--kv-events-replay", default=None, metavar="ENDPOINT",
                    help="the KV events replay/snapshot socket (default: the next port)")
+    p.add_argument("--disk-codec", default=None, choices=list(CODECS),
+                   help="how the disk tier stores blocks: none (default, the bytes put) or a lossy "
+                   "codec (int8: about half the bytes, so twice the blocks fit)")
+    p.add_argument("--remote-codec", default=None, choices=list(CODECS),
+                   help="the same for the remote tier, once the daemon has one")
     p.set_defaults(func=run_serve)

@@ -11,6 +11,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from kvstore.codecs import CODECS
 from kvstore.config import WRITE_POLICIES
 from kvstore.errors import ConfigError
 
@@ -89,6 +90,9 @@ class DaemonConfig:
         kv_events: publish every namespace's tiers as KV events on this ZeroMQ endpoint
             (docs/kv-events.md); None: no events.
         kv_events_replay: the replay/snapshot socket; None: the next port, "": none.
+        disk_codec: how the disk tier stores blocks ("none", "int8", "int8-fp32", "fp8";
+            kvstore.codecs). Host RAM stays raw: same-host clients map its slots.
+        remote_codec: the same for the remote tier, applied once the daemon has one.
     """
 
     data_dir: Path = Path(".kvstore")
@@ -109,6 +113,8 @@ class DaemonConfig:
     drain_s: float = 4.0
     kv_events: str | None = None
     kv_events_replay: str | None = None
+    disk_codec: str = "none"
+    remote_codec: str = "none"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "data_dir", Path(self.data_dir))
@@ -125,6 +131,9 @@ class DaemonConfig:
             raise ConfigError(f"max_frame must be at least 4096 bytes, got {self.max_frame}")
         if self.write_policy not in WRITE_POLICIES:
             raise ConfigError(f"write_policy must be one of {list(WRITE_POLICIES)}, got {self.write_policy!r}")
+        for name in ("disk_codec", "remote_codec"):
+            if getattr(self, name) not in CODECS:
+                raise ConfigError(f"{name} must be one of {list(CODECS)}, got {getattr(self, name)!r}")
         if not self.lease_s > 0 or not self.drain_s >= 0:
             raise ConfigError(f"lease_s must be > 0 and drain_s >= 0, got {self.lease_s}, {self.drain_s}")
         if self.host_bytes < 4096 * self.max_namespaces:

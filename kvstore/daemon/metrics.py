@@ -18,7 +18,8 @@ GAUGES = {"capacity_bytes": "Capacity of the tier in bytes", "used_bytes": "Byte
 COUNTERS = {"hits": "Blocks found in the tier by lookups and reads",
             "misses": "Blocks asked of the tier and not found", "evictions": "Blocks evicted from the tier",
             "bytes_read": "Bytes read from the tier", "bytes_written": "Bytes written to the tier",
-            "errors": "I/O and checksum errors of the tier"}
+            "errors": "I/O and checksum errors of the tier",
+            "refused": "Blocks in an encoding this reader refuses (another codec version): misses"}
 
 
 class StoreCollector(Collector):

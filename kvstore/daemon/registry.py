@@ -22,13 +22,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvstore.codecs import get_codec, stored_bytes
 from kvstore.config import PAGE, StoreConfig
 from kvstore.daemon.config import DaemonConfig
 from kvstore.daemon.protocol import Code, ProtocolError
 from kvstore.errors import ConfigError
 from kvstore.keys import HASHES, Namespace
 from kvstore.layout import DTYPES_BY_NAME, KVLayout
-from kvstore.stats import TierCounters, tier_stats
+from kvstore.stats import TierCounters, is_count, tier_stats
 from kvstore.store import TieredStore
 
 if sys.version_info >= (3, 11):
@@ -164,7 +165,8 @@ class NamespaceState:
         return {"id": self.id, "model_id": self.model_id, "layout": layout_to_dict(self.layout),
                 "hash_algo": self.hash_algo, "block_bytes": self.layout.bytes_per_block,
                 "num_blocks": len(self.store),
-                "capacity_bytes": {t: s["capacity_bytes"] for t, s in tiers.items()}}
+                "capacity_bytes": {t: s["capacity_bytes"] for t, s in tiers.items()},
+                "codecs": self.store.codecs()}
 
 
 class Registry:
@@ -227,8 +229,10 @@ class Registry:
             raise ProtocolError(Code.CAPACITY, f"host share of {host} bytes per namespace is below one "
                                 f"{slot}-byte block of {ns.layout.fingerprint()}")
         kwargs: dict[str, Any] = {"layout": ns.layout, "model_id": ns.model_id, "host_bytes": host,
-                                  "hash_algo": ns.hash_algo, "shared_host": cfg.shm, "pin_host_memory": False}
-        if disk >= slot:
+                                  "hash_algo": ns.hash_algo, "shared_host": cfg.shm, "pin_host_memory": False,
+                                  "disk_codec": cfg.disk_codec, "remote_codec": cfg.remote_codec}
+        disk_codec = get_codec(cfg.disk_codec)
+        if disk >= -(-stored_bytes(disk_codec, ns.layout, PAGE) // PAGE) * PAGE:
             where = cfg.data_dir / "namespaces" / ns.id
             where.mkdir(parents=True, exist_ok=True)
             manifest = {"model_id": ns.model_id, "layout": layout_to_dict(ns.layout), "hash_algo": ns.hash_algo}
@@ -248,25 +252,30 @@ class Registry:
         """Namespaces whose model id (or namespace id) is ``model``."""
         return [s for s in self.namespaces() if model in (s.model_id, s.id)]
 
-    def tiers(self) -> dict[str, dict[str, int]]:
-        """Per tier name, every counter summed over the namespaces.
+    def tiers(self) -> dict[str, dict[str, Any]]:
+        """Per tier name, every counter summed over the namespaces, and the tier's codec.
 
         A daemon's configured tiers are there from its start, before any namespace opens: their
         ``capacity_bytes`` is the configured total (``--host-mem``, ``--disk``; every namespace
         slot's share), their use and counters start at zero.
         """
-        out: dict[str, dict[str, int]] = {}
+        out: dict[str, dict[str, Any]] = {}
         cfg = self.config
         if cfg is not None:
             out["host"] = tier_stats(TierCounters(), cfg.host_bytes, 0, 0)
             if cfg.disk_bytes_per_namespace >= PAGE:
                 out["disk"] = tier_stats(TierCounters(), cfg.disk_bytes, 0, 0)
+            for tier, codec_name in (("host", "none"), ("disk", cfg.disk_codec)):
+                if tier in out:
+                    out[tier].update(codec=codec_name, lossy=get_codec(codec_name).lossy)
         configured = set(out)
         for state in self.namespaces():
             for tier, row in state.store.stats().items():
-                acc = out.setdefault(tier, dict.fromkeys(row, 0))
+                acc = out.setdefault(tier, {k: 0 for k, v in row.items() if is_count(v)})
                 for name, value in row.items():
-                    if name != "capacity_bytes" or tier not in configured:
+                    if not is_count(value):
+                        acc[name] = value  # codec and lossy: the same in every namespace
+                    elif name != "capacity_bytes" or tier not in configured:
                         acc[name] = acc.get(name, 0) + value
         return out
 

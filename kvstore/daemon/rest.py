@@ -19,6 +19,7 @@ from pydantic import BaseModel, Field
 from kvstore.daemon.metrics import render
 from kvstore.daemon.registry import AuthError, NamespaceState, Principal, Registry, Tokens
 from kvstore.errors import CapacityError
+from kvstore.stats import is_count
 from kvstore.store import TieredStore
 
 TokenId = Annotated[int, Field(ge=0, lt=1 << 32)]
@@ -131,7 +132,8 @@ def create_app(target: Registry | TieredStore, admin_token: str | None = None, d
         totals: dict[str, int] = {}
         for row in per_tier.values():
             for name, value in row.items():
-                totals[name] = totals.get(name, 0) + value
+                if is_count(value):
+                    totals[name] = totals.get(name, 0) + value
         ratio = {t: (r["hits"] / (r["hits"] + r["misses"]) if r["hits"] + r["misses"] else None)
                  for t, r in per_tier.items()}
         tenants = registry.tenant_counters()

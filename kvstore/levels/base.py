@@ -1,7 +1,9 @@
 """Level: one tier of the store's cascade, as the cascade sees it.
 
 A level is a slot store (a dumb tier from ``tiers/``) plus what the cascade needs to run it:
-its eviction policy, its counters and its admission rule. Every level answers the same small
+its eviction policy, its counters, its admission rule and its codec (``coding``: how it
+represents the raw blocks the cascade hands it; None stores them as they are). Every level
+answers the same small
 interface, so the cascade walks a list and never asks which medium it is talking to; a new
 medium is a new ``Level`` subclass and one more entry in the list.
 
@@ -20,6 +22,7 @@ import torch
 
 from kvstore.eviction import EvictionPolicy
 from kvstore.index import BlockEntry
+from kvstore.levels.coding import LevelCodec
 from kvstore.stats import TierCounters, tier_stats
 
 
@@ -45,14 +48,40 @@ class Level(ABC):
         policy: which of the level's blocks goes first when it must make room.
         counters: hits, misses, evictions, bytes moved, errors.
         admission: "all" blocks, or only blocks "seen_twice" (put, then used again).
+        coding: the level's lossy codec, or None for raw blocks. Payloads crossing the
+            interface are always raw (``raw_bytes`` per block); a coded level encodes on
+            ``write`` and decodes on ``read``.
     """
 
-    def __init__(self, name: str, rank: int, policy: EvictionPolicy, admission: str = "all") -> None:
+    def __init__(self, name: str, rank: int, policy: EvictionPolicy, admission: str = "all",
+                 coding: LevelCodec | None = None) -> None:
         self.name = name
         self.rank = rank
         self.policy = policy
         self.counters = TierCounters()
         self.admission = admission
+        self.coding = coding
+
+    @property
+    def lossy(self) -> bool:
+        """Whether the level's copies differ from the bytes put."""
+        return self.coding is not None
+
+    @property
+    @abstractmethod
+    def payload_bytes(self) -> int:
+        """Bytes the medium stores per block (the encoded size under a codec)."""
+
+    @property
+    def raw_bytes(self) -> int:
+        """Bytes of one raw block, as payloads cross the level's interface."""
+        return self.coding.raw_bytes if self.coding is not None else self.payload_bytes
+
+    def describe_codec(self) -> dict[str, Any]:
+        """``{"codec", "lossy", "block_bytes", ...}``: how the level represents blocks."""
+        if self.coding is None:
+            return {"codec": "none", "lossy": False, "block_bytes": self.payload_bytes}
+        return self.coding.describe()
 
     def admits(self, entry: BlockEntry) -> bool:
         """Whether a block demoted from the level above may enter this one."""
@@ -95,28 +124,30 @@ class Level(ABC):
     @abstractmethod
     def write(self, entries: Sequence[BlockEntry], slots: Sequence[int],
               payloads: torch.Tensor | Sequence[torch.Tensor]) -> bool:
-        """Store ``payloads[i]`` (uint8 rows, at least the payload size each) in ``slots[i]`` for
-        ``entries[i]``, durably for a persistent level.
+        """Store ``payloads[i]`` (raw uint8 rows, at least ``raw_bytes`` each) in ``slots[i]`` for
+        ``entries[i]``, durably for a persistent level (encoded first under a codec).
 
         Returns:
-            True when every block is stored; False when the medium failed: nothing is
-            stored, the slots are free again, and the error is counted.
+            True when every block is stored; False when the medium failed or the codec
+            refused a block: nothing is stored, the slots are free again, the error is counted.
         """
 
     @abstractmethod
     def read(self, keys: Sequence[bytes], slots: Sequence[int], outs: Sequence[torch.Tensor]) -> list[bool]:
-        """Copy each slot's payload into ``outs[i]`` and verify it.
+        """Copy each slot's block into ``outs[i]`` (raw rows of at least ``raw_bytes``; decoded
+        under a codec) and verify it.
 
         Returns:
-            Per block, True when ``outs[i]`` holds the bytes written under ``keys[i]``. A
-            False block is gone from the level (a corrupt slot is dropped, counted); the
-            caller forgets that copy. Never raises for a medium failure.
+            Per block, True when ``outs[i]`` holds the block written under ``keys[i]``. A
+            False block is gone from the level (a corrupt slot, or an encoding this reader
+            refuses, is dropped and counted); the caller forgets that copy. Never raises for
+            a medium failure.
         """
 
     def export(self, keys: Sequence[bytes], slots: Sequence[int]) -> list[torch.Tensor | None]:
         """The payloads of ``slots`` for a demotion to the level below: zero-copy views where
         the medium is memory, else verified copies (None for a block that failed its read)."""
-        outs = [torch.empty(self.slot_bytes, dtype=torch.uint8) for _ in slots]
+        outs = [torch.empty(self.raw_bytes, dtype=torch.uint8) for _ in slots]
         flags = self.read(keys, slots, outs)
         return [out if good else None for out, good in zip(outs, flags, strict=True)]
 

@@ -1,4 +1,9 @@
-"""HostLevel: host RAM (rank 0) over tiers.host.HostTier. Puts land here; promotions come here."""
+"""HostLevel: host RAM (rank 0) over tiers.host.HostTier. Puts land here; promotions come here.
+
+With a codec (``host_codec``) the slots hold encoded blocks: twice as many fit, every write
+encodes and every read decodes, and there are no zero-copy raw views (so no leases, no
+shared pool).
+"""
 
 from __future__ import annotations
 
@@ -6,9 +11,11 @@ from collections.abc import Sequence
 
 import torch
 
+from kvstore.errors import CodecError
 from kvstore.eviction import EvictionPolicy
 from kvstore.index import HOST, BlockEntry
 from kvstore.levels.base import Level
+from kvstore.levels.coding import LevelCodec
 from tiers.host import HostTier
 
 
@@ -17,9 +24,13 @@ class HostLevel(Level):
     zero-copy slot views and run copies into a caller's rows (the read path's fast case), and
     the shared pool that the daemon's same-host clients map."""
 
-    def __init__(self, tier: HostTier, policy: EvictionPolicy) -> None:
-        super().__init__(HOST, 0, policy)
+    def __init__(self, tier: HostTier, policy: EvictionPolicy, coding: LevelCodec | None = None) -> None:
+        super().__init__(HOST, 0, policy, coding=coding)
         self.tier = tier
+
+    @property
+    def payload_bytes(self) -> int:
+        return self.tier.payload_bytes
 
     @property
     def num_slots(self) -> int:
@@ -59,6 +70,13 @@ class HostLevel(Level):
 
     def write(self, entries: Sequence[BlockEntry], slots: Sequence[int],
               payloads: torch.Tensor | Sequence[torch.Tensor]) -> bool:
+        if self.coding is not None:
+            try:
+                self.coding.encode(payloads, self.views(slots))
+            except CodecError:
+                self.counters.errors += 1
+                return False
+            return True
         if isinstance(payloads, torch.Tensor):  # [n, payload] rows: one copy per run of slots
             self.tier.write(slots, payloads)
         else:
@@ -68,21 +86,45 @@ class HostLevel(Level):
         return True
 
     def read(self, keys: Sequence[bytes], slots: Sequence[int], outs: Sequence[torch.Tensor]) -> list[bool]:
+        if self.coding is not None:
+            return self.coding.decode(self.views(slots), outs)
         size = self.tier.payload_bytes
         for slot, out in zip(slots, outs, strict=True):
             out[:size].copy_(self.tier.slot_view(slot)[:size])
         return [True] * len(slots)
 
     def read_rows(self, slots: Sequence[int], dst: torch.Tensor) -> None:
-        """Copy the slots' payloads into consecutive rows ``dst`` ([n, payload] uint8)."""
-        self.tier.read(slots, dst)
+        """Copy the slots' blocks into consecutive raw rows ``dst`` ([n, raw_bytes] uint8)."""
+        if self.coding is not None:
+            self.coding.decode(self.views(slots), list(dst))
+        else:
+            self.tier.read(slots, dst)
 
     def views(self, slots: Sequence[int]) -> list[torch.Tensor]:
-        """Zero-copy views of whole slots (page-aligned, ``slot_bytes`` long)."""
+        """Zero-copy views of whole slots (page-aligned, ``slot_bytes`` long; encoded blocks
+        under a codec)."""
         return [self.tier.slot_view(slot) for slot in slots]
 
     def export(self, keys: Sequence[bytes], slots: Sequence[int]) -> list[torch.Tensor | None]:
+        if self.coding is not None:
+            return super().export(keys, slots)
         return list(self.views(slots))
+
+    def promotion_targets(self, slots: Sequence[int]) -> list[torch.Tensor]:
+        """Where a lower level's raw blocks promoted into ``slots`` are read: the slots
+        themselves, or (under a codec) raw buffers that ``finish_promotion`` encodes."""
+        if self.coding is None:
+            return self.views(slots)
+        return list(torch.empty((len(slots), self.raw_bytes), dtype=torch.uint8))  # one buffer: one run
+
+    def finish_promotion(self, slots: Sequence[int], targets: Sequence[torch.Tensor], good: Sequence[bool]) -> list[bool]:
+        """Complete the promotion of the blocks read into ``targets``: per block, whether its
+        slot now holds it."""
+        keep = [i for i, ok in enumerate(good) if ok]
+        if self.coding is not None and keep and \
+                not self.write([], [slots[i] for i in keep], [targets[i] for i in keep]):
+            return [False] * len(good)
+        return list(good)
 
     def drop(self, keys: Sequence[bytes], slots: Sequence[int]) -> None:
         self.tier.release(slots)

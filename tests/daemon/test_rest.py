@@ -102,9 +102,9 @@ def test_configured_tiers_show_before_any_client(tmp_path: Path) -> None:
         assert set(tiers) == {"host", "disk"}
         assert tiers["host"]["capacity_bytes"] == 1 << 20 and tiers["disk"]["capacity_bytes"] == 2 << 20
         for row in tiers.values():
-            assert {k: v for k, v in row.items() if k != "capacity_bytes"} == dict.fromkeys(
+            assert {k: v for k, v in row.items() if k != "capacity_bytes"} == {**dict.fromkeys(
                 ["used_bytes", "num_blocks", "hits", "misses", "evictions", "bytes_read", "bytes_written",
-                 "errors"], 0)
+                 "errors", "refused"], 0), "codec": "none", "lossy": False}
         with d.connect() as client:  # a namespace opens: the totals stay the configured ones
             keys = client.block_keys(prompt(5, 3))
             client.put(keys, blocks(keys))
