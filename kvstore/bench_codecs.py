@@ -10,6 +10,7 @@ candidate). Results go to stdout and the codecs section of docs/benchmarks.md.
 from __future__ import annotations
 
 import argparse
+import functools
 import tempfile
 import time
 import zlib
@@ -45,9 +46,8 @@ def bench_throughput(blocks: torch.Tensor, rounds: int) -> dict[str, dict[str, f
     for name in LOSSY:
         codec = get_codec(name)
         enc = codec.encode(blocks)
-        out = torch.empty_like(blocks)
-        fns.append(lambda codec=codec, enc=enc: codec.encode(blocks, out=enc))
-        fns.append(lambda codec=codec, enc=enc, out=out: codec.decode(enc, out))
+        fns.append(functools.partial(codec.encode, blocks, out=enc))
+        fns.append(functools.partial(codec.decode, enc, torch.empty_like(blocks)))
     times = interleaved(fns, rounds)
     result = {"copy": {"seconds": times[0]}}
     for i, name in enumerate(LOSSY):
