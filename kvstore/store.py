@@ -27,6 +27,7 @@ from kvstore.layout import KVLayout
 from kvstore.leases import HostLeases
 from kvstore.levels import DiskLevel, HostLevel, Level
 from kvstore.levels.coding import LevelCodec
+from kvstore.levels.disk import CODED_SUFFIX
 from kvstore.listeners import StoreListener
 from kvstore.reads import ReadPath
 from kvstore.transfer import FetchHandle, FetchResult
@@ -46,11 +47,12 @@ def build_levels(config: StoreConfig, namespace: Namespace) -> list[Level]:
     if config.disk_path is not None:
         disk_coding = _coding(config.disk_codec, layout, PAGE)
         payload = disk_coding.stored_bytes if disk_coding else layout.bytes_per_block
-        # A directory holding this layout under another codec is reformatted (its blocks
-        # become misses) rather than refused: the slot size changed with the codec.
+        # A directory holding this namespace's blocks under another codec is reformatted (its
+        # blocks become misses) rather than refused: the slot size changed with the codec.
         others = LevelCodec.sibling_sizes(layout, PAGE) - {payload}
         disk = DiskTier(config.disk_path, config.disk_bytes, payload, sync=config.sync_disk,
-                        direct_io=config.direct_io, replaceable=others)
+                        direct_io=config.direct_io, replaceable=others,
+                        owners=(namespace.id, f"{namespace.id}{CODED_SUFFIX}"))
         levels.append(DiskLevel(disk, len(levels), make_policy(config.disk_policy), config.disk_admission,
                                 namespace.id, disk_coding))
     return levels

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 
 from kvstore.cascade import Cascade
-from kvstore.errors import CapacityError
+from kvstore.errors import CapacityError, KVStoreError
 from kvstore.index import BlockEntry
 
 
@@ -70,10 +70,17 @@ class WritePath:
         n_host = min(len(fresh), host.num_free)
         slots = host.allocate(n_host)
         rows = fresh[:n_host]
+        written = True
         if rows and rows[-1] - rows[0] == n_host - 1:  # consecutive rows: no gather copy
-            host.write(entries[:n_host], slots, src[rows[0] : rows[-1] + 1])
+            written = host.write(entries[:n_host], slots, src[rows[0] : rows[-1] + 1])
         elif rows:
-            host.write(entries[:n_host], slots, src.index_select(0, torch.tensor(rows, dtype=torch.long)))
+            written = host.write(entries[:n_host], slots, src.index_select(0, torch.tensor(rows, dtype=torch.long)))
+        if not written:  # only a host codec refuses, and put checked the blocks first
+            host.release(slots)
+            for entry in entries:
+                if not entry.is_held:
+                    cascade.index.discard(entry.key)
+            raise KVStoreError(f"host RAM's codec could not store {n_host} blocks")
         self.publish_on_host(entries[:n_host], slots, refreshed)
         overflow = entries[n_host:]
         if not overflow:

@@ -85,11 +85,13 @@ class Catalog:
         self.map_bytes = new_bytes
 
     def check_geometry(
-        self, payload_bytes: int, slot_bytes: int, num_slots: int, replaceable: Collection[int] = ()
+        self, payload_bytes: int, slot_bytes: int, num_slots: int, replaceable: Collection[int] = (),
+        owners: Collection[str] = (),
     ) -> int:
         """Record the geometry on first use; refuse a directory made for another payload size,
-        unless that size is in ``replaceable``: then every entry is dropped in the same
-        transaction that records the new geometry. Returns the number of entries dropped."""
+        unless that size is in ``replaceable`` and every entry's layout id is in ``owners``:
+        then every entry is dropped in the same transaction that records the new geometry.
+        Returns the number of entries dropped."""
 
         def body(txn: lmdb.Transaction[bytes]) -> int:
             dropped = 0
@@ -101,6 +103,13 @@ class Catalog:
                         f"catalog at {self.path} has format {magic!r} v{version}; expected {MAGIC!r} v{FORMAT_VERSION}"
                     )
                 if old_payload != payload_bytes and old_payload in replaceable:
+                    foreign = self._foreign_layout(txn, owners)
+                    if foreign is not None:
+                        raise TierError(
+                            f"disk tier at {os.path.dirname(self.path)} holds payload_bytes={old_payload} "
+                            f"blocks of layout {foreign!r}, not this store's; use another path or delete "
+                            "the directory"
+                        )
                     dropped = txn.stat(self.blocks)["entries"]
                     txn.drop(self.blocks, delete=False)
                 elif (old_payload, old_slot) != (payload_bytes, slot_bytes):
@@ -122,6 +131,17 @@ class Catalog:
             raise
         except struct.error as e:
             raise TierError(f"catalog at {self.path} has an unreadable geometry record: {e}") from e
+
+    def _foreign_layout(self, txn: lmdb.Transaction[bytes], owners: Collection[str]) -> str | None:
+        """The layout id of an entry not in ``owners`` (None if every entry is theirs)."""
+        for _key, value in txn.cursor(db=self.blocks):
+            try:
+                layout_id = decode_record(bytes(value)).layout_id
+            except (TierError, UnicodeDecodeError):
+                continue  # undecodable: dropped at open anyway
+            if layout_id not in owners:
+                return layout_id
+        return None
 
     def scan(self, after: bytes | None, limit: int) -> list[tuple[bytes, bytes]]:
         """Up to ``limit`` raw (key, value) pairs in key order, starting after key ``after``."""

@@ -55,6 +55,8 @@ class DiskTier:
         replaceable: payload sizes a directory may hold instead of ``payload_bytes`` and be
             reformatted for it (every entry dropped, counted in ``num_dropped_on_open``)
             rather than refused; the store passes its layout's sizes under other codecs.
+        owners: the layout ids such a directory's entries must all have to be reformatted
+            (entries of any other layout id make the open refuse, as without ``replaceable``).
 
     Raises:
         TierError: the path is unusable (missing parent, not a directory, not writable, open
@@ -74,6 +76,7 @@ class DiskTier:
         map_bytes: int | None = None,
         max_map_bytes: int = 1 << 40,
         replaceable: Collection[int] = (),
+        owners: Collection[str] = (),
     ) -> None:
         self._closed = True  # until everything below is open
         files = TierFiles.open(
@@ -85,6 +88,7 @@ class DiskTier:
             map_bytes=map_bytes,
             max_map_bytes=max_map_bytes,
             replaceable=replaceable,
+            owners=owners,
         )
         try:
             slots, num_dropped = load_slot_table(files)

@@ -75,6 +75,7 @@ class TierFiles:
         map_bytes: int | None,
         max_map_bytes: int,
         replaceable: Collection[int] = (),
+        owners: Collection[str] = (),
     ) -> TierFiles:
         """Validate the geometry and open everything, or raise with nothing left open."""
         if isinstance(payload_bytes, bool) or not isinstance(payload_bytes, int) or payload_bytes <= 0:
@@ -96,7 +97,7 @@ class TierFiles:
                 max_map_bytes=max_map_bytes,
                 sync=sync,
             )
-            num_replaced = catalog.check_geometry(payload_bytes, slot_bytes, num_slots, replaceable)
+            num_replaced = catalog.check_geometry(payload_bytes, slot_bytes, num_slots, replaceable, owners)
             slab = Slab(
                 os.path.join(path, "slab-000.bin"), num_slots, slot_bytes, payload_bytes, direct_io=direct_io
             )

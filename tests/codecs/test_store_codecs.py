@@ -253,3 +253,21 @@ def test_int8_host_over_int8_disk_round_trips_through_both(tmp_path: Path) -> No
     assert bool(((got.float() - blocks.float()).abs() <= 2 * int8_bound(blocks, LAYOUT.dtype)).all())
     store.check_integrity()
     store.close()
+
+
+def test_another_namespaces_directory_is_never_reformatted(tmp_path: Path) -> None:
+    # A raw directory of another model whose payload size equals this layout's int8 slot size.
+    other = KVLayout(num_layers=25, num_kv_heads=1, head_dim=64, block_size=16, dtype=torch.float16)
+    assert other.bytes_per_block == 102400 == -(-get_codec("int8").encoded_bytes(LAYOUT) // 4096) * 4096
+    theirs = TieredStore(StoreConfig(layout=other, model_id="theirs", host_bytes=other.bytes_per_block,
+                                     disk_path=tmp_path / "disk", disk_bytes=4 * other.bytes_per_block,
+                                     write_policy="write_through", sync_disk=False))
+    keys = theirs.block_keys(list(range(32)))
+    theirs.put(keys, random_kv(other, 2, seed=13))
+    theirs.close()
+    with pytest.raises(TierError, match="blocks of layout"):
+        _store(tmp_path, host_blocks=1, disk_blocks=4)  # raw 196608-byte payload: would reformat
+    again = TieredStore(StoreConfig(layout=other, model_id="theirs", host_bytes=other.bytes_per_block,
+                                    disk_path=tmp_path / "disk", disk_bytes=4 * other.bytes_per_block))
+    assert again.lookup(keys).num_blocks == 2  # untouched
+    again.close()
