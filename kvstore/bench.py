@@ -35,7 +35,8 @@ from kvstore.store import TieredStore
 BENCH_LAYOUT = KVLayout(num_layers=24, num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.float16)
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 BENCH_TARGET_MODULES = ("engine.bench", "kvstore.daemon.bench_daemon", "kvstore.bench_remote",
-                        "kvstore.integrations.bench_vllm", "kvstore.routing.bench", "kvstore.bench_codecs")
+                        "kvstore.integrations.bench_vllm", "kvstore.routing.bench", "kvstore.bench_codecs",
+                        "kvstore.events.bench")
 
 
 @dataclass

@@ -185,3 +185,48 @@ def test_bad_endpoints_and_busy_ports_are_config_errors(pub: EventPublisher) -> 
     assert EventsConfig("tcp://127.0.0.1:5557").replay_endpoint == "tcp://127.0.0.1:5558"
     assert EventsConfig("ipc:///tmp/kv").replay_endpoint == "ipc:///tmp/kv-replay"
     assert EventsConfig("tcp://127.0.0.1:5557", "").replay_endpoint == ""
+
+
+def test_garbage_on_the_replay_socket_changes_nothing(pub: EventPublisher) -> None:
+    tier = Tier(pub)
+    ctx = zmq.Context.instance()
+    bad = ctx.socket(zmq.DEALER)
+    bad.connect(pub.replay_endpoint)
+    for frames in ([b"", b"short"], [b"x", b"y", b"z", b"w"], [b"", b"\x00" * 9], [b"", SNAPSHOT_REQUEST + b"!"]):
+        bad.send_multipart(frames)
+    with _sub(pub) as sub:
+        tier.store(3)
+        until(lambda: sub.sink.blocks("GPU") == set(tier.held), sub)
+    replies = []
+    while bad.poll(200):
+        replies.append(bad.recv_multipart())
+    # a 2- or 3-frame request of the wrong size gets just the end marker; the 4-frame one nothing
+    assert replies and all(r[-2:] == [END_SEQ, b""] for r in replies) and len(replies) == 3
+    assert pub.stats()["invalid_requests"] == 4
+    bad.close(linger=0)
+
+
+def test_kvstore_events_prints_the_stream(pub: EventPublisher) -> None:
+    import json
+    import subprocess
+    import sys
+
+    tier = Tier(pub, "DISK")
+    tier.store(2)
+    proc = subprocess.Popen([sys.executable, "-m", "kvstore.cli", "events", pub.endpoint, "--replay-endpoint",
+                             str(pub.replay_endpoint), "--snapshot", "--json", "--count", "4", "--timeout", "30"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(0.5)
+    for _ in range(20):  # keep publishing until it has seen enough (it may start late)
+        if proc.poll() is not None:
+            break
+        tier.store(1)
+        time.sleep(0.2)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    docs = [json.loads(line) for line in out.splitlines()]
+    snap = [d for d in docs if d["source"] == "snapshot"]
+    assert snap and snap[0]["events"] == [{"type": "AllBlocksCleared"}] and snap[0]["epoch"] == pub.epoch
+    stored = [e for d in snap for e in d["events"] if e["type"] == "BlockStored"]
+    assert stored[0]["medium"] == "DISK" and len(stored[0]["block_hashes"][0]) == 64  # full 32-byte keys, hex
+    assert any(d["source"] == "live" and d["events"] for d in docs)
