@@ -35,6 +35,7 @@ class EventsConfig:
             (``replay_endpoint_for``: port + 1), "" disables replay and snapshots.
         topic: the first frame of every message (vLLM's ``topic``, default empty).
         buffer_batches: batches kept for replay (vLLM's ``buffer_steps``).
+        buffer_bytes: most payload bytes kept for replay (the oldest batches go first).
         queue_size: events waiting for the publisher thread; a full queue drops and counts.
         heartbeat_s: an empty batch is sent after this long without one.
         max_batch_events: most queued events packed into one batch.
@@ -46,6 +47,7 @@ class EventsConfig:
     replay_endpoint: str | None = None
     topic: str = ""
     buffer_batches: int = 10_000
+    buffer_bytes: int = 64 << 20
     queue_size: int = 100_000
     heartbeat_s: float = 1.0
     max_batch_events: int = 1024
@@ -63,7 +65,7 @@ class EventsConfig:
             object.__setattr__(self, "replay_endpoint", replay_endpoint_for(self.endpoint))
         if not isinstance(self.topic, str):
             raise ConfigError(f"topic must be a str, got {type(self.topic).__name__}")
-        for name in ("buffer_batches", "queue_size", "max_batch_events", "hwm"):
+        for name in ("buffer_batches", "buffer_bytes", "queue_size", "max_batch_events", "hwm"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{name} must be a positive int, got {value!r}")

@@ -64,7 +64,7 @@ class EventPublisher:
         self._queue: deque[_Item] = deque()
         self._sources: list[Source] = []
         self._sources_lock = threading.Lock()
-        self._ring = ReplayRing(config.buffer_batches)
+        self._ring = ReplayRing(config.buffer_batches, config.buffer_bytes)
         self.topic = config.topic
         self._topic = config.topic.encode()
         self._seq = 0  # the next batch's sequence number
@@ -84,7 +84,8 @@ class EventPublisher:
             self.replay_endpoint: str | None = None
             if config.replay_endpoint:
                 self._router = self._ctx.socket(zmq.ROUTER)
-                self._router.setsockopt(zmq.SNDHWM, config.buffer_batches + 64)
+                # room for a whole replay, or a snapshot of ~100M blocks, queued at once
+                self._router.setsockopt(zmq.SNDHWM, max(config.buffer_batches + 64, 100_000))
                 self._router.setsockopt(zmq.LINGER, 0)
                 self._router.bind(config.replay_endpoint)
                 self.replay_endpoint = self._router.getsockopt_string(zmq.LAST_ENDPOINT)

@@ -38,13 +38,19 @@ Held = tuple[str, int, list[tuple[bytes, bytes | None]]]  # (medium, block_size,
 
 
 class ReplayRing:
-    """The last ``capacity`` published batches, oldest first (used by the publisher thread only)."""
+    """The last ``capacity`` published batches, at most ``max_bytes`` of payload, oldest first
+    (used by the publisher thread only)."""
 
-    def __init__(self, capacity: int) -> None:
-        self._ring: deque[tuple[int, bytes]] = deque(maxlen=capacity)
+    def __init__(self, capacity: int, max_bytes: int) -> None:
+        self._ring: deque[tuple[int, bytes]] = deque()
+        self.capacity, self.max_bytes = capacity, max_bytes
+        self.num_bytes = 0
 
     def append(self, seq: int, payload: bytes) -> None:
         self._ring.append((seq, payload))
+        self.num_bytes += len(payload)
+        while len(self._ring) > self.capacity or (self.num_bytes > self.max_bytes and len(self._ring) > 1):
+            self.num_bytes -= len(self._ring.popleft()[1])
 
     def since(self, start: int) -> list[tuple[int, bytes]]:
         return [(s, p) for s, p in self._ring if s >= start]

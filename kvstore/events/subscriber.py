@@ -51,7 +51,7 @@ class Subscriber:
         replay_endpoint: its ROUTER address; "" for none (gaps then stay gaps).
         topic: the topic to subscribe to (prefix match, as ZeroMQ does).
         heartbeat_timeout_s: silence after which a heartbeat-sending publisher is stale.
-        request_timeout_s: how long a replay or snapshot reply may take.
+        request_timeout_s: how long a replay or snapshot reply may pause between two messages.
         snapshot_on_start: take a snapshot before the first live batch.
         on_batch: called for each batch applied, with its seq and where it came from.
     """
@@ -249,6 +249,7 @@ class Subscriber:
                 if frames[1] == END_SEQ:
                     return out
                 out.append((parse_seq(frames[1]), decode_batch(frames[2])))
+                deadline = time.monotonic() + self.request_timeout_s  # a long snapshot keeps coming
         except (TimeoutError, WireError) as exc:
             log.warning("kv events subscriber: %s", exc)
             dealer.close()

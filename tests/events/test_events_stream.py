@@ -230,3 +230,16 @@ def test_kvstore_events_prints_the_stream(pub: EventPublisher) -> None:
     stored = [e for d in snap for e in d["events"] if e["type"] == "BlockStored"]
     assert stored[0]["medium"] == "DISK" and len(stored[0]["block_hashes"][0]) == 64  # full 32-byte keys, hex
     assert any(d["source"] == "live" and d["events"] for d in docs)
+
+
+def test_replay_ring_keeps_the_newest_within_its_count_and_bytes() -> None:
+    from kvstore.events.replay import ReplayRing
+
+    ring = ReplayRing(capacity=4, max_bytes=100)
+    for seq in range(6):
+        ring.append(seq, b"x" * 10)
+    assert [s for s, _ in ring.since(0)] == [2, 3, 4, 5] and ring.num_bytes == 40
+    ring.append(6, b"y" * 80)  # over the byte cap: the oldest go until it fits
+    assert [s for s, _ in ring.since(0)] == [4, 5, 6] and ring.num_bytes == 100
+    ring.append(7, b"z" * 500)  # a batch larger than the cap is still kept, alone
+    assert [s for s, _ in ring.since(6)] == [7]
