@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from kvstore.events.config import EventsConfig, replay_endpoint_for
 from kvstore.events.publisher import EventPublisher
+from kvstore.events.sinks import CallbackSink, FanOut
 from kvstore.events.subscriber import Subscriber
 from kvstore.events.view import EventView
 from kvstore.events.wire import (
@@ -29,6 +30,6 @@ from kvstore.events.wire import (
 
 __all__ = [
     "CPU", "DISK", "GPU", "MEDIA", "REMOTE", "TIER_MEDIA", "AllBlocksCleared", "BlockRemoved", "BlockStored",
-    "EventBatch", "EventPublisher", "EventView", "EventsConfig", "Subscriber", "UnknownEvent", "WireError",
-    "decode_batch", "encode_batch", "replay_endpoint_for",
+    "CallbackSink", "EventBatch", "EventPublisher", "EventView", "EventsConfig", "FanOut", "Subscriber",
+    "UnknownEvent", "WireError", "decode_batch", "encode_batch", "replay_endpoint_for",
 ]

@@ -243,3 +243,34 @@ def test_replay_ring_keeps_the_newest_within_its_count_and_bytes() -> None:
     assert [s for s, _ in ring.since(0)] == [4, 5, 6] and ring.num_bytes == 100
     ring.append(7, b"z" * 500)  # a batch larger than the cap is still kept, alone
     assert [s for s, _ in ring.since(6)] == [7]
+
+
+def test_callback_sink_and_fan_out_see_what_the_view_sees(pub: EventPublisher) -> None:
+    from kvstore.events import CallbackSink, EventView, FanOut
+
+    tier = Tier(pub, "CPU")
+    tier.store(4)
+    mirror: dict[str, set[bytes]] = {}
+    calls: list[str] = []
+
+    def stored(keys: list[bytes], medium: str) -> None:
+        calls.append("stored")
+        mirror.setdefault(medium, set()).update(keys)
+
+    def removed(keys: list[bytes], medium: str) -> None:
+        calls.append("removed")
+        mirror.get(medium, set()).difference_update(keys)
+
+    def cleared() -> None:
+        calls.append("cleared")
+        mirror.clear()
+
+    view = EventView()
+    with Subscriber(pub.endpoint, FanOut(view, CallbackSink(stored, removed, cleared)),
+                    replay_endpoint=pub.replay_endpoint or "") as sub:
+        until(lambda: sub.stats()["snapshots"] == 1, sub)
+        assert calls[:2] == ["cleared", "stored"]  # a snapshot is a clear, then stores
+        tier.remove(list(tier.held)[:2])
+        tier.store(1)
+        until(lambda: view.blocks("CPU") == set(tier.held), sub)
+        assert {m: k for m, k in mirror.items() if k} == view.held() and "removed" in calls
