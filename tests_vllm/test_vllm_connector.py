@@ -7,11 +7,16 @@ always computed, so a 600-token prompt has 4 loadable blocks (512 tokens).
 
 from __future__ import annotations
 
+import json
+import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import run_plan
+from conftest import ROOT, run_plan
 
 from tests.daemon.daemon_helpers import DaemonProc
 
@@ -44,13 +49,32 @@ def daemon(tmp_path: Path):  # type: ignore[no-untyped-def]
         proc.kill9()
 
 
+def run_docs_block(model_dir: str, socket_url: str) -> dict[str, Any]:
+    """docs/vllm.md's ``LLM(...)`` block as written, with its MODEL_DIR, PROMPT and socket filled in."""
+    text = (ROOT / "docs" / "vllm.md").read_text()
+    (code,) = re.findall(r"^```python\n(.*?)^```", text, re.MULTILINE | re.DOTALL)
+    assert code.count("unix:///run/kvstore/kvstore.sock") == 1
+    code = code.replace("unix:///run/kvstore/kvstore.sock", socket_url)
+    script = (f"MODEL_DIR, PROMPT = {model_dir!r}, {P!r}\n{code}\nimport json, kvstore.integrations.vllm as kv\n"
+              "print('RESULT ' + json.dumps({'tokens': list(out.outputs[0].token_ids), "
+              "'cached': out.num_cached_tokens, 'counters': kv.counters()}))\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the block sets it itself
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-6000:]
+    return json.loads(lines[-1][len("RESULT "):])  # type: ignore[no-any-return]
+
+
 def test_a_fresh_process_loads_what_another_saved_and_salts_never_share(
         model_dir: str, reference: dict[str, list[int]], daemon: DaemonProc) -> None:
-    store = {"store": daemon.unix}
-    _, (a,) = run_plan([llm(model_dir, store), gen((P, None))])
-    assert a["tokens"] == reference["P"]
+    # The first process is docs/vllm.md's example: it saves the prompt's blocks to the daemon.
+    a = run_docs_block(model_dir, daemon.unix)
+    assert a["tokens"][:8] == reference["P"]  # the example decodes 16 tokens, greedily
     assert a["cached"] == 0 and a["counters"]["hit_blocks"] == 0
-    assert a["counters"]["saved_blocks"] == 4  # 607 computed tokens: 4 full blocks
+    assert a["counters"]["saved_blocks"] == 4  # 615 computed tokens: 4 full blocks
+    store = {"store": daemon.unix}
 
     # A second process, a new vLLM with an empty device cache, same daemon.
     _, (b, b_salted), _, (c_salted, c_other) = run_plan([

@@ -14,8 +14,8 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
-from typing import Any
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 import torch
 
@@ -30,6 +30,7 @@ from kvstore.transfer import FetchHandle, FetchResult
 
 logger = logging.getLogger("kvstore.vllm")
 
+_T = TypeVar("_T")
 _EMBEDDED: dict[tuple[str, str], list[Any]] = {}  # (model id, disk path) -> [store, users]
 _EMBEDDED_LOCK = threading.Lock()
 
@@ -43,10 +44,7 @@ def _open_embedded(settings: ConnectorSettings, layout: KVLayout, model_id: str)
                                  disk_path=settings.disk_path,
                                  disk_bytes=settings.disk_bytes if settings.disk_path else 0,
                                  write_policy=settings.write_policy, hash_algo=settings.hash_algo)
-            # Outside inference mode: vLLM may build connectors inside it, and the store's own
-            # threads update its pool in place (not allowed on inference tensors).
-            with torch.inference_mode(False):
-                entry = _EMBEDDED[key] = [TieredStore(config), 0]
+            entry = _EMBEDDED[key] = [TieredStore(config), 0]  # (built outside inference mode)
         entry[1] += 1
         return entry[0]
 
@@ -95,12 +93,16 @@ class GuardedStore:
         self._tenant = ""
         self._next_try = 0.0
         self._closed = False
+        self._executor = ThreadPoolExecutor(2, thread_name_prefix="kvstore-vllm")
         self._connect()
 
     # -------------------------------------------------------------------- lifecycle
 
     def _connect(self) -> Any:
-        with self._lock:
+        # Outside inference mode: vLLM may call in from its forward, and the client's shared-memory
+        # pool (or the embedded store's host pool) made there would be an inference tensor that
+        # the transfer threads may not write.
+        with self._lock, torch.inference_mode(False):
             if self._store is not None or self._closed or self._clock() < self._next_try:
                 return self._store
             try:
@@ -124,17 +126,33 @@ class GuardedStore:
                                self.settings.retry_s)
             return self._store
 
-    def _fail(self, store: Any, exc: BaseException) -> None:
-        """Drop ``store`` after an error (once, whichever thread sees it first)."""
+    def _fail(self, store: Any, exc: BaseException, reconnect_now: bool = False) -> None:
+        """Drop ``store`` after an error (once, whichever thread sees it first). With
+        ``reconnect_now`` the next call reconnects at once (a restarted daemon), else after retry_s."""
         with self._lock:
             self.failures += 1
             if self._store is not store:
                 return
             self._store = None
-            self._next_try = self._clock() + self.settings.retry_s
+            self._next_try = 0.0 if reconnect_now else self._clock() + self.settings.retry_s
+        if reconnect_now:
+            logger.info("kvstore: %s failed (%s: %s); reconnecting", self.settings.describe(), type(exc).__name__, exc)
+        else:
             logger.warning("kvstore: %s failed (%s: %s); serving without it for %.0f s", self.settings.describe(),
-                       type(exc).__name__, exc, self.settings.retry_s)
+                           type(exc).__name__, exc, self.settings.retry_s)
         self._release(store)
+
+    def _call(self, op: Callable[[Any], _T], default: _T) -> _T:
+        """``op(store)``; on an error reconnect once and retry, then give ``default``."""
+        for attempt in range(2):
+            store = self._connect()
+            if store is None:
+                return default
+            try:
+                return op(store)
+            except Exception as exc:
+                self._fail(store, exc, reconnect_now=attempt == 0)
+        return default
 
     def _release(self, store: Any) -> None:
         try:
@@ -152,6 +170,7 @@ class GuardedStore:
     def close(self) -> None:
         with self._lock:
             store, self._store, self._closed = self._store, None, True
+        self._executor.shutdown(wait=True)
         if store is not None:
             self._release(store)
 
@@ -168,63 +187,36 @@ class GuardedStore:
         return self.hasher.block_keys(token_ids, tenant, extra_keys, parent)
 
     def lookup(self, keys: Sequence[bytes]) -> PrefixMatch:
-        store = self._connect()
-        if store is None or not keys:
+        if not keys:
             return PrefixMatch(0)
-        try:
-            return store.lookup(keys)
-        except Exception as exc:
-            self._fail(store, exc)
-            return PrefixMatch(0)
+        return self._call(lambda store: store.lookup(keys), PrefixMatch(0))
 
     def fetch(self, keys: Sequence[bytes], into: torch.Tensor) -> FetchHandle:
-        """Like TieredStore.fetch, but a failure (now or in the transfer) delivers 0 blocks."""
-        store = self._connect()
-        future: Future[FetchResult] = Future()
-        if store is None:
-            future.set_result(FetchResult(0, ()))
-            return FetchHandle(future, len(keys))
-        try:
+        """Like TieredStore.fetch, on this guard's thread: a failure reconnects and retries once,
+        then delivers 0 blocks (the caller reports them; vLLM recomputes)."""
+
+        def op(store: Any) -> FetchResult:
             # Views made inside vLLM's inference mode could not be written by the store's threads.
             with torch.inference_mode(False):
-                inner = store.fetch(keys, into)
-        except Exception as exc:
-            self._fail(store, exc)
-            future.set_result(FetchResult(0, ()))
-            return FetchHandle(future, len(keys))
+                return store.fetch(keys, into).result()
 
-        def settle(handle: FetchHandle) -> None:
-            try:
-                future.set_result(handle.result())
-            except Exception as exc:
-                self._fail(store, exc)
-                future.set_result(FetchResult(0, ()))
-
-        inner.add_done_callback(settle)
-        return FetchHandle(future, len(keys))
+        return FetchHandle(self._executor.submit(self._call, op, FetchResult(0, ())), len(keys))
 
     def put(self, keys: Sequence[bytes], blocks: torch.Tensor) -> bool:
         """Store the blocks; False when the store is down or refused them."""
-        store = self._connect()
-        if store is None or not keys:
+        if not keys:
             return False
-        try:
-            with torch.inference_mode(False):
-                store.put(keys, blocks)
-        except CapacityError as exc:  # full of pinned or in-flight blocks: the store is fine
-            logger.info("kvstore: put of %d blocks refused: %s", len(keys), exc)
-            return False
-        except Exception as exc:
-            self._fail(store, exc)
-            return False
-        return True
+
+        def put(store: Any) -> bool:
+            try:
+                with torch.inference_mode(False):
+                    store.put(keys, blocks)
+            except CapacityError as exc:  # full of pinned or in-flight blocks: the store is fine
+                logger.info("kvstore: put of %d blocks refused: %s", len(keys), exc)
+                return False
+            return True
+
+        return self._call(put, False)
 
     def stats(self) -> dict[str, dict[str, int]]:
-        store = self._connect()
-        if store is None:
-            return {}
-        try:
-            return store.stats()
-        except Exception as exc:
-            self._fail(store, exc)
-            return {}
+        return self._call(lambda store: store.stats(), {})

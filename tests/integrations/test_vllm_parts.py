@@ -1,0 +1,117 @@
+"""The vLLM connector's parts that need no vLLM: settings, the paged copy, the guarded store.
+
+(The connector itself runs against a real vLLM in tests_vllm/, `make test-vllm`.)
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvstore import KVLayout
+from kvstore.errors import ConfigError, LayoutMismatchError
+from kvstore.integrations.vllm.backend import GuardedStore
+from kvstore.integrations.vllm.paged import PagedKV
+from kvstore.integrations.vllm.settings import ConnectorSettings
+from tests.daemon.daemon_helpers import DaemonProc
+
+# Like vLLM's CPU backend: per layer [num_blocks, kv_heads, block, 2 * head_dim], blocks contiguous.
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, block_size=8, dtype=torch.float32)
+LAYER_BYTES = 2 * 8 * 2 * 4 * 4
+NAMES = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
+
+
+def caches(num_blocks: int = 10, seed: int = 0) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return {name: torch.randn((num_blocks, 2, 8, 8), generator=gen) for name in NAMES}
+
+
+def test_settings_validate_and_never_show_the_token() -> None:
+    s = ConnectorSettings.from_extra_config({"store": "unix:///tmp/s.sock", "token": "sekrit", "host_bytes": "16MiB"})
+    assert s.is_daemon and s.host_bytes == 16 << 20 and "sekrit" not in s.describe() + repr(s.describe())
+    assert not ConnectorSettings.from_extra_config(None).is_daemon
+    with pytest.raises(ConfigError, match=r"unknown kv_connector_extra_config keys \['stor'\]"):
+        ConnectorSettings.from_extra_config({"stor": "unix:///x"})
+    with pytest.raises(ConfigError, match="store must be"):
+        ConnectorSettings(store="http://127.0.0.1:1")
+    with pytest.raises(ConfigError, match="needs disk_bytes"):
+        ConnectorSettings(disk_path="/tmp/kv")
+    with pytest.raises(ConfigError, match="async_tiers"):
+        ConnectorSettings(async_tiers=("tape",))
+
+
+def test_paged_gather_then_scatter_moves_whole_blocks_per_layer() -> None:
+    src, dst = caches(seed=1), {n: torch.zeros(10, 2, 8, 8) for n in NAMES}
+    paged_src, paged_dst = PagedKV(src, NAMES, LAYOUT, LAYER_BYTES), PagedKV(dst, NAMES, LAYOUT, LAYER_BYTES)
+    staging = paged_src.staging(3)
+    assert tuple(staging.shape) == (3, *LAYOUT.block_shape)
+    for name in NAMES:
+        paged_src.gather_layer(name, torch.tensor([3, 7, 1]), staging)
+    for i, block in enumerate((3, 7, 1)):  # layer l of kvstore block i is vLLM block `block` of layer l
+        parts = staging[i].reshape(2, -1)
+        for layer, name in enumerate(NAMES):
+            assert torch.equal(parts[layer], src[name][block].flatten())
+    for name in NAMES:
+        paged_dst.scatter_layer(name, torch.tensor([0, 5, 2]), staging)
+    for name in NAMES:
+        assert torch.equal(dst[name][[0, 5, 2]], src[name][[3, 7, 1]])
+        assert dst[name][[1, 3, 4, 6, 7, 8, 9]].abs().sum() == 0  # nothing else written
+
+
+def test_paged_refuses_a_layout_whose_blocks_are_not_contiguous() -> None:
+    kv = {n: torch.zeros(2, 10, 8, 8).transpose(0, 1) for n in NAMES}  # [blocks, 2, ...] with K/V outermost
+    with pytest.raises(LayoutMismatchError, match="not one contiguous payload"):
+        PagedKV(kv, NAMES, LAYOUT, LAYER_BYTES)
+    with pytest.raises(LayoutMismatchError, match="no KV cache for layers"):
+        PagedKV({NAMES[0]: caches()[NAMES[0]]}, NAMES, LAYOUT, LAYER_BYTES)
+
+
+def test_guarded_store_embedded_round_trip(tmp_path: Path) -> None:
+    settings = ConnectorSettings(host_bytes="1MiB", disk_path=str(tmp_path / "kv"), disk_bytes="1MiB")
+    store = GuardedStore(settings, LAYOUT, "m")
+    keys = store.block_keys(list(range(24)), "")
+    assert keys is not None and len(keys) == 3
+    blocks = torch.randn(3, *LAYOUT.block_shape)
+    assert store.put(keys, blocks)
+    assert store.lookup(keys).num_blocks == 3
+    out = torch.empty_like(blocks)
+    assert store.fetch(keys, out).result(10).num_blocks == 3 and torch.equal(out, blocks)
+    other = GuardedStore(settings, LAYOUT, "m")  # the worker side of the same process: same store
+    assert other.lookup(keys).num_blocks == 3
+    other.close()
+    assert store.lookup(keys).num_blocks == 3  # still open for the first user
+    store.close()
+    reopened = GuardedStore(settings, LAYOUT, "m")  # closed by its last user: written back to disk
+    assert reopened.lookup(keys).tiers == ("disk",) * 3
+    reopened.close()
+
+
+def test_guarded_store_turns_a_dead_daemon_into_misses(tmp_path: Path) -> None:
+    daemon = DaemonProc(tmp_path / "data", host_mem="2MiB", disk="2MiB")
+    store = GuardedStore(ConnectorSettings(store=daemon.unix, retry_s=0.2), LAYOUT, "m")
+    keys = store.block_keys(list(range(16)), "tenant-a")
+    assert keys is not None
+    blocks = torch.randn(2, *LAYOUT.block_shape)
+    assert store.put(keys, blocks) and store.lookup(keys).num_blocks == 2
+    daemon.stop()
+    daemon.start()  # a restart under a live connection: the next call reconnects at once
+    out = torch.empty_like(blocks)
+    assert store.fetch(keys, out).result(10).num_blocks == 2 and torch.equal(out, blocks)
+    assert store.lookup(keys).num_blocks == 2
+    daemon.kill9()
+    assert store.lookup(keys).num_blocks == 0 and store.failures >= 1
+    assert store.fetch(keys, out).result(10).num_blocks == 0
+    assert not store.put(keys, blocks)
+    daemon.start()  # back on the same socket: the guard reconnects after retry_s
+    deadline = time.monotonic() + 10
+    while not store.is_up and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert store.is_up and store.lookup(keys).num_blocks == 2  # the daemon kept them (write-through)
+    store.close()
+    daemon.stop()
+    never = GuardedStore(ConnectorSettings(store=f"unix://{tmp_path}/nothing.sock"), LAYOUT, "m")
+    assert never.block_keys([1] * 16, "") is None  # a daemon's tenant is unknown while it is down
+    assert never.lookup([b"\0" * 32]).num_blocks == 0 and never.failures >= 1
