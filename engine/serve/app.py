@@ -212,9 +212,10 @@ def create_app(state: ServerState) -> FastAPI:
                     except ValueError as exc:
                         status = 400
                         yield sse(bad_request(str(exc)).body())
-                    except (RuntimeError, AssertionError) as exc:
+                    except Exception as exc:  # the engine failed: the stream ends with the error
+                        log.exception("generation failed")
                         status = 500
-                        yield sse(APIError(500, f"generation failed: {exc}", "server_error").body())
+                        yield sse(APIError(500, f"generation failed: {type(exc).__name__}", "server_error").body())
                     else:
                         if req.include_usage:
                             yield shapes.usage_chunk(gens)

@@ -25,6 +25,7 @@ from engine.serve.auth import Auth
 from engine.serve.config import ServeConfig
 from engine.serve.loop import EngineLoop
 from engine.serve.tokenizer import load_tokenizer
+from kvstore.errors import ConfigError
 
 log = logging.getLogger("kvstore.engine.serve")
 
@@ -53,6 +54,22 @@ def build_state(config: ServeConfig) -> ServerState:
     return ServerState(loop, tokenizer, auth, config.model_name, kv_events_info(llm))
 
 
+def bind(host: str, port: int) -> socket.socket:
+    """The listening socket. Raises ConfigError when the address cannot be bound."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    # proto IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on sockets that name it, and
+    # without it Nagle holds each SSE chunk back until the client's delayed ACK (~40 ms).
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    return sock
+
+
 async def run(config: ServeConfig) -> int:
     import uvicorn
 
@@ -74,20 +91,15 @@ async def run(config: ServeConfig) -> int:
     aloop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         aloop.add_signal_handler(sig, on_signal)
+    sock = bind(config.host, config.port)  # before the model loads: a taken port fails at once
     state = await aloop.run_in_executor(None, build_state, config)
-    family = socket.AF_INET6 if ":" in config.host else socket.AF_INET
-    # proto IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on sockets that name it, and
-    # without it Nagle holds each SSE chunk back until the client's delayed ACK (~40 ms).
-    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    sock.bind((config.host, config.port))
     server = _Server(uvicorn.Config(create_app(state), log_level="warning", lifespan="off", access_log=False,
                                     timeout_graceful_shutdown=1))
     task = asyncio.create_task(server.serve(sockets=[sock]))
     while not (server.started or task.done()):
         await asyncio.sleep(0.01)
     if not server.started:
+        await aloop.run_in_executor(None, state.loop.stop)
         await task  # raises what stopped it
         return 1
     host, port = sock.getsockname()[:2]

@@ -4,6 +4,7 @@ names the tenant in X-KVStore-Tenant only with the router token; off loopback ne
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -72,3 +73,13 @@ def test_off_loopback_without_tokens_is_refused(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, "-m", "kvstore.cli", "engine", "--random-model", "--host", "0.0.0.0"],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "off loopback" in proc.stderr
+
+
+def test_a_taken_port_is_a_clear_error() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        proc = subprocess.run([sys.executable, "-m", "kvstore.cli", "engine", "--random-model", "--port", port],
+                              cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in proc.stderr, proc.stderr
