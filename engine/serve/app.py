@@ -1,22 +1,15 @@
 """The FastAPI app of ``kvstore engine``: OpenAI's completions, chat, models; health, metrics;
 and kvstore's replica endpoints for a router (info, load, tokenize). docs/serving.md.
 
-A handler authenticates (tenant), validates the body, tokenizes, checks every prompt against
-the engine, then submits one engine request per prompt to the EngineLoop. Outputs come back
-through an asyncio queue (the loop thread calls ``call_soon_threadsafe``); each becomes deltas
-(engine/serve/generation.py), streamed as SSE or gathered into one body. A client that goes
-away, or a request whose samples all hit stop strings, is aborted in the engine at once.
+A handler authenticates (the tenant), validates the body, tokenizes, checks every prompt
+against the engine (400 before anything is queued), then hands the prompts to a ``Run``
+(engine/serve/runs.py), which streams or gathers the outputs. Every error is OpenAI's JSON.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
-import time
-import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -25,50 +18,15 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 
 from engine.sampling import SamplingParams
-from engine.sequence import RequestOutput
-from engine.serve.auth import TENANT_HEADER, Auth
+from engine.serve.auth import TENANT_HEADER
 from engine.serve.errors import APIError, bad_request, draining
-from engine.serve.generation import Generation
-from engine.serve.loop import EngineLoop
-from engine.serve.metrics import ServerMetrics
-from engine.serve.responses import DONE, Shapes, sse
+from engine.serve.runs import Run
 from engine.serve.schema import ChatCompletionRequest, CompletionRequest, SamplingFields, TokenizeRequest
-from engine.serve.tokenizer import ServeTokenizer
+from engine.serve.state import ServerState
 
 log = logging.getLogger("kvstore.engine.serve")
-DISCONNECT_POLL_S = 0.25
 UNION_MESSAGES = {"prompt": "must be a string, a list of token ids, or a list of strings or of token id lists",
                   "stop": "must be a string or a list of strings"}
-
-
-@dataclass
-class ServerState:
-    """Everything the handlers share; the server flips ``draining`` on SIGTERM."""
-
-    loop: EngineLoop
-    tokenizer: ServeTokenizer
-    auth: Auth
-    model_name: str
-    kv_events: dict[str, Any]
-    engine_id: str = field(default_factory=lambda: str(uuid.uuid4()))
-    created: int = field(default_factory=lambda: int(time.time()))
-    draining: bool = False
-    num_inflight: int = 0
-    metrics: ServerMetrics = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.metrics = ServerMetrics(lambda: self.loop.load, self.loop.llm.kv_events)
-
-    def info(self) -> dict[str, Any]:
-        llm = self.loop.llm
-        ns = llm.namespace
-        layout = ns.layout
-        return {"model": self.model_name, "engine_id": self.engine_id, "block_size": layout.block_size,
-                "namespace": {"model_id": ns.model_id, "num_layers": layout.num_layers,
-                              "num_kv_heads": layout.num_kv_heads, "head_dim": layout.head_dim,
-                              "dtype": layout.dtype_name, "block_size": layout.block_size,
-                              "tp_rank": layout.tp_rank, "tp_size": layout.tp_size, "hash_algo": ns.hash_algo},
-                "tokenizer": self.tokenizer.info(), "kv_events": self.kv_events, "max_model_len": llm.max_model_len}
 
 
 def _error(exc: APIError) -> JSONResponse:
@@ -137,6 +95,11 @@ def create_app(state: ServerState) -> FastAPI:
         except ValueError as exc:
             raise bad_request(str(exc)) from None
 
+    async def generate(request: Request, kind: str, req: SamplingFields, prompts: list[list[int]],
+                       max_tokens: int | None, tenant: str) -> Response:
+        run = Run(state, kind, req, prompts, [sampling(req, max_tokens, len(ids)) for ids in prompts], tenant)
+        return run.stream() if req.stream else await run.whole(request)
+
     def check_model(req: SamplingFields) -> None:
         if req.model is not None and req.model != state.model_name:
             raise APIError(404, f"the model {req.model!r} does not exist; this server serves {state.model_name!r}",
@@ -148,108 +111,6 @@ def create_app(state: ServerState) -> FastAPI:
             return loop.llm.prompt_token_ids(ids)
         except ValueError as exc:
             raise bad_request(str(exc), param=param) from None
-
-    async def generate(request: Request, kind: str, req: SamplingFields, prompts: list[list[int]],
-                       max_tokens: int | None, tenant: str) -> Response:
-        aloop = asyncio.get_running_loop()
-        queue: asyncio.Queue[tuple[int, RequestOutput | BaseException]] = asyncio.Queue()
-        shapes = Shapes(kind, f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{uuid.uuid4().hex}",
-                        int(time.time()), state.model_name, req.include_usage)
-        stops = req.stop_strings
-        params = [sampling(req, max_tokens, len(ids)) for ids in prompts]
-        gens: list[Generation] = []
-        now = time.perf_counter()
-        for i, (ids, p) in enumerate(zip(prompts, params, strict=True)):
-            gen = Generation("", ids, req.n, stops, tok, first_index=i * req.n, arrival_s=now)
-
-            def sink(item: RequestOutput | BaseException, i: int = i) -> None:
-                with contextlib.suppress(RuntimeError):  # the event loop is gone: nobody is waiting
-                    aloop.call_soon_threadsafe(queue.put_nowait, (i, item))
-
-            gen.request_id = loop.submit(ids, p, tenant, sink)
-            gens.append(gen)
-        state.num_inflight += 1
-
-        async def deltas() -> AsyncIterator[Any]:
-            """The deltas of every generation as their outputs arrive, until all are done."""
-            while not all(g.done for g in gens):
-                i, item = await queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                gen = gens[i]
-                if gen.done:
-                    continue
-                for d in gen.update(item, time.perf_counter()):
-                    yield d
-                for gap in gen.gaps:
-                    metrics.itl.observe(gap)
-                gen.gaps.clear()
-                if gen.done:
-                    if not gen.closed:  # every sample hit a stop string: free the engine now
-                        loop.abort(gen.request_id)
-                        gen.closed = True
-                    if gen.ttft_s is not None:
-                        metrics.ttft.observe(gen.ttft_s)
-                    metrics.generation_done(gen)
-
-        def finish() -> None:
-            for gen in gens:
-                if not gen.closed:
-                    loop.abort(gen.request_id)
-                    gen.closed = True
-            state.num_inflight -= 1
-
-        if req.stream:
-            async def events() -> AsyncIterator[bytes]:
-                status = 200
-                try:
-                    for chunk in shapes.first_chunks(gens):
-                        yield chunk
-                    try:
-                        async for d in deltas():
-                            for chunk in shapes.chunks(d):
-                                yield chunk
-                    except ValueError as exc:
-                        status = 400
-                        yield sse(bad_request(str(exc)).body())
-                    except Exception as exc:  # the engine failed: the stream ends with the error
-                        log.exception("generation failed")
-                        status = 500
-                        yield sse(APIError(500, f"generation failed: {type(exc).__name__}", "server_error").body())
-                    else:
-                        if req.include_usage:
-                            yield shapes.usage_chunk(gens)
-                    yield DONE
-                except asyncio.CancelledError:
-                    status = 499  # the client went away
-                    raise
-                finally:
-                    finish()
-                    metrics.request_done(kind, status)
-
-            return StreamingResponse(events(), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
-        try:
-            it = deltas().__aiter__()
-            while True:
-                step = asyncio.ensure_future(it.__anext__())
-                while not step.done():
-                    await asyncio.wait([step], timeout=DISCONNECT_POLL_S)
-                    if not step.done() and await request.is_disconnected():
-                        step.cancel()
-                        with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
-                            await step
-                        return Response(status_code=499)
-                try:
-                    step.result()
-                except StopAsyncIteration:
-                    break
-        except ValueError as exc:
-            raise bad_request(str(exc)) from None
-        finally:
-            finish()
-        return JSONResponse(shapes.body(gens))
 
     async def completions(request: Request) -> Response:
         if state.draining:

@@ -20,10 +20,11 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from engine.serve.app import ServerState, create_app
+from engine.serve.app import create_app
 from engine.serve.auth import Auth
 from engine.serve.config import ServeConfig
 from engine.serve.loop import EngineLoop
+from engine.serve.state import ServerState
 from engine.serve.tokenizer import load_tokenizer
 from kvstore.errors import ConfigError
 
