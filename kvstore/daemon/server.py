@@ -106,8 +106,11 @@ class Daemon:
                 yield
 
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
+        # IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on sockets that name it (else Nagle
+        # can hold a response's last segment until the client's delayed ACK, ~40 ms)
+        sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.bind((host, port))
         app = create_app(self.registry, admin_token=self.config.token, daemon=self)
         self._http = _Server(uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False))
