@@ -44,15 +44,15 @@ def _event_line(event: Event) -> str:
 
 
 class Printer:
-    """Prints batches as ``on_batch`` receives them; counts them for ``--count``."""
+    """Prints batches as ``on_batch`` receives them; counts the printed ones for ``--count``."""
 
     def __init__(self, as_json: bool, heartbeats: bool) -> None:
         self.as_json, self.heartbeats, self.num_batches = as_json, heartbeats, 0
 
     def __call__(self, seq: int, batch: EventBatch, source: str) -> None:
-        self.num_batches += 1
         if batch.is_heartbeat and not self.heartbeats:
             return
+        self.num_batches += 1
         epoch = "-" if batch.epoch is None else f"{batch.epoch:016x}"
         if self.as_json:
             doc = {"seq": seq, "source": source, "ts": batch.ts, "epoch": batch.epoch, "snapshot": batch.snapshot,

@@ -8,7 +8,8 @@ first snapshot, after a gap nothing could fill, or while a kvstore publisher (on
 heartbeats) has been silent for more than ``heartbeat_timeout_s``.
 
 It also reads plain vLLM publishers: without an epoch it never resyncs on restart, without
-heartbeats it never calls silence stale, and without snapshots it starts from the live stream.
+heartbeats it never calls silence stale, and without snapshots it replays from seq 0 (while
+the publisher's ring still holds it; otherwise the view stays approximate).
 
 Use ``poll(timeout_s)`` from your own loop, or ``start()`` for a background thread. Socket
 work happens only in the thread that polls.
@@ -27,6 +28,7 @@ import zmq
 from kvstore.events.wire import (
     END_SEQ,
     SNAPSHOT_REQUEST,
+    AllBlocksCleared,
     EventBatch,
     WireError,
     decode_batch,
@@ -158,13 +160,18 @@ class Subscriber:
         self._last_heard = time.monotonic()
         self._heartbeats_seen = self._heartbeats_seen or batch.epoch is not None
         applied = 0
-        if batch.epoch != self.epoch and self.last_seq is not None:
+        restarted = batch.epoch != self.epoch and self.last_seq is not None
+        if restarted:
             self.counters["epochs"] += 1  # the publisher restarted: nothing of the old one stands
             self.last_seq, self._synced = None, False
         if self.last_seq is None and self._can_snapshot:
             applied += self._snapshot()
-        if self.last_seq is None:  # no snapshot to start from: start from the live stream
-            self.epoch, self.last_seq = batch.epoch, seq - 1
+        if self.last_seq is None:
+            # No snapshot: follow the stream from its first batch (seq 0), by replay where the
+            # ring still has it; what cannot be filled leaves the view approximate.
+            if restarted:
+                self.sink.apply(EventBatch(time.time(), [AllBlocksCleared()], batch.data_parallel_rank))
+            self.epoch, self.last_seq, self._synced = batch.epoch, -1, True
         if seq <= self.last_seq:
             self.counters["duplicates"] += 1
             return applied

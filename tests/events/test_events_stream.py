@@ -217,7 +217,7 @@ def test_kvstore_events_prints_the_stream(pub: EventPublisher) -> None:
                              str(pub.replay_endpoint), "--snapshot", "--json", "--count", "4", "--timeout", "30"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     time.sleep(0.5)
-    for _ in range(20):  # keep publishing until it has seen enough (it may start late)
+    for _ in range(100):  # keep publishing until it has seen enough (it may start late)
         if proc.poll() is not None:
             break
         tier.store(1)
@@ -274,3 +274,72 @@ def test_callback_sink_and_fan_out_see_what_the_view_sees(pub: EventPublisher) -
         tier.store(1)
         until(lambda: view.blocks("CPU") == set(tier.held), sub)
         assert {m: k for m, k in mirror.items() if k} == view.held() and "removed" in calls
+
+
+class VllmStylePublisher:
+    """A publisher as vLLM runs one: PUB + ROUTER, batches from vLLM's own msgspec types, no
+    epoch, no heartbeats, a replay that answers any request it cannot read with the end marker."""
+
+    def __init__(self) -> None:
+        import vllm_types
+
+        self.v = vllm_types
+        self.ctx = zmq.Context()
+        self.pub, self.router = self.ctx.socket(zmq.PUB), self.ctx.socket(zmq.ROUTER)
+        self.endpoint = f"tcp://127.0.0.1:{self.pub.bind_to_random_port('tcp://127.0.0.1')}"
+        self.replay_endpoint = f"tcp://127.0.0.1:{self.router.bind_to_random_port('tcp://127.0.0.1')}"
+        self.ring: list[tuple[int, bytes]] = []
+
+    def publish(self, *events: object) -> None:
+        payload = self.v.msgspec.msgpack.encode(self.v.KVEventBatch(ts=time.time(), events=list(events),
+                                                                     data_parallel_rank=0))
+        seq = len(self.ring)
+        self.ring.append((seq, payload))
+        self.pub.send_multipart([b"", seq_frame(seq), payload])
+
+    def serve(self) -> None:
+        while self.router.poll(0):
+            ident, _, start = self.router.recv_multipart()
+            first = int.from_bytes(start, "big")
+            for seq, payload in self.ring:
+                if seq >= first:
+                    self.router.send_multipart([ident, b"", seq_frame(seq), payload])
+            self.router.send_multipart([ident, b"", END_SEQ, b""])
+
+    def close(self) -> None:
+        self.pub.close(0)
+        self.router.close(0)
+        self.ctx.term()
+
+
+def test_subscriber_follows_a_plain_vllm_publisher_by_replay_from_seq_0() -> None:
+    if os.environ.get("CI") != "true":
+        pytest.importorskip("msgspec")
+    vp = VllmStylePublisher()
+    v = vp.v
+    try:
+        vp.publish(v.VStored([1, 2], None, list(range(32)), 16, None, None, None))
+        vp.publish(v.VStored([3], 2, list(range(16)), 16, None, "GPU", None), v.VRemoved([1], None))
+        sub = Subscriber(vp.endpoint, replay_endpoint=vp.replay_endpoint, request_timeout_s=0.5)
+        stop = threading.Event()
+
+        def serve() -> None:
+            while not stop.is_set():
+                vp.serve()
+                time.sleep(0.005)
+
+        server = threading.Thread(target=serve, daemon=True)
+        server.start()
+        try:
+            sub.poll(0.3)  # asks for a snapshot: a vLLM publisher answers only the end marker
+            time.sleep(0.3)  # ZeroMQ's slow joiner
+            vp.publish(v.VRemoved([3], "GPU"), v.VStored([4], 2, list(range(16)), 16, None, "GPU", None))
+            until(lambda: sub.sink.blocks("GPU") == {2, 4}, sub)
+            s = sub.stats()
+            assert s["snapshots"] == 0 and s["replays"] == 1 and s["epoch"] is None and not sub.approximate
+        finally:
+            stop.set()
+            server.join()
+            sub.close()
+    finally:
+        vp.close()
