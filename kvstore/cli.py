@@ -14,6 +14,7 @@ def build_parser() -> argparse.ArgumentParser:
     from kvstore.daemon import cli as daemon_cli
     from kvstore.events import command as events_cli
     from kvstore.replay import command as replay
+    from kvstore.route import cli as route_cli
 
     parser = argparse.ArgumentParser(
         prog="kvstore",
@@ -26,6 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     replay.register(subparsers)
     daemon_cli.register(subparsers)
     events_cli.register(subparsers)
+    route_cli.register(subparsers)
     if importlib.util.find_spec("engine"):  # `kvstore engine`, where the engine package is installed
         importlib.import_module("engine.serve.cli").register(subparsers)
     return parser

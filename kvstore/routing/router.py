@@ -207,14 +207,16 @@ class Router:
                 reason = self._reason(match, saved, allowed, choice, states)
                 self.history.record(states[choice].name, ids, now)
             state = states[choice]
-            cached = int(match.num_blocks[choice]) * self.block_tokens
+            # as the engine counts: the prompt's last token is always computed
+            cached = min(int(match.num_blocks[choice]), max(prompt_tokens - 1, 0) // self.block_tokens) \
+                * self.block_tokens
             uncached = int(prompt_tokens - saved[choice])
             state.in_flight += 1
             state.prefilling += 1
             state.routed_prefill_tokens += uncached
             state.decisions += 1
             self.reasons[reason] += 1
-            return Decision(state.name, reason, prompt_tokens, min(cached, prompt_tokens),
+            return Decision(state.name, reason, prompt_tokens, cached,
                             match.tiers_of(choice), float(cost[choice]), time.perf_counter() - started, uncached)
 
     def _reason(self, match: PrefixMatches, saved: np.ndarray, allowed: np.ndarray, choice: int,

@@ -1,0 +1,230 @@
+"""The FastAPI app of ``kvstore route``: the same OpenAI endpoints as ``kvstore engine``,
+forwarded to the replica the Router picks, plus the router's own views (docs/routing.md).
+
+``RouteState`` holds the replicas' links, the Router (built once the first replica has told
+its key recipe), the HTTP client and the callers' tokens; ``health_loop`` polls every replica.
+A request: authenticate the caller (its tenant), tokenize the prompt as the replicas do (bytes
+locally; otherwise, and for chat templates, a replica's ``/v1/kvstore/tokenize``), hash and
+route it (kvstore.routing), forward it (proxy.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from importlib.resources import files
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import HTMLResponse, JSONResponse, Response
+
+from kvstore.daemon.registry import AuthError, Tokens
+from kvstore.keys import BlockHasher
+from kvstore.route.config import RouteConfig
+from kvstore.route.metrics import RouteMetrics
+from kvstore.route.proxy import Forward, Proxy, error
+from kvstore.route.replica import ReplicaInfo, ReplicaLink
+from kvstore.routing import Router
+
+log = logging.getLogger("kvstore.route")
+PATHS = {"completion": "/v1/completions", "chat": "/v1/chat/completions"}
+
+
+class RouteState:
+    """Everything the handlers share (see module)."""
+
+    def __init__(self, config: RouteConfig) -> None:
+        self.config = config
+        headers = {"authorization": f"Bearer {config.router_token}"} if config.router_token else {}
+        self.links = {url: ReplicaLink(url, headers, config.health_interval_s, config.dead_after_s)
+                      for url in config.urls}
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=config.connect_timeout_s),
+                                        limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+        self.tokens = Tokens(None, config.tokens_file)
+        self.router: Router | None = None
+        self.recipe: ReplicaInfo | None = None
+        self.proxy: Proxy | None = None
+        self.metrics = RouteMetrics(lambda: self.router, lambda: {u: link.healthy for u, link in self.links.items()})
+        self.draining = False
+        self.num_inflight = 0
+
+    async def learn_recipe(self, timeout_s: float) -> None:
+        """Wait for the first replica that answers its info: its key recipe is the pool's."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        problems: dict[str, str] = {}
+        while self.router is None:
+            for link in self.links.values():
+                try:
+                    info = await link.learn(self.client)
+                except (httpx.HTTPError, ValueError) as exc:
+                    problems[link.url] = f"{type(exc).__name__}: {exc}"
+                    continue
+                self.recipe = info
+                self.router = Router(info.block_size, self.config.routing, BlockHasher(info.namespace))
+                for url in self.links:
+                    self.router.add_replica(url)
+                    self.router.set_healthy(url, False)  # each comes in through its first health check
+                self.proxy = Proxy(self.router, self.client, self.config.router_token, self.config.max_attempts,
+                                   self.take_out, self.metrics)
+                break
+            if self.router is None:
+                if loop.time() > deadline:
+                    raise RuntimeError("no replica answered GET /v1/kvstore/info: "
+                                       + "; ".join(f"{u}: {p}" for u, p in problems.items()))
+                await asyncio.sleep(self.config.health_interval_s)
+
+    async def check_all(self) -> None:
+        assert self.router is not None and self.recipe is not None
+        await asyncio.gather(*(link.check(self.client, self.router, self.recipe) for link in self.links.values()))
+
+    async def health_loop(self) -> None:
+        while True:
+            try:
+                await self.check_all()
+            except Exception:
+                log.exception("health round failed")
+            await asyncio.sleep(self.config.health_interval_s)
+
+    def take_out(self, url: str, why: str) -> None:
+        link = self.links.get(url)
+        if link is not None and link.healthy and self.router is not None:
+            link.take_out(self.router, why)
+
+    def healthy_urls(self) -> list[str]:
+        return [u for u, link in self.links.items() if link.healthy]
+
+    async def tokenize(self, endpoint: str, body: dict[str, Any], tenant: str) -> list[int]:
+        """The first prompt's token ids as the replicas see them ([] when they cannot be known:
+        the replica then answers the bad request itself)."""
+        assert self.recipe is not None
+        if endpoint == "completion":
+            prompt = body.get("prompt")
+            if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+                prompt = prompt[0]  # a batch is routed by its first prompt
+            if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+                return prompt
+            if not isinstance(prompt, str):
+                return []
+            if self.recipe.tokenizer_kind == "bytes":
+                return list(prompt.encode("utf-8"))
+            request: dict[str, Any] = {"prompt": prompt}
+        else:
+            if not isinstance(body.get("messages"), list):
+                return []
+            request = {"messages": body["messages"]}
+        assert self.proxy is not None
+        for url in self.healthy_urls():
+            try:
+                response = await self.client.post(f"{url}/v1/kvstore/tokenize", json=request,
+                                                  headers=self.proxy.headers(tenant))
+            except httpx.HTTPError:
+                continue
+            if response.status_code == 200:
+                tokens = response.json().get("tokens")
+                return tokens if isinstance(tokens, list) else []
+            return []  # the replica refuses the prompt: it will say why when it gets the request
+        return []
+
+    def replicas_view(self) -> dict[str, Any]:
+        router = self.router
+        return {"policy": self.config.routing.policy,
+                "block_size": self.recipe.block_size if self.recipe else None,
+                "model": self.recipe.model if self.recipe else None,
+                "decisions": dict(router.reasons) if router else {},
+                "replicas": [link.status(router) for link in self.links.values()] if router else []}
+
+    async def close(self) -> None:
+        for link in self.links.values():
+            link.close()
+        await self.client.aclose()
+
+
+def create_app(state: RouteState) -> FastAPI:
+    app = FastAPI(title="kvstore route", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.route = state
+    page = files("kvstore.route").joinpath("static/router.html").read_text(encoding="utf-8")
+
+    def tenant_of(request: Request) -> str:
+        if state.tokens.is_open:  # no --tokens: every caller is tenant "", whatever it sends
+            return ""
+        header = request.headers.get("authorization")
+        token = None
+        if header:
+            scheme, _, value = header.partition(" ")
+            if scheme.lower() != "bearer" or not value.strip():
+                raise AuthError("the Authorization header must be 'Bearer <token>'")
+            token = value.strip()
+        return state.tokens.authenticate(token).tenant
+
+    async def generation(request: Request, endpoint: str) -> Response:
+        if state.draining:
+            return error(503, "the router is shutting down and takes no new requests", "service_unavailable_error",
+                         "draining")
+        try:
+            tenant = tenant_of(request)
+        except AuthError as exc:
+            state.metrics.request_done(endpoint, 401)
+            return error(401, str(exc), "authentication_error", "invalid_api_key")
+        raw = await request.body()
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            body = None
+        if not isinstance(body, dict):
+            state.metrics.request_done(endpoint, 400)
+            return error(400, "the body must be a JSON object", "invalid_request_error")
+        assert state.proxy is not None
+        state.num_inflight += 1
+        try:
+            tokens = await state.tokenize(endpoint, body, tenant)
+            return await state.proxy.forward(Forward(endpoint, PATHS[endpoint], raw, body.get("stream") is True,
+                                                     tokens, tenant))
+        finally:
+            state.num_inflight -= 1
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await generation(request, "completion")
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await generation(request, "chat")
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        try:
+            tenant_of(request)
+        except AuthError as exc:
+            return error(401, str(exc), "authentication_error", "invalid_api_key")
+        assert state.proxy is not None
+        for url in state.healthy_urls():
+            try:
+                upstream = await state.client.get(f"{url}/v1/models", headers=state.proxy.headers(""))
+            except httpx.HTTPError:
+                continue
+            return Response(upstream.content, upstream.status_code, media_type="application/json")
+        return error(503, "no healthy replica", "service_unavailable_error", "no_replica")
+
+    @app.get("/health")
+    async def health() -> Response:
+        healthy = state.healthy_urls()
+        ok = bool(healthy) and not state.draining
+        return JSONResponse({"status": "ok" if ok else "unavailable", "healthy_replicas": len(healthy)},
+                            status_code=200 if ok else 503)
+
+    @app.get("/v1/router/replicas")
+    async def replicas() -> Response:
+        return JSONResponse(state.replicas_view())
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/router")
+    async def router_page() -> Response:
+        return HTMLResponse(page)
+
+    return app

@@ -1,0 +1,93 @@
+"""The ``kvstore route`` process: learn the replicas, serve the app with uvicorn, drain on SIGTERM.
+
+Lifecycle: wait for the first replica's ``/v1/kvstore/info`` (its key recipe is the pool's;
+60 s at most) -> one health round (replicas that answer are taken in, their events followed)
+-> bind -> print ``kvstore route: routing N replicas (M healthy) on http://HOST:PORT (pid P);
+ready`` -> serve, with a health round every ``health_interval_s`` -> SIGTERM/SIGINT: new
+requests get 503, requests in flight finish (up to ``drain_s``), the subscribers close and the
+process exits 0. A second signal exits at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import time
+from collections.abc import Iterator
+
+from kvstore.route.app import RouteState, create_app
+from kvstore.route.config import RouteConfig
+
+RECIPE_TIMEOUT_S = 60.0
+
+
+async def run(config: RouteConfig) -> int:
+    import uvicorn
+
+    class _Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:  # run() owns the signals
+            yield
+
+    stop = asyncio.Event()
+    signals = 0
+
+    def on_signal() -> None:
+        nonlocal signals
+        signals += 1
+        if signals > 1:
+            os._exit(1)
+        stop.set()
+
+    aloop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        aloop.add_signal_handler(sig, on_signal)
+    state = RouteState(config)
+    try:
+        await state.learn_recipe(RECIPE_TIMEOUT_S)
+    except RuntimeError as exc:
+        print(f"kvstore route: {exc}", flush=True)
+        await state.close()
+        return 1
+    await state.check_all()
+    health = asyncio.create_task(state.health_loop())
+    family = socket.AF_INET6 if ":" in config.host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((config.host, config.port))
+    server = _Server(uvicorn.Config(create_app(state), log_level="warning", lifespan="off", access_log=False,
+                                    timeout_graceful_shutdown=1))
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    while not (server.started or task.done()):
+        await asyncio.sleep(0.01)
+    if not server.started:
+        await task
+        return 1
+    host, port = sock.getsockname()[:2]
+    where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    print(f"kvstore route: routing {len(state.links)} replicas ({len(state.healthy_urls())} healthy) with "
+          f"{config.routing.policy} on http://{where} (pid {os.getpid()}); ready", flush=True)
+    await stop.wait()
+    state.draining = True
+    deadline = time.monotonic() + config.drain_s
+    while state.num_inflight and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+    server.should_exit = True
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    health.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await health
+    await state.close()
+    print("kvstore route: stopped", flush=True)
+    return 0
+
+
+def serve(config: RouteConfig) -> int:
+    """Run ``kvstore route`` in this process until SIGTERM/SIGINT; returns the exit status."""
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    return asyncio.run(run(config))
