@@ -88,7 +88,8 @@ class Proxy:
                 continue
             if fwd.stream and upstream.status_code == 200:
                 return StreamingResponse(self._relay(upstream, decision, fwd), status_code=200,
-                                         media_type=upstream.headers.get("content-type", "text/event-stream"))
+                                         media_type=upstream.headers.get("content-type", "text/event-stream"),
+                                         headers=route_headers(decision))
             try:
                 content = await upstream.aread()
             except httpx.HTTPError as exc:
@@ -100,7 +101,7 @@ class Proxy:
             self.metrics.request_done(fwd.endpoint, upstream.status_code)
             if upstream.status_code == 200:
                 self.metrics.observed_cached(decision, _cached_tokens(content))
-            return Response(content, status_code=upstream.status_code,
+            return Response(content, status_code=upstream.status_code, headers=route_headers(decision),
                             media_type=upstream.headers.get("content-type", "application/json"))
         return error(503, f"no replica could be reached in {self.max_attempts} attempts", "service_unavailable_error",
                      "no_replica")
@@ -123,6 +124,12 @@ class Proxy:
             self.router.finished(decision, prefill_done=not first)
             self.metrics.request_done(fwd.endpoint, status)
             self.metrics.observed_cached(decision, _stream_cached_tokens(tail))
+
+
+def route_headers(decision: Decision) -> dict[str, str]:
+    """What the router decided, for the caller (and tests): replica, reason, predicted cache."""
+    return {"x-kvstore-replica": decision.replica, "x-kvstore-route-reason": decision.reason,
+            "x-kvstore-predicted-cached-tokens": str(decision.predicted_cached_tokens)}
 
 
 def _cached_tokens(content: bytes) -> int | None:

@@ -59,6 +59,7 @@ class ReplicaState:
     routed_prefill_tokens: int = 0  # their predicted uncached prompt tokens
     load: LoadReport = field(default_factory=LoadReport)
     decisions: int = 0
+    last_chosen: int = -1  # the router's decision number when this replica was last picked
 
 
 @dataclass(frozen=True)
@@ -184,6 +185,7 @@ class Router:
             start = self._turn % n
             self._turn += 1
             in_flight = np.array([s.in_flight for s in states])
+            last_chosen = np.array([s.last_chosen for s in states])
             queued = np.array([max(s.load.queued_prefill_tokens, s.routed_prefill_tokens) for s in states])
             decoding = np.array([max(s.load.running_decode_seqs, s.in_flight - s.prefilling) for s in states])
             free = np.array([np.inf if s.load.num_free_blocks is None else
@@ -199,11 +201,11 @@ class Router:
                 cost = scoring.costs(prompt_tokens, saved, queued, decoding, free, self.config)
             elif policy == LEAST_LOADED:
                 cost = scoring.costs(prompt_tokens, np.zeros(n), queued, decoding, np.full(n, np.inf), self.config)
-                choice, reason = scoring.pick(cost, in_flight, np.ones(n, bool), start), LEAST_LOADED
+                choice, reason = scoring.pick(cost, in_flight, np.ones(n, bool), last_chosen), LEAST_LOADED
             else:
                 cost = scoring.costs(prompt_tokens, saved, queued, decoding, free, self.config)
                 allowed = ~scoring.overloaded(in_flight, queued, self.config)
-                choice = scoring.pick(cost, in_flight, allowed, start)
+                choice = scoring.pick(cost, in_flight, allowed, last_chosen)
                 reason = self._reason(match, saved, allowed, choice, states)
                 self.history.record(states[choice].name, ids, now)
             state = states[choice]
@@ -215,6 +217,7 @@ class Router:
             state.prefilling += 1
             state.routed_prefill_tokens += uncached
             state.decisions += 1
+            state.last_chosen = self._turn
             self.reasons[reason] += 1
             return Decision(state.name, reason, prompt_tokens, cached,
                             match.tiers_of(choice), float(cost[choice]), time.perf_counter() - started, uncached)

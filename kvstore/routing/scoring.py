@@ -48,10 +48,8 @@ def overloaded(in_flight: np.ndarray, queued_tokens: np.ndarray, config: RouterC
     return by_count | by_tokens
 
 
-def pick(cost: np.ndarray, in_flight: np.ndarray, allowed: np.ndarray, start: int) -> int:
+def pick(cost: np.ndarray, in_flight: np.ndarray, allowed: np.ndarray, last_chosen: np.ndarray) -> int:
     """The allowed candidate of lowest cost; ties go to fewer in-flight requests, then to the
-    first in rotation order from ``start`` (so equal replicas take turns)."""
-    n = cost.size
-    rotation = (np.arange(n) - start) % n
-    order = np.lexsort((rotation, in_flight, cost, ~allowed))
+    one chosen longest ago (``last_chosen``: a decision counter), so equal replicas take turns."""
+    order = np.lexsort((last_chosen, in_flight, cost, ~allowed))
     return int(order[0])
