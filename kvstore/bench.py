@@ -36,7 +36,7 @@ BENCH_LAYOUT = KVLayout(num_layers=24, num_kv_heads=2, head_dim=64, block_size=1
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 BENCH_TARGET_MODULES = ("engine.bench", "kvstore.daemon.bench_daemon", "kvstore.bench_remote",
                         "kvstore.integrations.bench_vllm", "kvstore.routing.bench", "kvstore.bench_codecs",
-                        "kvstore.events.bench")
+                        "kvstore.events.bench", "kvstore.route.bench_live")
 
 
 @dataclass

@@ -26,7 +26,7 @@ from kvstore.route.config import RouteConfig
 from kvstore.route.metrics import RouteMetrics
 from kvstore.route.proxy import Forward, Proxy, error
 from kvstore.route.replica import ReplicaInfo, ReplicaLink
-from kvstore.routing import Router
+from kvstore.routing import CACHE_AWARE, Router
 
 log = logging.getLogger("kvstore.route")
 PATHS = {"completion": "/v1/completions", "chat": "/v1/chat/completions"}
@@ -179,7 +179,8 @@ def create_app(state: RouteState) -> FastAPI:
         assert state.proxy is not None
         state.num_inflight += 1
         try:
-            tokens = await state.tokenize(endpoint, body, tenant)
+            # the baseline policies look at no cache: they need no tokens (nor their round trip)
+            tokens = await state.tokenize(endpoint, body, tenant) if state.config.routing.policy == CACHE_AWARE else []
             return await state.proxy.forward(Forward(endpoint, PATHS[endpoint], raw, body.get("stream") is True,
                                                      tokens, tenant))
         finally:

@@ -83,7 +83,7 @@ class Proxy:
             if upstream.status_code == 503 and attempt < self.max_attempts:  # draining: nothing started
                 await upstream.aclose()
                 self.router.finished(decision, prefill_done=False)
-                self.router.set_healthy(decision.replica, False)
+                self.on_unreachable(decision.replica, "draining (503)")
                 self.metrics.retried(fwd.endpoint)
                 continue
             if fwd.stream and upstream.status_code == 200:
@@ -107,11 +107,12 @@ class Proxy:
                      "no_replica")
 
     async def _relay(self, upstream: httpx.Response, decision: Decision, fwd: Forward) -> AsyncIterator[bytes]:
-        """The replica's stream, chunk by chunk; the first chunk means prefill is over."""
+        """The replica's stream, chunk by chunk. Its first event that is not a chat stream's
+        opening role chunk (sent before the prefill) carries the first token: prefill is over."""
         first, tail, status = True, b"", 200
         try:
             async for chunk in upstream.aiter_raw():
-                if first:
+                if first and chunk.count(b"data: ") > chunk.count(b'"role"'):
                     self.router.prefill_done(decision)
                     first = False
                 tail = (tail + chunk)[-65536:]  # the usage chunk, if any, is near the end
