@@ -46,7 +46,7 @@ class _RouterCollector(Collector):
             state = router.replicas.get(url)
             in_flight.add_metric([url], state.in_flight if state else 0)
             if state is not None:
-                for tier, n in router.index.num_blocks(url).items():
+                for tier, n in router.indexed_blocks(url).items():
                     blocks.add_metric([url, tier], n)
         yield from (healthy, in_flight, blocks)
 

@@ -191,7 +191,7 @@ class ReplicaLink:
             "in_flight": state.in_flight if state else 0,
             "queued_prefill_tokens": max(self.load.queued_prefill_tokens, state.routed_prefill_tokens if state else 0),
             "running_decode_seqs": self.load.running_decode_seqs, "kv_usage": self.load.kv_usage,
-            "indexed_blocks": router.index.num_blocks(self.url) if state else {},
+            "indexed_blocks": router.indexed_blocks(self.url) if state else {},
             "decisions": state.decisions if state else 0,
             "events": {"endpoint": self.info.events_endpoint if self.info else None,
                        "last_seq": events.get("last_seq"), "epoch": events.get("epoch"),

@@ -147,6 +147,11 @@ class Router:
         except KeyError:
             raise KeyError(f"unknown replica {name!r}; known: {sorted(self.replicas)}") from None
 
+    def indexed_blocks(self, name: str) -> dict[str, int]:
+        """``index.num_blocks(name)`` under the lock (events may be arriving on other threads)."""
+        with self._lock:
+            return self.index.num_blocks(name)
+
     # -- events ----------------------------------------------------------------------------
     def stored(self, name: str, keys: Sequence[bytes], medium: str) -> None:
         with self._lock:

@@ -75,6 +75,13 @@ def test_multi_turn_conversations_stay_where_their_prefix_is(replicas: list[Repl
         assert last is not None
         direct, _ = chat(replicas[0].client(), last[0])  # one engine's greedy output, no router
         assert direct.choices[0].message.content == last[1]
+        metrics = {line.split(" ")[0]: float(line.split(" ")[1]) for line in
+                   httpx.get(f"{router.url}/metrics", timeout=5).text.splitlines() if line and line[0] != "#"}
+        assert metrics['kvstore_router_decisions_total{reason="cache_hit"}'] >= 6
+        predicted = metrics["kvstore_router_predicted_cached_tokens_total"]
+        assert 0 < predicted <= metrics["kvstore_router_reported_cached_tokens_total"]
+        assert metrics['kvstore_router_requests_total{endpoint="chat",status="200"}'] == 18
+        assert "kvstore route" in httpx.get(f"{router.url}/router", timeout=5).text
     finally:
         assert router.stop() == 0
 
