@@ -18,7 +18,7 @@ from typing import Any
 
 import httpx
 
-from kvstore.events import GPU, AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, Subscriber
+from kvstore.events import CallbackSink, Subscriber
 from kvstore.keys import Namespace
 from kvstore.layout import DTYPES_BY_NAME, KVLayout
 from kvstore.routing import LoadReport, Router
@@ -59,32 +59,27 @@ def parse_info(body: Any) -> ReplicaInfo:
         raise ValueError(f"a malformed /v1/kvstore/info: {type(exc).__name__}: {exc}") from None
 
 
-class EventsSink:
-    """Folds one replica's event batches into the Router's index (a Subscriber's sink)."""
+def events_sink(router: Router, replica: str) -> CallbackSink:
+    """The events library's CallbackSink, folding one replica's events into the Router's index.
 
-    def __init__(self, router: Router, replica: str) -> None:
-        self.router, self.replica = router, replica
-        self.num_foreign_hashes = 0  # hashes that are not kvstore keys (a vLLM publisher's ints)
+    Hashes that are not kvstore keys (a plain vLLM publisher's 64-bit ints) cannot match a
+    prompt the router hashed, so they are skipped; an event of an unknown medium is logged.
+    """
 
-    def apply(self, batch: EventBatch) -> None:
-        for event in batch.events:
-            if isinstance(event, AllBlocksCleared):
-                self.router.cleared(self.replica)
-                continue
-            if not isinstance(event, BlockStored | BlockRemoved):
-                continue
-            hashes = [h for h in event.block_hashes if isinstance(h, bytes)]
-            self.num_foreign_hashes += len(event.block_hashes) - len(hashes)
-            if not hashes:
-                continue
-            medium = event.medium or GPU
+    def keys(hashes: list[Any]) -> list[bytes]:
+        return [h for h in hashes if isinstance(h, bytes)]
+
+    def apply(update: Any, hashes: list[Any], medium: str) -> None:
+        found = keys(hashes)
+        if found:
             try:
-                if isinstance(event, BlockStored):
-                    self.router.stored(self.replica, hashes, medium)
-                else:
-                    self.router.removed(self.replica, hashes, medium)
-            except (KeyError, ValueError) as exc:  # a medium or key length we do not know
-                log.warning("replica %s: event ignored: %s", self.replica, exc)
+                update(replica, found, medium)
+            except (KeyError, ValueError) as exc:
+                log.warning("replica %s: event ignored: %s", replica, exc)
+
+    return CallbackSink(lambda hashes, medium: apply(router.stored, hashes, medium),
+                        lambda hashes, medium: apply(router.removed, hashes, medium),
+                        lambda: router.cleared(replica))
 
 
 class ReplicaLink:
@@ -104,7 +99,6 @@ class ReplicaLink:
         self.last_ok = 0.0
         self.restarts = 0
         self.subscriber: Subscriber | None = None
-        self.sink: EventsSink | None = None
 
     async def learn(self, client: httpx.AsyncClient) -> ReplicaInfo:
         """Fetch and parse the replica's info (raises httpx errors or ValueError)."""
@@ -169,8 +163,7 @@ class ReplicaLink:
         assert self.info is not None
         if not self.info.events_endpoint:
             return  # no events: the router routes it from its own history (approximate)
-        self.sink = EventsSink(router, self.url)
-        self.subscriber = Subscriber(self.info.events_endpoint, self.sink,
+        self.subscriber = Subscriber(self.info.events_endpoint, events_sink(router, self.url),
                                      replay_endpoint=self.info.replay_endpoint or "", topic=self.info.topic,
                                      heartbeat_timeout_s=max(3.0, 4 * self.health_interval_s)).start()
 

@@ -114,10 +114,11 @@ def test_the_overload_gate_spreads_a_hot_system_prompt(replicas: list[Replica]) 
             placed = [url for urls in pool.map(work, range(workers)) for url in urls]
         done.set()
         sampler.join()
-        full = [s for s in samples if sum(s) == workers]  # every worker has a request out
-        assert full, f"no sample at full concurrency among {len(samples)}"
+        # The mean in flight at full concurrency is workers / 3; the gate lets no replica past 1.5x it.
         mean = workers / len(replicas)
-        assert all(max(s) <= 1.5 * mean for s in full), [s for s in full if max(s) > 1.5 * mean][:5]
+        busy = [s for s in samples if sum(s) >= workers // 2]
+        assert busy, f"no sample with {workers // 2}+ requests in flight among {len(samples)}"
+        assert all(max(s) <= 1.5 * mean for s in samples), [s for s in samples if max(s) > 1.5 * mean][:5]
         assert len(set(placed)) == 3 and min(placed.count(u) for u in set(placed)) >= workers * per_worker // 6
     finally:
         assert router.stop() == 0
