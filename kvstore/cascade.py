@@ -12,6 +12,10 @@ block no level holds any more is forgotten (and remembered as seen once, for "se
 admission). Promotion: the read path reserves host slots, copies lower-level blocks into
 them outside the lock, and publishes the good copies on host.
 
+Below the indexed levels sit the shared ones (``shared``, the remote tier): asked, never
+indexed (kvstore/levels/shared.py). Blocks that leave the last local level are offered to
+the shared levels that take demotions, before their local copy is dropped.
+
 Every method expects the caller to hold ``lock``; the cascade owns the index's placements,
 the levels' policies and the listeners' events.
 """
@@ -31,6 +35,7 @@ from kvstore.eviction import EvictionPolicy
 from kvstore.index import BlockEntry, BlockIndex, PrefixMatch
 from kvstore.levels.base import Level
 from kvstore.levels.host import HostLevel
+from kvstore.levels.shared import SharedLevel
 from kvstore.listeners import Listeners
 
 GHOST_KEYS = 1 << 16  # keys remembered as "seen once" for admission="seen_twice"
@@ -39,11 +44,12 @@ GHOST_KEYS = 1 << 16  # keys remembered as "seen once" for admission="seen_twice
 class Cascade:
     """The levels (rank 0 must be a HostLevel), the index, and the demotion/promotion paths."""
 
-    def __init__(self, levels: list[Level]) -> None:
+    def __init__(self, levels: list[Level], shared: Sequence[SharedLevel] = ()) -> None:
         assert levels and isinstance(levels[0], HostLevel), "rank 0 must be host RAM"
         assert len({level.raw_bytes for level in levels}) == 1, "levels disagree on the raw block size"
         assert [level.rank for level in levels] == list(range(len(levels))), "levels out of rank order"
         self.levels = levels
+        self.shared = list(shared)
         self.host = cast(HostLevel, levels[0])
         self.lock = threading.RLock()
         self.index = BlockIndex(tuple(level.name for level in levels))
@@ -58,8 +64,13 @@ class Cascade:
         if self.closed:
             raise KVStoreError("the store is closed")
 
-    def level(self, name: str) -> Level | None:
-        return next((level for level in self.levels if level.name == name), None)
+    def level(self, name: str) -> Level | SharedLevel | None:
+        return next((level for level in [*self.levels, *self.shared] if level.name == name), None)
+
+    @property
+    def level_names(self) -> tuple[str, ...]:
+        """Every tier's name, fastest first: the indexed levels, then the shared ones."""
+        return (*self.index.level_names, *(level.name for level in self.shared))
 
     # ----------------------------------------------------------------------------- entries
 
@@ -96,8 +107,26 @@ class Cascade:
                 payloads = level.export([v.key for v in demoted], [v.slots[rank] for v in demoted])  # type: ignore[misc]
                 readable = [(v, p) for v, p in zip(demoted, payloads, strict=True) if p is not None]
                 self.store(below.rank, [v for v, _ in readable], [p for _, p in readable], source_rank=rank)
+        self.offer_leaving(level, victims)
         self._drop(level, victims)
         level.counters.evictions += len(victims)
+
+    def offer_leaving(self, level: Level, entries: list[BlockEntry]) -> None:
+        """Offer the blocks of ``entries`` that no other local level holds (they are about to
+        leave ``level``, so they leave the store) to the shared levels that take demotions."""
+        takers = [s for s in self.shared if s.takes_demotions]
+        rank = level.rank
+        leaving = [e for e in entries
+                   if not any(slot is not None for r, slot in enumerate(e.slots) if r != rank)]
+        if not takers or not leaving:
+            return
+        leaving.reverse()  # victims come tail first; offered in chain order
+        payloads = level.export([e.key for e in leaving], [e.slots[rank] for e in leaving])  # type: ignore[misc]
+        readable = [(e, p) for e, p in zip(leaving, payloads, strict=True) if p is not None]
+        for shared in takers:
+            # a decoded copy of a lossy level is not the bytes put: only a lossy level takes it
+            fit = [(e.key, p) for e, p in readable if shared.lossy or e.is_exact(rank)]
+            shared.offer([k for k, _ in fit], [p for _, p in fit])
 
     def _pop_victims(self, policy: EvictionPolicy, n: int) -> list[BlockEntry]:
         """Up to ``n`` entries the policy gives up, skipping pinned and in-flight blocks."""
@@ -286,8 +315,10 @@ class Cascade:
 
     def write_back(self) -> None:
         """Before close: store what lives only in host RAM one level down, most valuable kept
-        when that level is too small (host is drained in eviction order, least valuable first)."""
+        when that level is too small (host is drained in eviction order, least valuable first);
+        what stays only in host RAM then is offered to the shared levels taking demotions."""
         if len(self.levels) < 2:
+            self.offer_leaving(self.host, list(self.index.entries.values()))
             return
         below, entries = self.levels[1], self.index.entries
         host_only: list[BlockEntry] = []
@@ -298,6 +329,7 @@ class Cascade:
         keep = host_only[-below.num_slots :][::-1]
         payloads = self.host.export([e.key for e in keep], [e.slots[0] for e in keep])  # type: ignore[misc]
         self.store(below.rank, keep, payloads, source_rank=0)  # type: ignore[arg-type]
+        self.offer_leaving(self.host, [e for e in entries.values() if e.slots[0] is not None])
 
     def _recover(self, level: Level) -> None:
         """Index what a persistent level kept from an earlier run: its catalog is the truth."""

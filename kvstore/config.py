@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvstore.codecs import CODECS, get_codec, stored_bytes
@@ -16,6 +16,7 @@ PAGE = 4096
 WRITE_POLICIES = ("write_back", "write_through")
 DISK_ADMISSIONS = ("all", "seen_twice")
 PROMOTIONS = ("get", "lookup", "never")
+REMOTE_WRITES = ("put", "demote")
 
 
 @dataclass(frozen=True)
@@ -45,7 +46,15 @@ class StoreConfig:
             (kvstore.codecs: "none", "int8", "int8-fp32", "fp8"). A lossy tier holds about
             half the bytes per block (twice the blocks fit) and a get from it returns the
             decoded values, not the bytes put (``get(exact=True)`` refuses those).
-            ``remote_codec`` applies to the remote tier once a store has one.
+            ``remote_codec`` applies to the remote tier (``remote_url``).
+        remote_url: a shared remote tier below the local ones (docs/remote.md):
+            ``redis://``, ``rediss://``, ``redis+cluster://h:p,h:p`` or ``rediss+cluster://``;
+            None: none. Never shown in repr (it may hold a password).
+        remote_writes: which blocks go remote, in the background: every "put" (write-behind
+            from host), or only blocks that "demote" out of the local tiers.
+        remote_timeout_s: socket timeout and per-call deadline of the remote tier.
+        remote_queue_blocks: the remote write-behind queue bound; beyond it blocks are dropped.
+        remote_prefix: first part of every Redis key name (one per deployment sharing a cluster).
     """
 
     layout: KVLayout
@@ -67,6 +76,11 @@ class StoreConfig:
     host_codec: str = "none"
     disk_codec: str = "none"
     remote_codec: str = "none"
+    remote_url: str | None = field(default=None, repr=False)
+    remote_writes: str = "put"
+    remote_timeout_s: float = 0.5
+    remote_queue_blocks: int = 1024
+    remote_prefix: str = "kvstore"
 
     def __post_init__(self) -> None:
         if not isinstance(self.layout, KVLayout):
@@ -108,6 +122,7 @@ class StoreConfig:
             ("promotion", self.promotion, PROMOTIONS),
             ("host_policy", self.host_policy, tuple(POLICIES)),
             ("disk_policy", self.disk_policy, tuple(POLICIES)),
+            ("remote_writes", self.remote_writes, REMOTE_WRITES),
         ):
             if value not in allowed:
                 raise ConfigError(f"{name} must be one of {list(allowed)}, got {value!r}")
@@ -115,6 +130,23 @@ class StoreConfig:
             raise ConfigError("write_policy='write_through' needs a disk tier (disk_path)")
         if not isinstance(self.transfer_threads, int) or self.transfer_threads < 1:
             raise ConfigError(f"transfer_threads must be >= 1, got {self.transfer_threads!r}")
+        self._check_remote()
+
+    def _check_remote(self) -> None:
+        if self.remote_url is None:
+            return
+        from tiers.remote.naming import check_prefix
+        from tiers.remote.url import parse_url
+
+        try:
+            parse_url(self.remote_url)  # the message shows the URL redacted
+            check_prefix(self.remote_prefix)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        if not isinstance(self.remote_timeout_s, (int, float)) or not self.remote_timeout_s > 0:
+            raise ConfigError(f"remote_timeout_s must be positive, got {self.remote_timeout_s!r}")
+        if not isinstance(self.remote_queue_blocks, int) or self.remote_queue_blocks < 1:
+            raise ConfigError(f"remote_queue_blocks must be >= 1, got {self.remote_queue_blocks!r}")
 
     @property
     def slot_bytes(self) -> int:
@@ -129,3 +161,7 @@ class StoreConfig:
     @property
     def has_disk(self) -> bool:
         return self.disk_path is not None
+
+    @property
+    def has_remote(self) -> bool:
+        return self.remote_url is not None

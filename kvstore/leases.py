@@ -48,12 +48,14 @@ class HostLeases:
             cascade.check_open()
             match = cascade.index.match(keys)
             cascade.count_lookup(match, len(keys))
-        if any(tier != cascade.host.name for tier in match.tiers):
+        if cascade.shared and match.num_blocks < len(keys):
+            self.reads.read_into(keys, None)  # continues into the shared levels, promoting
+        elif any(tier != cascade.host.name for tier in match.tiers):
             self.reads.read_into(keys[: match.num_blocks], None)
         with cascade.lock:
             cascade.check_open()
             held: list[BlockEntry] = []
-            for key in keys[: match.num_blocks]:
+            for key in keys if cascade.shared else keys[: match.num_blocks]:
                 entry = cascade.index.get(key)
                 if entry is None or entry.slots[0] is None:
                     break

@@ -12,6 +12,11 @@ Three phases:
      corrupt, release the readers.
 
 A block that fails its read ends the delivered run there: the caller recomputes the rest.
+
+Where the indexed run ends, the shared levels (the remote tier) are asked for the blocks
+that follow, in order: what they deliver lands straight in the destination and is promoted
+into host RAM as new entries (``promotion`` permitting). ``extend`` does the same for a
+lookup: the remote is shared and not indexed here, so only it knows what it holds.
 """
 
 from __future__ import annotations
@@ -71,7 +76,75 @@ class ReadPath:
             if not ok.get(entry.key, True):
                 break
             delivered += 1
-        return FetchResult(delivered, tuple(names[r] for _, r in plan[:delivered]))
+        tiers = [names[r] for _, r in plan[:delivered]]
+        if delivered == len(plan) < len(keys) and cascade.shared:
+            tiers += self._read_shared(keys, delivered, dst, exact)
+        return FetchResult(len(tiers), tuple(tiers))
+
+    def extend(self, keys: Sequence[bytes], match: PrefixMatch, exact: bool = False) -> PrefixMatch:
+        """``match`` (the indexed run) continued through the shared levels, in order (with
+        ``exact``, only lossless ones). Call without the store lock: this asks the network."""
+        tiers, start = list(match.tiers), match.num_blocks
+        lossy = list(match.lossy) if len(match.lossy) == start else [False] * start
+        for level in self.cascade.shared:
+            if start == len(keys):
+                break
+            if exact and level.lossy:
+                continue
+            n = level.leading(keys[start:])
+            tiers += [level.name] * n
+            lossy += [level.lossy] * n
+            start += n
+        return PrefixMatch(len(tiers), tuple(tiers), tuple(lossy))
+
+    def _read_shared(self, keys: Sequence[bytes], start: int, dst: torch.Tensor | None,
+                     exact: bool) -> list[str]:
+        """Read ``keys[start:]`` from the shared levels into ``dst[start:]`` (or scratch rows
+        for a prefetch) until one comes up short; promote the delivered run. Its tier names.
+        With ``exact``, lossy levels are skipped."""
+        payload = self.cascade.host.raw_bytes
+        rows = dst[start:] if dst is not None else torch.empty((len(keys) - start, payload), dtype=torch.uint8)
+        tiers: list[str] = []
+        for level in self.cascade.shared:
+            first = start + len(tiers)
+            if first == len(keys):
+                break
+            if exact and level.lossy:
+                continue
+            flags = level.read(keys[first:], list(rows[first - start :]))
+            n = flags.index(False) if False in flags else len(flags)
+            if n and self.promote:
+                self._promote(keys, first, rows[first - start : first - start + n], not level.lossy)
+            tiers += [level.name] * n
+        return tiers
+
+    def _promote(self, keys: Sequence[bytes], first: int, rows: torch.Tensor, exact: bool) -> None:
+        """Copy ``rows`` (blocks ``keys[first:first + len(rows)]``, verified; ``exact``: the
+        bytes put, not a lossy level's decoding) into host slots and publish them; blocks host
+        already holds, or that find no slot, are skipped."""
+        cascade = self.cascade
+        with cascade.lock:
+            if cascade.closed:
+                return
+            index, now = cascade.index, time.time()
+            need = [i for i in range(len(rows)) if (e := index.get(keys[first + i])) is None or e.slots[0] is None]
+            slots = cascade.reserve_host(len(need))
+            placed: list[BlockEntry] = []
+            for i in need[: len(slots)]:
+                key = keys[first + i]
+                entry = index.get(key)
+                if entry is None:
+                    parent = keys[first + i - 1] if first + i > 0 else None
+                    above = index.get(parent) if parent is not None else None
+                    entry = index.new_entry(key, parent, above.tenant if above is not None else "", now)
+                cascade.note_use(entry, now)
+                placed.append(entry)
+            written = cascade.host.write(placed, slots, [rows[i] for i in need[: len(slots)]])
+            cascade.end_reservation(len(slots), [] if written else slots)
+            if written:
+                cascade.publish(0, placed, slots, [exact] * len(placed))
+            for entry in placed:
+                cascade.forget_if_unheld(entry)
 
     def _copy(self, plan: list[tuple[BlockEntry, int]], lower: list[tuple[BlockEntry, int]],
               promo_slots: list[int], dst: torch.Tensor | None) -> tuple[dict[bytes, bool], set[bytes]]:

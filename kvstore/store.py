@@ -1,4 +1,4 @@
-"""TieredStore: the embedded API over the cascade of levels (host RAM, disk, ...).
+"""TieredStore: the embedded API over the cascade of levels (host RAM, disk, remote, ...).
 
 The store builds the levels from its config and hands them to a ``Cascade`` (the level list,
 the index, demotion and promotion); ``WritePath`` and ``ReadPath`` run put and get over it,
@@ -25,7 +25,7 @@ from kvstore.index import PrefixMatch
 from kvstore.keys import BlockHasher, ExtraKey, Namespace
 from kvstore.layout import KVLayout
 from kvstore.leases import HostLeases
-from kvstore.levels import DiskLevel, HostLevel, Level
+from kvstore.levels import DiskLevel, HostLevel, Level, SharedLevel
 from kvstore.levels.coding import LevelCodec
 from kvstore.levels.disk import CODED_SUFFIX
 from kvstore.listeners import StoreListener
@@ -63,8 +63,24 @@ def _coding(name: str, layout: KVLayout, align: int) -> LevelCodec | None:
     return LevelCodec(codec, layout, align) if codec.lossy else None
 
 
+def build_shared(config: StoreConfig) -> list[SharedLevel]:
+    """The shared levels below the local ones: the remote tier when ``remote_url`` is set."""
+    if config.remote_url is None:
+        return []
+    from kvstore.levels.remote import RemoteLevel
+    from tiers.remote import RemoteTier
+
+    coding = _coding(config.remote_codec, config.layout, 1)
+    layout_id = config.layout.fingerprint() + ("" if coding is None else f"/{coding.codec.name}")
+    tier = RemoteTier(config.remote_url, coding.stored_bytes if coding else config.layout.bytes_per_block,
+                      layout_id, prefix=config.remote_prefix, timeout_s=config.remote_timeout_s,
+                      queue_blocks=config.remote_queue_blocks)
+    return [RemoteLevel(tier, config.remote_writes, coding)]
+
+
 class TieredStore:
-    """A KV block store over host RAM and (optionally) local disk. Thread-safe.
+    """A KV block store over host RAM, optionally local disk, and optionally a remote tier
+    shared with other stores. Thread-safe.
 
     Invariants kept here: a read never returns bytes other than those put under its key;
     each tier's capacity is a hard limit; a pinned block or one being read is never evicted.
@@ -76,7 +92,7 @@ class TieredStore:
         self.namespace = Namespace(config.model_id, config.layout, config.hash_algo)
         self.hasher = BlockHasher(self.namespace)
         self._payload = self.layout.bytes_per_block
-        self._cascade = cascade = Cascade(build_levels(config, self.namespace))
+        self._cascade = cascade = Cascade(build_levels(config, self.namespace), build_shared(config))
         self._lock = cascade.lock
         self._index = cascade.index
         self._writes = WritePath(cascade, write_through=config.write_policy == "write_through")
@@ -87,10 +103,11 @@ class TieredStore:
 
     @property
     def levels(self) -> tuple[str, ...]:
-        """The tier names of the cascade, fastest first ("host", then "disk" when configured)."""
-        return self._index.level_names
+        """The tier names of the cascade, fastest first ("host", then "disk" and "remote" when
+        configured)."""
+        return self._cascade.level_names
 
-    def level(self, name: str) -> Level | None:
+    def level(self, name: str) -> Level | SharedLevel | None:
         """The level called ``name`` (its medium, policy and counters), for inspection."""
         return self._cascade.level(name)
 
@@ -140,14 +157,18 @@ class TieredStore:
         that copy is lossy (``PrefixMatch.lossy``); with ``exact``, the run of blocks held
         as the bytes put.
 
-        Changes no recency and no placement. With ``promotion="lookup"`` it also starts an
-        asynchronous copy of the matched lower-tier blocks up to host (a prefetch hint).
+        Changes no recency and no placement. Where the local run ends, a remote tier is asked
+        for the blocks that follow (one round trip per node; its tier is "remote"). With
+        ``promotion="lookup"`` it also starts an asynchronous copy of the matched lower-tier
+        blocks up to host (a prefetch hint).
         """
         keys = self._check_keys(keys)
         with self._lock:
             self._cascade.check_open()
             match = self._index.match(keys, exact=exact)
             self._cascade.count_lookup(match, len(keys))
+        if self._cascade.shared and match.num_blocks < len(keys):
+            match = self._reads.extend(keys, match, exact)
         host = self._cascade.host.name
         if self.config.promotion == "lookup" and any(t != host for t in match.tiers):
             lower = [k for k, t in zip(keys, match.tiers, strict=False) if t != host]
@@ -231,7 +252,9 @@ class TieredStore:
                 raise CapacityError(f"{len(busy)} of {len(entries)} blocks are pinned or being read, "
                                     f"first {busy[0].key.hex()}")
             self._cascade.delete(entries)
-            return len(entries)
+        for level in self._cascade.shared:
+            level.discard(keys)
+        return len(entries)
 
     # ----------------------------------------------------------------------------- pins
 
@@ -340,14 +363,33 @@ class TieredStore:
         """Per tier: capacity_bytes, used_bytes, num_blocks, hits, misses, evictions,
         bytes_read, bytes_written, errors, refused (blocks in a format this reader refuses:
         misses), and the tier's ``codec`` (name) and ``lossy`` (bool). Bytes count what the
-        tier stores (the encoded size under a codec)."""
+        tier stores (the encoded size under a codec). The remote tier adds dropped (writes
+        given up), pending (queued writes) and nodes_up; its occupancy is the cluster's own
+        (Redis INFO)."""
         with self._lock:
-            return {level.name: {**level.stats(), "codec": level.describe_codec()["codec"], "lossy": level.lossy}
-                    for level in self._cascade.levels}
+            out = {level.name: {**level.stats(), "codec": level.describe_codec()["codec"], "lossy": level.lossy}
+                   for level in self._cascade.levels}
+        for shared in self._cascade.shared:  # outside the lock: this may ask the network
+            out[shared.name] = shared.stats()
+        return out
 
     def codecs(self) -> dict[str, dict[str, Any]]:
         """Per tier: ``{"codec", "lossy", "block_bytes", ...}``, how it represents blocks."""
-        return {level.name: level.describe_codec() for level in self._cascade.levels}
+        found = {level.name: level.describe_codec() for level in self._cascade.levels}
+        for shared in self._cascade.shared:
+            found[shared.name] = (shared.coding.describe() if shared.coding is not None else
+                                  {"codec": "none", "lossy": False, "block_bytes": self.layout.bytes_per_block})
+        return found
+
+    def remote_nodes(self) -> list[dict[str, Any]]:
+        """Per node of the shared levels: address, up, breaker, used_memory, maxmemory,
+        evicted_keys, keys (empty without a remote tier)."""
+        return [dict(node, tier=level.name) for level in self._cascade.shared for node in level.nodes()]
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every block offered to the remote tier so far is written there or counted
+        as dropped. True when done (always, without a remote tier); False on timeout."""
+        return all([level.flush(timeout) for level in self._cascade.shared])
 
     def __len__(self) -> int:
         return len(self._index)
@@ -368,6 +410,8 @@ class TieredStore:
             self._cascade.write_back()
             for level in reversed(self._cascade.levels):
                 level.close()
+        for shared in self._cascade.shared:
+            shared.close()
 
     def __enter__(self) -> TieredStore:
         return self

@@ -3,7 +3,9 @@
 Blocks land in host RAM (rank 0). Making room there demotes host victims down the cascade;
 tails of a put that find no evictable host slot (everything pinned or being read) go straight
 to the level below. Under write-through the new blocks also reach the level below host before
-the call returns. Every method runs with the store lock held.
+the call returns. Shared levels that take puts (the remote tier with ``remote_writes="put"``)
+are offered every block new to host: a copy is queued, the network is never waited for.
+Every method runs with the store lock held.
 """
 
 from __future__ import annotations
@@ -81,7 +83,7 @@ class WritePath:
                 if not entry.is_held:
                     cascade.index.discard(entry.key)
             raise KVStoreError(f"host RAM's codec could not store {n_host} blocks")
-        self.publish_on_host(entries[:n_host], slots, refreshed)
+        self.publish_on_host(entries[:n_host], slots, refreshed, [src[i] for i in rows])
         overflow = entries[n_host:]
         if not overflow:
             return
@@ -98,9 +100,12 @@ class WritePath:
                 f"(the rest pinned or being read); {len(lost)} blocks found no room below either"
             )
 
-    def publish_on_host(self, placed: list[BlockEntry], slots: Sequence[int], refreshed: list[bytes]) -> None:
+    def publish_on_host(self, placed: list[BlockEntry], slots: Sequence[int], refreshed: list[bytes],
+                        raw: Sequence[torch.Tensor] | None = None) -> None:
         """Make ``placed`` (chain order; their bytes already in host ``slots``) visible, then
-        touch ``refreshed``, the keys of the same chain host already held."""
+        touch ``refreshed``, the keys of the same chain host already held. ``raw``: the bytes
+        put, row per placed block, for the shared levels that take puts (None: host's copies,
+        raw where leases and commits apply)."""
         cascade = self.cascade
         host = cascade.host
         host.counters.bytes_written += len(placed) * host.payload_bytes
@@ -113,6 +118,13 @@ class WritePath:
             on_host = [e for e in placed if e.slots[1] is None]
             payloads = host.export([e.key for e in on_host], [e.slots[0] for e in on_host])  # type: ignore[misc]
             cascade.store(1, on_host, payloads, source_rank=0)  # type: ignore[arg-type]
+        takers = [level for level in cascade.shared if level.takes_puts]
+        if takers and placed:
+            # the bytes put: the caller's rows, or (commit) the raw host slots it wrote
+            if raw is None:
+                raw = host.export([e.key for e in placed], [e.slots[0] for e in placed])  # type: ignore[assignment,misc]
+            for level in takers:
+                level.offer([e.key for e in placed], raw)  # type: ignore[arg-type]
 
     def commit(self, keys: list[bytes], slots: Sequence[int], tenant: str) -> None:
         """Publish ``keys[i]`` as the bytes just written into reserved host ``slots[i]``.

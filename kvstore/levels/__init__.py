@@ -1,7 +1,9 @@
-"""The levels of the cascade: one adapter per medium over its slot store (see base.Level)."""
+"""The levels of the cascade: one adapter per medium over its slot store (see base.Level), and
+the shared levels below them that are asked rather than indexed (see shared.SharedLevel)."""
 
 from kvstore.levels.base import Level
 from kvstore.levels.disk import DiskLevel
 from kvstore.levels.host import HostLevel
+from kvstore.levels.shared import SharedLevel
 
-__all__ = ["DiskLevel", "HostLevel", "Level"]
+__all__ = ["DiskLevel", "HostLevel", "Level", "SharedLevel"]
