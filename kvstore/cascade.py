@@ -65,7 +65,8 @@ class Cascade:
             raise KVStoreError("the store is closed")
 
     def level(self, name: str) -> Level | SharedLevel | None:
-        return next((level for level in [*self.levels, *self.shared] if level.name == name), None)
+        found: list[Level | SharedLevel] = [*self.levels, *self.shared]
+        return next((level for level in found if level.name == name), None)
 
     @property
     def level_names(self) -> tuple[str, ...]:

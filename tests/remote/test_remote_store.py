@@ -9,10 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from factories import SLOT, blocks_for, chain, make_store
 from kvstore import ConfigError, StoreConfig
 from kvstore.redis_local import RedisCluster, cli, free_port
 from kvstore.store import TieredStore
+
+from factories import SLOT, blocks_for, chain, make_store
 
 
 def remote(cluster: RedisCluster, tmp_path: Path | None = None, host_blocks: int = 16,
