@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -45,6 +45,8 @@ class EngineConfig:
         kv_events: publish the device tier and the embedded store's tiers as KV events on this
             ZeroMQ endpoint (``tcp://127.0.0.1:5557``; docs/kv-events.md); None: no events.
         kv_events_replay: the replay/snapshot socket; None: the next port, "": none.
+        remote_url: a remote tier (Redis Cluster, docs/remote.md) below the embedded store's
+            host and disk tiers, shared with other engines; None: none. Not shown in repr.
     """
 
     model: str | os.PathLike[str] | None = None
@@ -67,6 +69,7 @@ class EngineConfig:
     seed: int = 0
     kv_events: str | None = None
     kv_events_replay: str | None = None
+    remote_url: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -104,5 +107,8 @@ class EngineConfig:
                 raise ConfigError(f"kv_events: {exc}") from None
         elif self.kv_events_replay is not None:
             raise ConfigError("kv_events_replay applies only with kv_events")
+        if self.remote_url is not None and (self.store is not None or not self.host_bytes):
+            raise ConfigError("remote_url needs the embedded store (host_bytes > 0, no store=); a daemon "
+                              "takes its remote tier from kvstore serve --remote")
         if self.store is not None and (self.host_bytes and self.disk_path is not None):
             raise ConfigError("pass either store= or host_bytes/disk_path for an embedded store, not both")

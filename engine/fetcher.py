@@ -25,7 +25,8 @@ import kernels
 from kvstore.transfer import FetchResult
 
 LATENCY_S = 5e-4  # fixed cost of one fetch: thread hand-off, lookups, the scatter launch
-DEFAULT_BANDWIDTH = {"host": 2e9, "disk": 3e8}  # bytes/s until measured
+DEFAULT_BANDWIDTH = {"host": 2e9, "disk": 3e8, "remote": 1e9}  # bytes/s until measured (remote: loopback Redis)
+SLOWEST_FIRST = ("remote", "disk", "host")  # a mixed fetch is charged to its slowest tier
 DEFAULT_PREFILL_RATE = {"cpu": 2e3, "cuda": 2e4}  # tokens/s until measured
 EMA = 0.3  # weight of the newest measurement
 
@@ -166,14 +167,13 @@ class Fetcher:
         return tiers
 
     def _measure(self, tiers: tuple[str, ...], seconds: float) -> None:
+        """Charge the faster tiers of a fetch their estimated share of ``seconds`` and update
+        the slowest tier's bandwidth with the rest (the slowest dominates a mixed fetch)."""
         seconds = max(seconds - LATENCY_S, 1e-6)
-        num_disk = sum(1 for t in tiers if t == "disk")
-        num_host = len(tiers) - num_disk
-        if num_disk == 0:
-            self._update("host", num_host * self.bytes_per_block / seconds)
-        else:  # disk dominates a mixed fetch: charge host its estimated share, disk the rest
-            host_s = num_host * self.bytes_per_block / self.bandwidth["host"]
-            self._update("disk", num_disk * self.bytes_per_block / max(seconds - host_s, 1e-6))
+        slowest = next(t for t in SLOWEST_FIRST if t in tiers)
+        others_s = sum(self.bytes_per_block / self.bandwidth[t] for t in tiers if t != slowest)
+        num = sum(1 for t in tiers if t == slowest)
+        self._update(slowest, num * self.bytes_per_block / max(seconds - others_s, 1e-6))
 
     def _update(self, tier: str, value: float) -> None:
         self.bandwidth[tier] = self._blend(tier, self.bandwidth[tier], value)

@@ -101,7 +101,8 @@ class LLMEngine:
             store, owned = c.store, False
         elif c.host_bytes:
             store = TieredStore(StoreConfig(layout=self.layout, model_id=self.model_id, host_bytes=c.host_bytes,
-                                            disk_path=c.disk_path, disk_bytes=c.disk_bytes))
+                                            disk_path=c.disk_path, disk_bytes=c.disk_bytes,
+                                            remote_url=c.remote_url))
             owned = True
         else:
             return None, False
@@ -286,6 +287,7 @@ class LLMEngine:
             f = self.fetcher
             out["engine"].update(fetched_blocks=f.num_fetched_blocks, failed_fetch_blocks=f.num_failed_blocks,
                                  host_bandwidth=f.bandwidth["host"], disk_bandwidth=f.bandwidth["disk"],
+                                 remote_bandwidth=f.bandwidth["remote"],
                                  prefill_tokens_per_s=f.prefill_rate)
         return out
 

@@ -32,7 +32,7 @@ def run_engine(args: argparse.Namespace) -> int:
             host_bytes=parse_size(args.host_mem), disk_path=args.disk_path,
             disk_bytes=parse_size(args.disk) if args.disk_path else 0, tokens_file=args.tokens,
             router_token=args.router_token, kv_events=args.kv_events,
-            kv_events_replay=args.kv_events_replay, drain_s=args.drain_s, device=args.device,
+            kv_events_replay=args.kv_events_replay, remote_url=args.remote, drain_s=args.drain_s, device=args.device,
             dtype=DTYPES_BY_NAME[args.dtype], kv_cache_bytes=parse_size(args.kv_cache), block_size=args.block_size,
             max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed)
@@ -74,6 +74,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="publish KV events on this ZeroMQ endpoint, e.g. tcp://127.0.0.1:5557 (docs/kv-events.md)")
     p.add_argument("--kv-events-replay", default=None, metavar="ENDPOINT",
                    help="the replay/snapshot socket (default: the next port; '' for none)")
+    p.add_argument("--remote", default=None, metavar="URL",
+                   help="a remote tier under the embedded store, shared with other engines: "
+                   "redis+cluster://HOST:PORT[,HOST:PORT...] or redis://HOST:PORT (docs/remote.md)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"],
                    help="weights and KV dtype (default float32)")

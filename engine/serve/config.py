@@ -28,6 +28,7 @@ class ServeConfig:
         router_token: the secret with which a trusted front may name the tenant in a header.
         kv_events: a ZeroMQ endpoint to publish KV events on (None: none); ``kv_events_replay``
             its replay/snapshot socket (None: the next port, "": none). docs/kv-events.md.
+        remote_url: a remote tier under the embedded store (docs/remote.md); None: none.
         drain_s: seconds SIGTERM waits for requests in flight before cancelling them.
         engine: the remaining LLMEngine settings (device, dtype, kv_cache_bytes, block_size, ...).
     """
@@ -46,6 +47,7 @@ class ServeConfig:
     router_token: str | None = None
     kv_events: str | None = None
     kv_events_replay: str | None = None
+    remote_url: str | None = dataclasses.field(default=None, repr=False)
     drain_s: float = 10.0
     device: str = "cpu"
     dtype: torch.dtype = torch.float32
@@ -86,7 +88,8 @@ class ServeConfig:
         if self.store is not None:
             kw.update(store=self.store, store_token=self.store_token, host_bytes=0)
         else:
-            kw.update(host_bytes=self.host_bytes, disk_path=self.disk_path, disk_bytes=self.disk_bytes)
+            kw.update(host_bytes=self.host_bytes, disk_path=self.disk_path, disk_bytes=self.disk_bytes,
+                      remote_url=self.remote_url)
         if self.model is None:
             kw["random_model"] = self.random_config
         if self.kv_events is not None:

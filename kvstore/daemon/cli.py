@@ -28,6 +28,7 @@ def run_serve(args: argparse.Namespace) -> int:
         "lease_s": args.lease_s, "shm": False if args.no_shm else None,
         "kv_events": args.kv_events, "kv_events_replay": args.kv_events_replay,
         "disk_codec": args.disk_codec, "remote_codec": args.remote_codec,
+        "remote": args.remote, "remote_writes": args.remote_writes,
     }
     try:
         config = load_config(args.config, overrides)
@@ -66,5 +67,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="how the disk tier stores blocks: none (default, the bytes put) or a lossy "
                    "codec (int8: about half the bytes, so twice the blocks fit)")
     p.add_argument("--remote-codec", default=None, choices=list(CODECS),
-                   help="the same for the remote tier, once the daemon has one")
+                   help="the same for the remote tier (--remote)")
+    p.add_argument("--remote", default=None, metavar="URL",
+                   help="a remote tier shared with other nodes: redis+cluster://HOST:PORT[,HOST:PORT...] "
+                   "or redis://HOST:PORT (docs/remote.md; put a password in the TOML key instead)")
+    p.add_argument("--remote-writes", default=None, choices=["put", "demote"],
+                   help="which blocks go remote: every put (default) or only those leaving the node")
     p.set_defaults(func=run_serve)

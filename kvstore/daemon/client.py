@@ -38,7 +38,7 @@ from kvstore.keys import BlockHasher, ExtraKey, Namespace
 from kvstore.layout import KVLayout
 from kvstore.transfer import FetchHandle, FetchResult
 
-TIER_NAMES = {"h": "host", "d": "disk"}
+TIER_NAMES = {"h": "host", "d": "disk", "r": "remote"}
 
 
 def connect(url: str, token: str | None = None, *, layout: KVLayout, model_id: str,

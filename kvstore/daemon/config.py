@@ -7,7 +7,7 @@ import os
 import re
 import shutil
 import sys
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -92,7 +92,11 @@ class DaemonConfig:
         kv_events_replay: the replay/snapshot socket; None: the next port, "": none.
         disk_codec: how the disk tier stores blocks ("none", "int8", "int8-fp32", "fp8";
             kvstore.codecs). Host RAM stays raw: same-host clients map its slots.
-        remote_codec: the same for the remote tier, applied once the daemon has one.
+        remote_codec: the same for the remote tier (``remote``).
+        remote: a remote tier every namespace's store shares with other nodes (a Redis
+            Cluster, docs/remote.md); None: none. Never shown in repr (it may hold a password:
+            prefer the TOML key to the flag, which other users can see in ``ps``).
+        remote_writes: "put" (every block, write-behind) or "demote" (blocks leaving the node).
     """
 
     data_dir: Path = Path(".kvstore")
@@ -115,6 +119,8 @@ class DaemonConfig:
     kv_events_replay: str | None = None
     disk_codec: str = "none"
     remote_codec: str = "none"
+    remote: str | None = field(default=None, repr=False)
+    remote_writes: str = "put"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "data_dir", Path(self.data_dir))
@@ -145,6 +151,15 @@ class DaemonConfig:
                 EventsConfig(self.kv_events, self.kv_events_replay)
             except ConfigError as exc:
                 raise ConfigError(f"--kv-events: {exc}") from None
+        if self.remote is not None:
+            from tiers.remote.url import parse_url
+
+            try:
+                parse_url(self.remote)
+            except ValueError as exc:
+                raise ConfigError(f"--remote: {exc}") from None
+        if self.remote_writes not in ("put", "demote"):
+            raise ConfigError(f"remote_writes must be 'put' or 'demote', got {self.remote_writes!r}")
         for name in ("listen", "http"):
             addr = getattr(self, name)
             if addr:

@@ -39,6 +39,7 @@ class StoreCollector(Collector):
             for ns, tier, stats in rows:
                 c.add_metric([tier, ns], stats[name])
             yield c
+        yield from remote_families(rows, self.registry.remote_nodes())
         tenants = CounterMetricFamily("kvstore_tenant_requests", "Block protocol requests per tenant",
                                       labels=["tenant"])
         for tenant, counters in self.registry.tenant_counters().items():
@@ -58,6 +59,37 @@ class StoreCollector(Collector):
             yield GaugeMetricFamily("kvstore_daemon_leases", "Live shared-memory leases", value=len(self.daemon.leases))
             if getattr(self.daemon, "kv_events", None) is not None:
                 yield from event_families(self.daemon.kv_events.stats())
+
+
+NODE_GAUGES = {"used_memory": "Bytes the remote node uses (Redis INFO used_memory)",
+               "maxmemory": "The remote node's maxmemory limit in bytes (0: none)",
+               "keys": "Keys in the remote node's database (DBSIZE)"}
+
+
+def remote_families(rows: list[tuple[str, str, dict[str, int]]], nodes: list[dict[str, Any]]) -> Iterator[Any]:
+    """The remote tier's own series: dropped writes per namespace, and per node (label
+    ``node``, HOST:PORT) memory, limit, keys, evictions and whether it answered."""
+    shared = [(ns, tier, stats) for ns, tier, stats in rows if "dropped" in stats]
+    if not shared and not nodes:
+        return
+    dropped = CounterMetricFamily("kvstore_tier_dropped", "Blocks a write-behind gave up on (queue full or "
+                                  "node failed)", labels=["tier", "namespace"])
+    for ns, tier, stats in shared:
+        dropped.add_metric([tier, ns], stats["dropped"])
+    yield dropped
+    for name, doc in NODE_GAUGES.items():
+        g = GaugeMetricFamily(f"kvstore_remote_node_{name}", doc, labels=["node"])
+        for node in nodes:
+            g.add_metric([node["address"]], node[name])
+        yield g
+    evicted = CounterMetricFamily("kvstore_remote_node_evicted_keys", "Keys the remote node evicted "
+                                  "(Redis INFO evicted_keys)", labels=["node"])
+    up = GaugeMetricFamily("kvstore_remote_node_up", "1 when the remote node answered INFO", labels=["node"])
+    for node in nodes:
+        evicted.add_metric([node["address"]], node["evicted_keys"])
+        up.add_metric([node["address"]], 1 if node["up"] else 0)
+    yield evicted
+    yield up
 
 
 def render(registry: Registry, daemon: Any = None) -> bytes:

@@ -44,6 +44,9 @@ COUNTERS = ("requests", "lookup_blocks", "hit_blocks", "put_blocks", "get_blocks
             "bytes_in", "bytes_out", "errors")
 
 
+SHARED_OCCUPANCY = ("capacity_bytes", "used_bytes", "num_blocks", "evictions", "nodes_up")
+
+
 @dataclass(frozen=True)
 class Principal:
     """Who a token authenticates: a tenant, whether it is the admin, whether it may map shm."""
@@ -230,7 +233,8 @@ class Registry:
                                 f"{slot}-byte block of {ns.layout.fingerprint()}")
         kwargs: dict[str, Any] = {"layout": ns.layout, "model_id": ns.model_id, "host_bytes": host,
                                   "hash_algo": ns.hash_algo, "shared_host": cfg.shm, "pin_host_memory": False,
-                                  "disk_codec": cfg.disk_codec, "remote_codec": cfg.remote_codec}
+                                  "disk_codec": cfg.disk_codec, "remote_codec": cfg.remote_codec,
+                                  "remote_url": cfg.remote, "remote_writes": cfg.remote_writes}
         disk_codec = get_codec(cfg.disk_codec)
         if disk >= -(-stored_bytes(disk_codec, ns.layout, PAGE) // PAGE) * PAGE:
             where = cfg.data_dir / "namespaces" / ns.id
@@ -257,7 +261,9 @@ class Registry:
 
         A daemon's configured tiers are there from its start, before any namespace opens: their
         ``capacity_bytes`` is the configured total (``--host-mem``, ``--disk``; every namespace
-        slot's share), their use and counters start at zero.
+        slot's share), their use and counters start at zero. A shared tier (remote: its rows
+        have ``nodes_up``) reports the cluster's own occupancy in every namespace: that part is
+        taken once (the largest seen), not summed.
         """
         out: dict[str, dict[str, Any]] = {}
         cfg = self.config
@@ -268,16 +274,31 @@ class Registry:
             for tier, codec_name in (("host", "none"), ("disk", cfg.disk_codec)):
                 if tier in out:
                     out[tier].update(codec=codec_name, lossy=get_codec(codec_name).lossy)
-        configured = set(out)
+            if cfg.remote is not None:
+                out["remote"] = dict(tier_stats(TierCounters(), 0, 0, 0), dropped=0, pending=0, nodes_up=0,
+                                     codec=cfg.remote_codec, lossy=get_codec(cfg.remote_codec).lossy)
+        configured = {"host", "disk"} & set(out)
         for state in self.namespaces():
             for tier, row in state.store.stats().items():
                 acc = out.setdefault(tier, {k: 0 for k, v in row.items() if is_count(v)})
+                shared = "nodes_up" in row
                 for name, value in row.items():
                     if not is_count(value):
                         acc[name] = value  # codec and lossy: the same in every namespace
+                    elif shared and name in SHARED_OCCUPANCY:
+                        acc[name] = max(acc.get(name, 0), value)
                     elif name != "capacity_bytes" or tier not in configured:
                         acc[name] = acc.get(name, 0) + value
         return out
+
+    def remote_nodes(self) -> list[dict[str, Any]]:
+        """The remote tier's nodes (memory, evictions, breaker), as the first namespace sees
+        them (every namespace's store talks to the same cluster); empty without a remote."""
+        for state in self.namespaces():
+            nodes = state.store.remote_nodes()
+            if nodes:
+                return nodes
+        return []
 
     def tenant_counters(self) -> dict[str, dict[str, int]]:
         out: dict[str, dict[str, int]] = {}

@@ -122,8 +122,13 @@ def create_app(target: Registry | TieredStore, admin_token: str | None = None, d
 
     @app.get("/v1/tiers")
     def tiers() -> dict[str, Any]:
-        """Per tier (summed over namespaces): capacity, occupancy and counters."""
-        return {"time": time.time(), "tiers": registry.tiers()}
+        """Per tier (summed over namespaces): capacity, occupancy and counters; with a remote
+        tier also its nodes (address, up, breaker, used_memory, maxmemory, evicted_keys, keys)."""
+        out: dict[str, Any] = {"time": time.time(), "tiers": registry.tiers()}
+        nodes = registry.remote_nodes()
+        if nodes:
+            out["remote_nodes"] = nodes
+        return out
 
     @app.get("/v1/stats")
     def stats(who: Reader) -> dict[str, Any]:

@@ -3,6 +3,14 @@
 from __future__ import annotations
 
 import hashlib
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import threading
+import urllib.request
+from pathlib import Path
 
 import numpy as np
 import redis
@@ -40,3 +48,38 @@ def owner_port(cluster: RedisCluster, name: bytes) -> int:
         if entry[0] <= slot <= entry[1]:
             return int(entry[2][1])
     raise AssertionError(f"no owner of slot {slot}")
+
+
+class Daemon:
+    """``kvstore serve`` in a subprocess (real sockets, real REST), its addresses and output."""
+
+    def __init__(self, data_dir: Path, *args: str) -> None:
+        self.sock_dir = tempfile.mkdtemp(prefix="kvr-", dir="/tmp")  # sun_path is 108 bytes
+        cmd = [sys.executable, "-m", "kvstore.daemon", "serve", "--data-dir", str(data_dir), "--host-mem", "2MiB",
+               "--disk", "0", "--socket", f"{self.sock_dir}/s", "--listen", "", "--http", "127.0.0.1:0", *args]
+        self.proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True)
+        assert self.proc.stdout is not None
+        self.lines: list[str] = []
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            if "ready" in line:
+                break
+        else:
+            raise RuntimeError(f"kvstore serve exited ({self.proc.wait()}): {''.join(self.lines)}")
+        self.unix = f"unix://{self.sock_dir}/s"
+        self.http = re.search(r"(http://[^\s,]+)", line).group(1)  # type: ignore[union-attr]
+        threading.Thread(target=self._drain, daemon=True).start()
+
+    def _drain(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    def get(self, path: str) -> str:
+        with urllib.request.urlopen(self.http + path, timeout=20) as r:
+            return r.read().decode()
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(30)
