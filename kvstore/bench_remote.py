@@ -7,7 +7,10 @@ replicas, no persistence) and measures, in batches of 64 blocks of 192 KiB:
   GET/SET of the same bytes on the same cluster (its GET copies each value into the caller's
   tensor once, as ours does; its SET sends ready-made bytes: no framing, no checksum, no
   existence check);
-- the hash-tag run length sweep (G blocks of a chain per slot) that picks the default G.
+- the hash-tag run length sweep (G blocks of a chain per slot) that picks the default G;
+- through the engine (as ``kvstore bench engine`` does, same model): TTFT of a 2,048-token
+  prompt whose prefix only the remote tier holds (a fresh engine, local tiers empty) vs full
+  recompute.
 
 Rounds interleave ours and the baseline (best of N each), so a noisy neighbour slows both.
 """
@@ -65,7 +68,7 @@ class Chains:
         return self.hasher.block_keys(list(range(base, base + NUM_BLOCKS * BENCH_LAYOUT.block_size)))
 
 
-def bench_throughput(url: str, seeds: list[int], repeat: int) -> tuple[list[Row], dict[str, float]]:
+def bench_throughput(url: str, seeds: list[int], repeat: int) -> tuple[list[Row], dict[str, Any]]:
     from redis.cluster import ClusterNode
     from redis.cluster import RedisCluster as PyCluster
 
@@ -162,7 +165,38 @@ def bench_run_lengths(url: str, repeat: int) -> list[dict[str, Any]]:
     return found
 
 
-def render_remote(rows: list[Row], sweep: list[dict[str, Any]], spread: dict[str, float], where: str) -> str:
+def bench_ttft(url: str, prompt_tokens: int, repeat: int) -> tuple[Row, dict[str, Any]]:
+    """TTFT with the prefix only in the remote tier (a fresh engine each run) vs recompute."""
+    from engine.bench import BENCH_MODEL, engine, ttft
+
+    args = argparse.Namespace(device="cpu", prompt_tokens=prompt_tokens, decode_prompt=128, decode_tokens=32)
+    prompt = torch.randint(0, int(BENCH_MODEL["vocab_size"]), (prompt_tokens,),
+                           generator=torch.Generator().manual_seed(7)).tolist()
+    llm = engine(args, enable_prefix_caching=False, host_bytes=0)
+    ttft(llm, prompt[:64])  # warm-up
+    recompute_s = min(ttft(llm, prompt)[0] for _ in range(max(1, repeat)))
+    llm.close()
+    writer = engine(args, host_bytes=1 << 30, remote_url=url)
+    block_bytes = writer.layout.bytes_per_block
+    ttft(writer, prompt)
+    writer.evict_device_cache()  # device -> host -> remote (write-behind)
+    assert writer.store.flush(60), "the remote writes did not finish"
+    writer.close()
+    runs = []
+    for _ in range(max(1, repeat)):
+        reader = engine(args, host_bytes=1 << 30, remote_url=url)  # empty local tiers
+        seconds, m = ttft(reader, prompt)
+        runs.append((seconds, m))
+        reader.close()
+    remote_s, m = min(runs, key=lambda x: x[0])
+    detail = {"remote_tokens": m.cached_tokens["remote"], "loading_s": m.loading_s,
+              "bytes": m.cached_tokens["remote"] // writer.config.block_size * block_bytes}
+    row = Row(f"TTFT, {prompt_tokens}-token prompt, prefix only in the remote tier", remote_s, recompute_s,
+              "full recompute", ">= 5x", "speedup")
+    return row, detail
+
+
+def render_remote(rows: list[Row], sweep: list[dict[str, Any]], spread: dict[str, Any], where: str) -> str:
     text = render(rows, where).replace("## Tiers (`kvstore bench tiers`)", "## Remote tier (`kvstore bench remote`)", 1)
     text = text.replace("Layout: 24 layers", "A local Redis Cluster of 6 `redis-server` 7.0 processes on loopback "
                         "(3 primaries, 3 replicas, `--save '' --appendonly no`), started by the bench. Ours: "
@@ -177,6 +211,13 @@ def render_remote(rows: list[Row], sweep: list[dict[str, Any]], spread: dict[str
              "| G | slots per batch | primaries per batch | get | put |", "|---|---|---|---|---|"]
     for r in sweep:
         lines.append(f"| {r['G']} | {r['slots']} | {r['nodes']} | {r['get_s'] * 1e3:.1f} ms | {r['put_s'] * 1e3:.1f} ms |")
+    if "remote_tokens" in spread:
+        lines += ["", f"TTFT run: the engine of `kvstore bench engine` (24 layers, fp32 KV, 384 KiB blocks, CPU); "
+                  f"{spread['remote_tokens']} prompt tokens came from the remote tier, "
+                  f"{spread['bytes'] / 2**20:.1f} MiB fetched in {spread['loading_s'] * 1e3:.0f} ms "
+                  f"({spread['bytes'] / max(spread['loading_s'], 1e-9) / 1e9:.2f} GB/s, lookup, GETs, checks and "
+                  "promotion included); the rest of TTFT is the prefill of the last partial block and the "
+                  "first decode step."]
     return "\n".join(lines)
 
 
@@ -194,6 +235,11 @@ def run_remote_bench(args: argparse.Namespace) -> int:
             rows, spread = bench_throughput(cluster.url, seeds, args.repeat)
             print("run length sweep ...", flush=True)
             sweep = bench_run_lengths(cluster.url, args.repeat)
+            if not args.no_ttft:
+                print("TTFT through the engine (minutes on a CPU) ...", flush=True)
+                ttft_row, detail = bench_ttft(cluster.url, args.prompt_tokens, args.ttft_repeat)
+                rows.append(ttft_row)
+                spread.update(detail)
         finally:
             cluster.close()
     text = render_remote(rows, sweep, spread, machine())
@@ -208,6 +254,9 @@ def register_target(targets: argparse._SubParsersAction) -> None:
     """Add ``remote`` to ``kvstore bench``'s targets."""
     p = targets.add_parser("remote", help="remote tier (Redis Cluster) get/put vs redis-py, and the G sweep")
     p.add_argument("--repeat", type=int, default=25, help="rounds; the best is kept (default 25)")
+    p.add_argument("--prompt-tokens", type=int, default=2048, help="TTFT prompt length (default 2048)")
+    p.add_argument("--ttft-repeat", type=int, default=2, help="TTFT runs per side; the best is kept (default 2)")
+    p.add_argument("--no-ttft", action="store_true", help="skip the engine TTFT measurement")
     p.add_argument("--no-write", action="store_true", help="print only; leave docs/ untouched")
     p.set_defaults(func=run_remote_bench)
 
