@@ -143,11 +143,12 @@ class RedisCluster:
 
     @classmethod
     def start(cls, tmp: Path, maxmemory: int = 64 * MIB, node_timeout_ms: int = 1000,
-              num_primaries: int = 3) -> RedisCluster:
+              num_primaries: int = 3, base_port: int | None = None) -> RedisCluster:
+        """Start the nodes on free ports, or on ``base_port`` and the ports after it."""
         cluster = cls(maxmemory=maxmemory)
         try:
-            for _ in range(2 * num_primaries):
-                port = free_port(bus=True)
+            for i in range(2 * num_primaries):
+                port = free_port(bus=True) if base_port is None else base_port + i
                 directory = tmp / f"node-{port}"
                 directory.mkdir(parents=True)
                 extra = ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",

@@ -8,6 +8,8 @@ ignores them when it renders the page:
     daemon                 a real ``kvstore serve`` with its defaults in that directory (data
                            in ./.kvstore, socket ./.kvstore/kvstore.sock), small sizes, no TCP
     hf-checkpoint=PATH     a small random Llama checkpoint (Hugging Face layout) at PATH
+    redis-cluster=PORT     a real local Redis Cluster (kvstore.redis_local: 3 primaries and 3
+                           replicas) on PORT .. PORT+5
     engine                 a real ``kvstore engine --random-model --port 8000`` (small sizes)
 
 A block that needs something else gets a new word and a fixture below, never a skip.
@@ -101,10 +103,22 @@ def hf_checkpoint(cwd: Path, path: str) -> Iterator[None]:
     yield
 
 
+@contextmanager
+def redis_cluster(cwd: Path, port: str) -> Iterator[None]:
+    from kvstore.redis_local import RedisCluster
+
+    cluster = RedisCluster.start(cwd / "redis-cluster", base_port=int(port))
+    try:
+        yield
+    finally:
+        cluster.close()
+
+
 FIXTURES: dict[str, Callable[[Path, str], AbstractContextManager[None]]] = {
     "daemon": running_daemon,
     "hf-checkpoint": hf_checkpoint,
     "engine": running_engine,
+    "redis-cluster": redis_cluster,
 }
 
 
