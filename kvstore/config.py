@@ -79,7 +79,7 @@ class StoreConfig:
     remote_url: str | None = field(default=None, repr=False)
     remote_writes: str = "put"
     remote_timeout_s: float = 0.5
-    remote_queue_blocks: int = 1024
+    remote_queue_blocks: int = 256
     remote_prefix: str = "kvstore"
 
     def __post_init__(self) -> None:

@@ -231,7 +231,8 @@ class TieredStore:
         return FetchHandle(self._executor.submit(to_device), len(keys))
 
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
-        """Pure query, per key (not only the leading run): does some tier hold it?"""
+        """Pure query, per key (not only the leading run): does a local tier hold it? The
+        remote tier is not asked (``lookup`` does that for a chain)."""
         keys = self._check_keys(keys)
         with self._lock:
             entries = self._index.entries

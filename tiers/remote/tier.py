@@ -47,7 +47,7 @@ class RemoteTier:
 
     def __init__(
         self, url: str | RemoteURL, payload_bytes: int, layout_id: str, *, prefix: str = DEFAULT_PREFIX,
-        run_length: int = 1, timeout_s: float = 0.5, queue_blocks: int = 1024, batch_blocks: int = 64,
+        run_length: int = 1, timeout_s: float = 0.5, queue_blocks: int = 256, batch_blocks: int = 64,
         breaker_threshold: int = 3, breaker_cooldown_s: float = 0.5,
     ) -> None:
         if not isinstance(payload_bytes, int) or payload_bytes <= 0:
