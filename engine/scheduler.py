@@ -209,8 +209,8 @@ class Scheduler:
                              seq.token_ids[j * self.block_size : (j + 1) * self.block_size])
         seq.num_cached_tokens += n * self.block_size
         metrics = seq.request.metrics
-        for tier in tiers:
-            metrics.cached_tokens[tier] += self.block_size
+        for tier in tiers:  # "remote" appears once a remote tier served a block
+            metrics.cached_tokens[tier] = metrics.cached_tokens.get(tier, 0) + self.block_size
         metrics.loading_s += max(loading.finished_s[0] - loading.started_s, 0.0) if loading.finished_s else 0.0
         metrics.stages["fetch"] += time.perf_counter() - loading.started_s - loading.copy_s
         metrics.stages["device_copy"] += loading.copy_s

@@ -43,7 +43,7 @@ class RequestMetrics:
     num_prompt_tokens: int = 0
     num_computed_tokens: int = 0
     num_generated_tokens: int = 0
-    cached_tokens: dict[str, int] = field(default_factory=lambda: {"device": 0, "host": 0, "disk": 0, "remote": 0})
+    cached_tokens: dict[str, int] = field(default_factory=lambda: {"device": 0, "host": 0, "disk": 0})
     loading_s: float = 0.0
     num_preemptions: int = 0
     stages: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STAGES, 0.0))

@@ -189,8 +189,8 @@ def bench_ttft(url: str, prompt_tokens: int, repeat: int) -> tuple[Row, dict[str
         runs.append((seconds, m))
         reader.close()
     remote_s, m = min(runs, key=lambda x: x[0])
-    detail = {"remote_tokens": m.cached_tokens["remote"], "loading_s": m.loading_s,
-              "bytes": m.cached_tokens["remote"] // writer.config.block_size * block_bytes}
+    detail = {"remote_tokens": m.cached_tokens.get("remote", 0), "loading_s": m.loading_s,
+              "bytes": m.cached_tokens.get("remote", 0) // writer.config.block_size * block_bytes}
     row = Row(f"TTFT, {prompt_tokens}-token prompt, prefix only in the remote tier", remote_s, recompute_s,
               "full recompute", ">= 5x", "speedup")
     return row, detail
