@@ -71,10 +71,12 @@ def build_shared(config: StoreConfig) -> list[SharedLevel]:
     from tiers.remote import RemoteTier
 
     coding = _coding(config.remote_codec, config.layout, 1)
-    layout_id = config.layout.fingerprint() + ("" if coding is None else f"/{coding.codec.name}")
+    # Under a lossy codec the names and the layout id say so: stores with other codecs never
+    # meet these values (nor take them for corrupt and delete them).
+    suffix = "" if coding is None else f"-{coding.codec.name}"
     tier = RemoteTier(config.remote_url, coding.stored_bytes if coding else config.layout.bytes_per_block,
-                      layout_id, prefix=config.remote_prefix, timeout_s=config.remote_timeout_s,
-                      queue_blocks=config.remote_queue_blocks)
+                      config.layout.fingerprint() + suffix, prefix=config.remote_prefix + suffix,
+                      timeout_s=config.remote_timeout_s, queue_blocks=config.remote_queue_blocks)
     return [RemoteLevel(tier, config.remote_writes, coding)]
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -47,7 +47,7 @@ class ServeConfig:
     router_token: str | None = None
     kv_events: str | None = None
     kv_events_replay: str | None = None
-    remote_url: str | None = dataclasses.field(default=None, repr=False)
+    remote_url: str | None = field(default=None, repr=False)
     drain_s: float = 10.0
     device: str = "cpu"
     dtype: torch.dtype = torch.float32

@@ -159,3 +159,21 @@ def test_config_validates_the_url_and_never_shows_the_password() -> None:
     assert secret not in str(e.value) and "***" in str(e.value)
     with pytest.raises(ConfigError, match="remote_writes"):
         StoreConfig(layout=SMALL_LAYOUT, host_bytes=4 * SLOT, remote_url="redis://h:1", remote_writes="all")
+
+
+def test_a_lossy_remote_codec_is_marked_and_refused_by_exact_reads(cluster: RedisCluster) -> None:
+    with remote(cluster, remote_codec="int8") as node_a, remote(cluster, remote_codec="int8") as node_b, \
+            remote(cluster) as raw_reader:
+        keys = chain(node_a, 4, salt=11)
+        node_a.put(keys, blocks_for(keys))
+        assert node_a.flush(10)
+        m = node_b.lookup(keys)
+        assert m.tiers == ("remote",) * 4 and m.lossy == (True,) * 4
+        assert node_b.lookup(keys, exact=True).num_blocks == 0
+        with pytest.raises(KeyError):
+            node_b.get(keys, exact=True)
+        got = node_b.get(keys)  # int8 absmax: close to, not equal to, the bytes put
+        assert torch.allclose(got, blocks_for(keys), atol=0.05, rtol=0.05)
+        assert node_b.block_info(keys[0])["lossy"]  # type: ignore[index]
+        assert raw_reader.lookup(keys).num_blocks == 0  # another codec names another layout: a miss
+        assert node_b.stats()["remote"]["codec"] == "int8"
