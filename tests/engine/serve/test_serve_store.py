@@ -1,0 +1,53 @@
+"""``kvstore engine`` over lower tiers that outlive it: with ``--disk-path`` (the embedded
+store) or ``--store unix://...`` (a real ``kvstore serve`` daemon), SIGTERM writes the device
+cache back, and the next engine process serves the same prompt's prefix from those tiers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+
+from tests.daemon.daemon_helpers import DaemonProc
+
+from serve_helpers import BLOCK, EngineServer
+
+PROMPT = [30 + i for i in range(12 * BLOCK + 1)]  # 12 full cacheable blocks
+
+
+def usage(server: EngineServer) -> dict:
+    r = server.client().completions.create(model="random", prompt=PROMPT, max_tokens=2, temperature=0)
+    return r.usage.model_dump()
+
+
+def restart_finds_the_prefix(*args: str) -> dict:
+    first = EngineServer(*args)
+    try:
+        assert usage(first)["prompt_tokens_details"]["cached_tokens"] == 0
+        info = httpx.get(f"{first.url}/v1/kvstore/info").json()
+        assert first.stop() == 0  # drain: the device cache goes to the store
+    finally:
+        first.kill()
+    second = EngineServer(*args)
+    try:
+        u = usage(second)
+        assert httpx.get(f"{second.url}/v1/kvstore/info").json()["namespace"] == info["namespace"]
+    finally:
+        second.kill()
+    assert u["prompt_tokens_details"]["cached_tokens"] == 12 * BLOCK
+    assert u["kvstore"]["cached_tokens"]["device"] == 0
+    return u["kvstore"]["cached_tokens"]
+
+
+def test_embedded_disk_tier_survives_a_restart(tmp_path: Path) -> None:
+    tiers = restart_finds_the_prefix("--disk-path", str(tmp_path / "kv"), "--disk", "16MiB")
+    assert tiers["disk"] + tiers["host"] == 12 * BLOCK and tiers["disk"] > 0
+
+
+def test_daemon_tiers_serve_a_restarted_engine(tmp_path: Path) -> None:
+    daemon = DaemonProc(tmp_path / "data", host_mem="8MiB", disk="16MiB")
+    try:
+        tiers = restart_finds_the_prefix("--store", daemon.unix)
+        assert tiers["host"] + tiers["disk"] == 12 * BLOCK
+    finally:
+        daemon.kill9()
