@@ -18,6 +18,7 @@ Rounds interleave ours and the baseline (best of N each), so a noisy neighbour s
 from __future__ import annotations
 
 import argparse
+import os
 import tempfile
 import time
 from collections.abc import Callable
@@ -207,7 +208,11 @@ def render_remote(rows: list[Row], sweep: list[dict[str, Any]], spread: dict[str
              f"put {spread['put']:.0f}, baseline put {spread['base_put']:.0f}. Median of the per-round "
              f"ratios (each pair run back to back): get {spread['paired_get']:.2f}x, put "
              f"{spread['paired_put']:.2f}x. Remote read bandwidth {spread['read_gbps']:.2f} GB/s.", "",
-             "Hash-tag run length G (blocks of one chain per hash slot), 64-block chains:", "",
+             f"Load average when the run started: {spread.get('load', 0.0):.1f} on {os.cpu_count()} cores "
+             "(the machine is shared; recompute is CPU-bound and slows with it).", "",
+             "Hash-tag run length G (blocks of one chain per hash slot), 64-block chains. The default is "
+             "G = 1 (docs/remote.md): with one pipeline per primary, all primaries at once, a batch is one "
+             "round trip per node for any G, so a larger G only puts a batch on fewer primaries.", "",
              "| G | slots per batch | primaries per batch | get | put |", "|---|---|---|---|---|"]
     for r in sweep:
         lines.append(f"| {r['G']} | {r['slots']} | {r['nodes']} | {r['get_s'] * 1e3:.1f} ms | {r['put_s'] * 1e3:.1f} ms |")
@@ -227,12 +232,14 @@ def run_remote_bench(args: argparse.Namespace) -> int:
         print(f"kvstore bench remote: needs a local Redis: {missing}")
         return 2
     with tempfile.TemporaryDirectory(prefix="kvstore-bench-remote-") as tmp:
+        load = os.getloadavg()[0]
         print("starting a local Redis Cluster ...", flush=True)
         cluster = RedisCluster.start(Path(tmp), maxmemory=1024 * MIB)
         try:
             seeds = [n.port for n in cluster.nodes[:3]]
             print("get/put vs redis-py ...", flush=True)
             rows, spread = bench_throughput(cluster.url, seeds, args.repeat)
+            spread["load"] = load
             print("run length sweep ...", flush=True)
             sweep = bench_run_lengths(cluster.url, args.repeat)
             if not args.no_ttft:
