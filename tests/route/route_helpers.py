@@ -45,15 +45,17 @@ def free_ports(count: int) -> list[int]:
 class Replica:
     """One ``kvstore engine`` replica on fixed HTTP and KV-event ports, restartable in place."""
 
-    def __init__(self, *extra: str) -> None:
+    def __init__(self, *extra: str, events: bool = True) -> None:
         self.http_port, self.events_port = free_ports(2)
         self.extra = extra
+        self.events = events
         self.server: EngineServer | None = None
         self.start()
 
     def start(self) -> None:
-        self.server = EngineServer("--port", str(self.http_port), "--router-token", ROUTER_TOKEN,
-                                   "--kv-events", f"tcp://127.0.0.1:{self.events_port}", *self.extra)
+        events = ["--kv-events", f"tcp://127.0.0.1:{self.events_port}"] if self.events else []
+        self.server = EngineServer("--port", str(self.http_port), "--router-token", ROUTER_TOKEN, *events,
+                                   *self.extra)
 
     @property
     def url(self) -> str:

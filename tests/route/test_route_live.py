@@ -4,6 +4,10 @@ tenants and the baseline policies (issue #11's list)."""
 
 from __future__ import annotations
 
+import re
+import shutil
+import subprocess
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -82,8 +86,26 @@ def test_multi_turn_conversations_stay_where_their_prefix_is(replicas: list[Repl
         assert 0 < predicted <= metrics["kvstore_router_reported_cached_tokens_total"]
         assert metrics['kvstore_router_requests_total{endpoint="chat",status="200"}'] == 18
         assert "kvstore route" in httpx.get(f"{router.url}/router", timeout=5).text
+        if CHROMIUM:  # the page, rendered by a real browser from the live router
+            dom = render_page(f"{router.url}/router")
+            rows = dict(re.findall(r'<tr data-replica="([^"]+)" data-mode="([a-z]+)"', dom))
+            assert rows == {r.url: "events" for r in replicas}, dom[:3000]
+            assert int(re.search(r'data-refreshes="(\d+)"', dom).group(1)) >= 2  # type: ignore[union-attr]
     finally:
         assert router.stop() == 0
+
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+def render_page(url: str) -> str:
+    with tempfile.TemporaryDirectory(prefix="kvr-chrome-") as profile:
+        proc = subprocess.run(
+            [CHROMIUM or "chromium", "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
+             "--disable-background-networking", "--disable-component-update", "--disable-sync",
+             "--disable-dev-shm-usage", f"--user-data-dir={profile}", "--virtual-time-budget=4000",
+             "--dump-dom", url], capture_output=True, text=True, timeout=90)
+    return proc.stdout
 
 
 def test_the_overload_gate_spreads_a_hot_system_prompt(replicas: list[Replica]) -> None:
@@ -230,3 +252,27 @@ def test_round_robin_and_least_loaded_behave_as_named(replicas: list[Replica]) -
         stream.close()
     finally:
         assert router.stop() == 0
+
+
+def test_a_replica_without_events_is_routed_from_history(replicas: list[Replica]) -> None:
+    silent = Replica(events=False)
+    router = RouterProcess([silent, replicas[0]], "--pending-ttl", "0.5")
+    try:
+        view = router.wait_for(lambda v: all(r["healthy"] for r in v.values()), 60, "both healthy")
+        assert view[silent.url]["mode"] == "approximate" and view[replicas[0].url]["mode"] == "events"
+        client, followed = router.client(), 0
+        for conv in range(6):
+            messages = [{"role": "user", "content": f"Conversation {conv} with a replica that sends no events. " * 2}]
+            r, first = chat(client, messages)
+            messages += [{"role": "assistant", "content": r.choices[0].message.content},
+                         {"role": "user", "content": "And a second question?"}]
+            time.sleep(0.6)  # past the pending TTL: only approximate mode remembers
+            _, second = chat(client, messages)
+            assert second["x-kvstore-replica"] == first["x-kvstore-replica"]
+            if first["x-kvstore-replica"] == silent.url:
+                assert second["x-kvstore-route-reason"] == "approximate"
+                followed += 1
+        assert followed >= 1
+    finally:
+        assert router.stop() == 0
+        silent.kill()

@@ -1,0 +1,50 @@
+"""RouteConfig and the replica info parser: bad input gets a clear error."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from kvstore.errors import ConfigError
+from kvstore.route.config import RouteConfig
+from kvstore.route.replica import parse_info
+
+INFO: dict[str, Any] = {
+    "model": "random", "engine_id": "e1", "block_size": 16, "max_model_len": 4096,
+    "namespace": {"model_id": "random:abc", "num_layers": 2, "num_kv_heads": 1, "head_dim": 8, "dtype": "float32",
+                  "block_size": 16, "tp_rank": 0, "tp_size": 1, "hash_algo": "sha256"},
+    "tokenizer": {"kind": "bytes"},
+    "kv_events": {"endpoint": "tcp://127.0.0.1:5557", "replay_endpoint": "tcp://127.0.0.1:5558", "topic": ""},
+}
+
+
+def test_route_config_rules() -> None:
+    config = RouteConfig(("http://127.0.0.1:8001/", "http://127.0.0.1:8002"))
+    assert config.urls == ("http://127.0.0.1:8001", "http://127.0.0.1:8002")
+    with pytest.raises(ConfigError, match="at least one --replica"):
+        RouteConfig(())
+    with pytest.raises(ConfigError, match="base URL"):
+        RouteConfig(("127.0.0.1:8001",))
+    with pytest.raises(ConfigError, match="base URL"):
+        RouteConfig(("http://127.0.0.1:8001/v1",))
+    with pytest.raises(ConfigError, match="once"):
+        RouteConfig(("http://a:1", "http://a:1"))
+    with pytest.raises(ConfigError, match="--tokens needs --router-token"):
+        RouteConfig(("http://a:1",), tokens_file="t.toml")
+    with pytest.raises(ConfigError, match="off loopback"):
+        RouteConfig(("http://a:1",), host="0.0.0.0")
+    assert "secret" not in repr(RouteConfig(("http://a:1",), router_token="secret"))
+
+
+def test_parse_info_rebuilds_the_namespace() -> None:
+    info = parse_info(INFO)
+    assert info.block_size == 16 and info.tokenizer_kind == "bytes" and info.engine_id == "e1"
+    assert info.namespace.model_id == "random:abc" and info.replay_endpoint == "tcp://127.0.0.1:5558"
+    assert parse_info(INFO | {"kv_events": None}).events_endpoint is None
+    with pytest.raises(ValueError, match="malformed /v1/kvstore/info"):
+        parse_info({k: v for k, v in INFO.items() if k != "namespace"})
+    with pytest.raises(ValueError, match="malformed"):
+        parse_info(INFO | {"namespace": INFO["namespace"] | {"dtype": "float7"}})
+    with pytest.raises(ValueError, match="malformed"):
+        parse_info([1, 2])
