@@ -7,6 +7,7 @@ import mmap
 import os
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from tiers.errors import TierFullError
@@ -29,6 +30,12 @@ class HostTier:
     With ``shared=True`` the pool is a memfd mapped ``MAP_SHARED`` (never pinned): other
     processes of the same user can map it through ``shm_path`` (the daemon's same-host fast
     path). Closing the tier, or the process exiting, frees it; nothing is left in /dev/shm.
+    After the slots, at byte ``generations_offset``, the file holds one little-endian uint64
+    per slot, its generation: ``release`` increments it before the slot can be handed out
+    again, so a reader that saw generation g before and after copying a slot knows the slot
+    held the same block all along (the daemon's lock-free shared-memory reads).
+
+        memfd:  [ slot 0 | slot 1 | ... | slot n-1 | gen 0 | gen 1 | ... | gen n-1 | pad to 4 KiB ]
     """
 
     def __init__(
@@ -49,17 +56,21 @@ class HostTier:
         self.pinned = bool(pin_memory) and not shared
         self._mmap: mmap.mmap | None = None
         self._shm_fd: int | None = None
+        self.generations: np.ndarray | None = None
         if shared:
             fd = os.memfd_create("kvstore-host-pool", os.MFD_CLOEXEC)
             try:
-                os.ftruncate(fd, self.capacity_bytes)
+                os.ftruncate(fd, self.shared_bytes)
                 flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-                self._mmap = mmap.mmap(fd, self.capacity_bytes, flags=flags)
+                self._mmap = mmap.mmap(fd, self.shared_bytes, flags=flags)
             except OSError:
                 os.close(fd)
                 raise
             self._shm_fd = fd
-            self.pool = torch.frombuffer(self._mmap, dtype=torch.uint8).view(self.num_slots, self.slot_bytes)
+            self.pool = torch.frombuffer(self._mmap, dtype=torch.uint8, count=self.capacity_bytes).view(
+                self.num_slots, self.slot_bytes)
+            self.generations = np.frombuffer(self._mmap, dtype="<u8", count=self.num_slots,
+                                             offset=self.generations_offset)
         elif self.pinned:
             self.pool = torch.empty((self.num_slots, self.slot_bytes), dtype=torch.uint8, pin_memory=True)
         else:
@@ -69,6 +80,16 @@ class HostTier:
             self._mmap = mmap.mmap(-1, self.capacity_bytes, flags=flags)
             self.pool = torch.frombuffer(self._mmap, dtype=torch.uint8).view(self.num_slots, self.slot_bytes)
         self._free: list[int] = list(range(self.num_slots))  # a heap; sorted is a valid heap
+
+    @property
+    def generations_offset(self) -> int:
+        """Byte offset of the per-slot generation counters in the shared file."""
+        return self.capacity_bytes
+
+    @property
+    def shared_bytes(self) -> int:
+        """Size of the shared file: the slots, then the generations (page-rounded)."""
+        return self.capacity_bytes + round_up(8 * self.num_slots, PAGE)
 
     @property
     def shm_path(self) -> str | None:
@@ -98,7 +119,10 @@ class HostTier:
         return [heapq.heappop(self._free) for _ in range(n)]
 
     def release(self, slots: Sequence[int]) -> None:
-        """Return slots to the free pool. The caller guarantees nobody reads them any more."""
+        """Return slots to the free pool. The caller guarantees nobody reads them any more
+        (except lock-free readers of the shared pool, which the generation bump tells)."""
+        if self.generations is not None and len(slots):
+            np.add.at(self.generations, np.asarray(slots, dtype=np.intp), 1)
         for slot in slots:
             heapq.heappush(self._free, slot)
 

@@ -7,7 +7,7 @@ when offered and copies leased slots itself (docs/protocol.md, "Shared memory").
 
 from __future__ import annotations
 
-import mmap
+import contextlib
 import os
 import socket
 import threading
@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from kvstore import env
+from kvstore.daemon.pool_map import MappedPool
 from kvstore.daemon.protocol import (
     DEFAULT_MAX_FRAME,
     VERSION,
@@ -39,6 +40,8 @@ from kvstore.layout import KVLayout
 from kvstore.transfer import FetchHandle, FetchResult
 
 TIER_NAMES = {"h": "host", "d": "disk", "r": "remote"}
+TOUCH_BATCH = 4096  # lock-free reads told to the daemon in one touch, at the latest
+TOUCH_DELAY_S = 0.05  # or once this long has passed, or with the next request
 
 
 def connect(url: str, token: str | None = None, *, layout: KVLayout, model_id: str,
@@ -95,6 +98,11 @@ class StoreClient:
         self._posted: set[int] = set()  # ids of _post() requests whose replies are not read yet
         self._max_frame = DEFAULT_MAX_FRAME
         self._pool: torch.Tensor | None = None
+        self._generations: np.ndarray | None = None  # set: lock-free reads of cached slots
+        self._slots: dict[bytes, tuple[int, int]] = {}  # key -> (slot, generation) the daemon told
+        self._standing: tuple[int, list[int], float] | None = None  # a write lease for the next put
+        self._touched: list[bytes] = []  # blocks read lock-free, not yet told to the daemon
+        self._touch_due = 0.0
         self._executor: ThreadPoolExecutor | None = None
         want_shm = (kind == "unix") if shm is None else shm
         want_shm = want_shm and not env.shm_disabled()
@@ -110,14 +118,11 @@ class StoreClient:
             self._map_pool(hello["shm"])
 
     def _map_pool(self, info: dict[str, Any]) -> None:
-        fd = os.open(info["path"], os.O_RDWR)
-        try:
-            size = info["slot_bytes"] * info["num_slots"]
-            # MAP_POPULATE builds the page tables now: a lease's copy then takes no page faults
-            self._mmap = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
-        finally:
-            os.close(fd)
-        self._pool = torch.frombuffer(self._mmap, dtype=torch.uint8).view(info["num_slots"], info["slot_bytes"])
+        has_generations = bool(info.get("generations"))
+        self._mapped = MappedPool(info["path"], info["slot_bytes"], info["num_slots"], has_generations)
+        self._pool = self._mapped.slots
+        if has_generations and MappedPool.lock_free():
+            self._generations = self._mapped.generations
 
     @property
     def uses_shm(self) -> bool:
@@ -130,7 +135,7 @@ class StoreClient:
         with self._lock:
             self._next_id += 1
             meta["id"] = self._next_id
-            self._sock.sendall(encode(meta, len(data)))
+            self._sock.sendall(self._touch_frame() + encode(meta, len(data)))
             if len(data):
                 self._sock.sendall(data)
             reply, data_len = self._recv_reply(self._next_id)
@@ -200,20 +205,35 @@ class StoreClient:
                 self._call({"op": "put", "keys": self._keys_blob(keys[start:stop])}, data)
 
     def _put_shm(self, keys: Sequence[bytes], src: torch.Tensor) -> bool:
+        """Write the blocks into reserved host slots and commit them: one round trip when the
+        previous put's commit reserved this put's slots (a standing write lease)."""
         assert self._pool is not None
-        try:
-            reply = self._call({"op": "reserve", "keys": self._keys_blob(keys)})[0]
-        except CapacityError:
-            return False  # the socket path may still overflow to disk
-        deadline = time.monotonic() + 0.5 * reply["lease_s"]
+        n = len(keys)
+        standing, self._standing = self._standing, None
+        if standing is not None and (len(standing[1]) != n or time.monotonic() >= standing[2]):
+            self._post({"op": "release", "lease": standing[0], "kind": "write", "noreply": True})
+            standing = None
+        if standing is None:
+            sent_at = time.monotonic()
+            try:
+                reply = self._call({"op": "reserve", "keys": self._keys_blob(keys)})[0]
+            except CapacityError:
+                return False  # the socket path may still overflow to disk
+            standing = (reply["lease"], reply["slots"], sent_at + 0.5 * reply["lease_s"])
+        lease, slots, deadline = standing
         if time.monotonic() < deadline:  # never start writing a slot past the lease
-            _copy_runs(reply["slots"], src, self._pool, to_pool=True)
+            _copy_runs(slots, src, self._pool, to_pool=True)
+        sent_at = time.monotonic()
         try:
-            self._call({"op": "commit", "lease": reply["lease"]})
+            reply = self._call({"op": "commit", "lease": lease, "keys": self._keys_blob(keys), "reserve": n})[0]
         except RemoteError as exc:
             if exc.code != Code.LEASE:
                 raise
             return False
+        self._remember(keys, reply.get("slots", []), reply.get("gens", []))
+        nxt = reply.get("next")
+        if nxt is not None:
+            self._standing = (nxt["lease"], nxt["slots"], sent_at + 0.5 * nxt["lease_s"])
         return True
 
     def get(self, keys: Sequence[bytes], out: torch.Tensor | None = None) -> torch.Tensor:
@@ -257,24 +277,89 @@ class StoreClient:
     def _read_chunk(self, keys: Sequence[bytes], dst: torch.Tensor) -> list[str]:
         tiers: list[str] = []
         if self._pool is not None:
-            # The daemon's lease started after sent_at, so a copy done before sent_at + lease_s
-            # was done under the lease; then the release needs no answer (it is pipelined).
-            sent_at = time.monotonic()
-            reply = self._call({"op": "get", "keys": self._keys_blob(keys), "shm": True})[0]
-            n, deadline = reply["num_blocks"], sent_at + 0.5 * reply["lease_s"]
-            if n and time.monotonic() < deadline:
-                _copy_runs(reply["slots"], dst[:n], self._pool, to_pool=False)
-            if time.monotonic() < deadline:
-                self._post({"op": "release", "lease": reply["lease"]})
-                tiers = [HOST] * n
-            elif self._call({"op": "release", "lease": reply["lease"]})[0]["valid"]:
-                tiers = [HOST] * n
-            if len(tiers) == len(keys):
+            n = self._read_cached(keys, dst)
+            if n < len(keys):
+                n += self._read_leased(keys[n:], dst[n:])
+            tiers = [HOST] * n
+            if n == len(keys):
                 return tiers
         rest = keys[len(tiers) :]
         view = dst[len(tiers) :].numpy().data.cast("B")
         reply = self._call({"op": "get", "keys": self._keys_blob(rest)}, into=view)[0]
         return tiers + [TIER_NAMES[c] for c in reply.get("tiers", "h" * reply["num_blocks"])]
+
+    def _read_cached(self, keys: Sequence[bytes], dst: torch.Tensor) -> int:
+        """Copy the leading run of ``keys`` whose host slots an earlier reply named, without a
+        lease: a slot counts only if its generation is unchanged after the copy (the daemon
+        bumps it before the slot can be reused, so then no other bytes were in it). Returns
+        how many leading rows of ``dst`` hold their block; the daemon is told (no reply)."""
+        gens_now = self._generations
+        if gens_now is None or self._pool is None:
+            return 0
+        slots: list[int] = []
+        gens: list[int] = []
+        for key in keys:
+            hit = self._slots.get(key)
+            if hit is None:
+                break
+            slots.append(hit[0])
+            gens.append(hit[1])
+        if not slots:
+            return 0
+        idx = np.asarray(slots, dtype=np.intp)
+        want = np.asarray(gens, dtype=np.uint64)
+        n = _leading_true(gens_now[idx] == want)  # known stale before the copy: not copied
+        if n:
+            _copy_runs(slots[:n], dst[:n], self._pool, to_pool=False)
+            n = _leading_true(gens_now[idx[:n]] == want[:n])  # after: the copy is valid
+        for key in keys[n : len(slots)]:
+            self._slots.pop(key, None)  # maybe stale: the next lease names the slot again
+        if n:
+            self._touched += keys[:n]
+            now = time.monotonic()
+            if len(self._touched) >= TOUCH_BATCH or now >= self._touch_due:
+                with self._lock:
+                    self._sock.sendall(self._touch_frame())
+                self._touch_due = now + TOUCH_DELAY_S
+        return n
+
+    def _touch_frame(self) -> bytes:
+        """A ``touch`` of the blocks read lock-free since the last one (their recency and read
+        counters, which the daemon did not see), or b"". It needs no reply and gets none."""
+        if not self._touched:
+            return b""
+        keys, self._touched = self._touched, []
+        frames = []
+        for start in range(0, len(keys), self.max_keys):
+            self._next_id += 1
+            frames.append(encode({"op": "touch", "keys": b"".join(keys[start : start + self.max_keys]),
+                                  "noreply": True, "id": self._next_id}))
+        return b"".join(frames)
+
+    def _read_leased(self, keys: Sequence[bytes], dst: torch.Tensor) -> int:
+        """Copy the leading run of host blocks under a read lease; returns how many."""
+        assert self._pool is not None
+        # The daemon's lease started after sent_at, so a copy done before sent_at + lease_s
+        # was done under the lease; then the release needs no answer (it is pipelined).
+        sent_at = time.monotonic()
+        reply = self._call({"op": "get", "keys": self._keys_blob(keys), "shm": True})[0]
+        n, deadline = reply["num_blocks"], sent_at + 0.5 * reply["lease_s"]
+        if n and time.monotonic() < deadline:
+            _copy_runs(reply["slots"], dst[:n], self._pool, to_pool=False)
+        if time.monotonic() < deadline:
+            self._post({"op": "release", "lease": reply["lease"]})
+        elif not self._call({"op": "release", "lease": reply["lease"]})[0]["valid"]:
+            return 0
+        self._remember(keys[:n], reply["slots"], reply.get("gens", []))
+        return n
+
+    def _remember(self, keys: Sequence[bytes], slots: list[int], gens: list[int]) -> None:
+        """Note where the daemon said ``keys`` live, for lock-free reads (bounded by the pool)."""
+        if self._generations is None or len(gens) != len(keys) or len(slots) != len(keys):
+            return
+        if len(self._slots) + len(keys) > 2 * len(self._generations):
+            self._slots.clear()  # stale entries cost only a lease; keep the map small
+        self._slots.update(zip(keys, zip(slots, gens, strict=True), strict=True))
 
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
         return list(self._call({"op": "exists", "keys": self._keys_blob(keys)})[0]["found"])
@@ -303,7 +388,10 @@ class StoreClient:
     def close(self) -> None:
         if self._executor is not None:
             self._executor.shutdown(wait=True)
+        with self._lock, contextlib.suppress(OSError):
+            self._sock.sendall(self._touch_frame())
         self._pool = None
+        self._generations = None
         self._sock.close()
 
     def __enter__(self) -> StoreClient:
@@ -336,6 +424,12 @@ def _unreachable(exc: OSError, url: str, tried: str) -> OSError:
     message = f"no kvstore daemon answers at {url!r} (tried {tried}): {exc.strerror or exc}; " \
               "is `kvstore serve` running?"
     return type(exc)(exc.errno, message) if exc.errno is not None else type(exc)(message)
+
+
+def _leading_true(flags: np.ndarray) -> int:
+    """How many leading entries of a bool array are True."""
+    false = np.flatnonzero(~flags)
+    return int(false[0]) if len(false) else len(flags)
 
 
 def _copy_runs(slots: list[int], rows: torch.Tensor, pool: torch.Tensor, *, to_pool: bool) -> None:

@@ -251,7 +251,8 @@ class Connection(asyncio.BufferedProtocol):
         try:
             loop = asyncio.get_running_loop()
             out, payload = await loop.run_in_executor(d.pool, d.ops.handle, self.session, meta, data)
-            await self._send(out, payload)
+            if meta.get("noreply") is not True:  # a hint (touch): no reply, not even an error
+                await self._send(out, payload)
         except (ConnectionError, RuntimeError):
             self.close()
         finally:

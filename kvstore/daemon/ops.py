@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import mmap
 import os
 import threading
 import warnings
@@ -21,6 +20,7 @@ from typing import Any
 import torch
 
 from kvstore.daemon.config import DaemonConfig
+from kvstore.daemon.pool_map import MappedPool
 from kvstore.daemon.protocol import VERSION, Code, ProtocolError, field_of, split_keys
 from kvstore.daemon.registry import AuthError, NamespaceState, Principal, Registry, layout_from_dict
 from kvstore.daemon.shm import Leases
@@ -79,7 +79,7 @@ class Ops:
     leases: Leases
     requests: Counter[str] = field(default_factory=Counter)
     errors: Counter[str] = field(default_factory=Counter)
-    _pools: dict[str, memoryview] = field(default_factory=dict)  # namespace id -> its host pool, mapped
+    _pools: dict[str, MappedPool] = field(default_factory=dict)  # namespace id -> its host pool, mapped
     _pools_lock: threading.Lock = field(default_factory=threading.Lock)
 
     def handle(self, session: Session, meta: dict[str, Any], data: bytes | bytearray | ReservedPut) -> Reply:
@@ -159,7 +159,9 @@ class Ops:
         want_shm = field_of(meta, "shm", bool, False)
         session.principal, session.state = principal, state
         session.shm = bool(want_shm and pool and session.transport == "unix" and principal.shm and self.config.shm)
-        shm = {"path": pool[0], "slot_bytes": pool[1], "num_slots": pool[2]} if session.shm and pool else None
+        shm = None
+        if session.shm and pool:  # "generations": the pool file carries them (lock-free reads)
+            shm = {"path": pool[0], "slot_bytes": pool[1], "num_slots": pool[2], "generations": True}
         return {"version": VERSION, "tenant": principal.tenant, "namespace": state.id,
                 "key_bytes": state.store.hasher.key_bytes, "block_bytes": layout.bytes_per_block,
                 "max_frame": self.config.max_frame, "max_inflight": self.config.max_inflight,
@@ -186,7 +188,9 @@ class Ops:
             lease = self.leases.grant_read(session.conn_id, state, keys, tenant)
             n = len(lease.slots)
             state.count(tenant, requests=1, get_blocks=n)
-            return {"num_blocks": n, "lease": lease.id, "slots": lease.slots, "lease_s": self.leases.lease_s}, b""
+            gens = self._generations(state, lease.slots)  # stable: the lease holds the slots
+            return {"num_blocks": n, "lease": lease.id, "slots": lease.slots, "gens": gens,
+                    "lease_s": self.leases.lease_s}, b""
         layout = state.layout
         out = torch.empty((len(keys), *layout.block_shape), dtype=layout.dtype)
         try:  # the common case, all found: no hop to the store's transfer thread
@@ -219,7 +223,7 @@ class Ops:
             if (pool is None or n == 0 or data_len != n * payload or n > pool[2] // 2
                     or any(state.store.contains(keys))):
                 return None
-            mapped = self._mapped_pool(state.id, pool)
+            mapped = self._mapped_pool(state.id, pool).view
             slots = state.store.reserve_host(n)
         except (ProtocolError, KVStoreError, OSError, ValueError):
             return None
@@ -237,16 +241,16 @@ class Ops:
         with contextlib.suppress(KVStoreError):
             reserved.state.store.cancel_host(reserved.slots)
 
-    def _mapped_pool(self, namespace: str, pool: tuple[str, int, int]) -> memoryview:
+    def _mapped_pool(self, namespace: str, pool: tuple[str, int, int]) -> MappedPool:
         with self._pools_lock:
             if namespace not in self._pools:
-                fd = os.open(pool[0], os.O_RDWR)
-                try:
-                    size = pool[1] * pool[2]
-                    self._pools[namespace] = memoryview(mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _POPULATE))
-                finally:
-                    os.close(fd)
+                self._pools[namespace] = MappedPool(*pool)
             return self._pools[namespace]
+
+    def _generations(self, state: NamespaceState, slots: list[int]) -> list[int]:
+        """The generations of host slots the caller holds (a lease or a reservation)."""
+        pool = state.store.shared_pool
+        return self._mapped_pool(state.id, pool).generations_of(slots) if pool else []
 
     def op_put(self, session: Session, meta: dict[str, Any], data: bytes | bytearray | ReservedPut) -> Reply:
         if isinstance(data, ReservedPut):
@@ -279,22 +283,57 @@ class Ops:
         return {"lease": lease.id, "slots": lease.slots, "lease_s": self.leases.lease_s}, b""
 
     def op_commit(self, session: Session, meta: dict[str, Any], data: bytes) -> Reply:
+        """Publish a write lease's slots (under the lease's keys, or the ``keys`` sent now),
+        and with ``reserve: n`` take the next put's n slots in the same round trip."""
+        keys = self._keys(session, meta)[2] if "keys" in meta else None
         lease = self.leases.take(session.conn_id, field_of(meta, "lease", int), "write")
         if lease is None:
             raise ProtocolError(Code.LEASE, "unknown or expired write lease; put the blocks again")
+        if keys is not None:
+            if len(keys) != len(lease.slots):
+                lease.state.store.cancel_host(lease.slots)
+                raise ProtocolError(Code.BAD_REQUEST, f"{len(keys)} keys for a lease of {len(lease.slots)} slots")
+            lease.keys = keys
+        gens = self._generations(lease.state, lease.slots)  # before the commit: still reserved
         try:
             lease.state.store.commit_host(lease.keys, lease.slots, tenant=lease.tenant)
         except BaseException:
             lease.state.store.cancel_host(lease.slots)
             raise
         lease.state.count(lease.tenant, requests=1, put_blocks=len(lease.keys))
-        return {"num_blocks": len(lease.keys)}, b""
+        out: dict[str, Any] = {"num_blocks": len(lease.keys), "slots": lease.slots, "gens": gens}
+        reserve = field_of(meta, "reserve", int, 0)
+        # Only from free slots: reserving ahead must never evict (it could evict what was
+        # just committed); in a full pool the next put reserves (and evicts) itself.
+        if 0 < reserve <= min(self.max_blocks(lease.state), _num_free_host(lease.state)):
+            with contextlib.suppress(CapacityError, ProtocolError):
+                nxt = self.leases.grant_write(session.conn_id, lease.state, [b""] * reserve, lease.tenant)
+                out["next"] = {"lease": nxt.id, "slots": nxt.slots, "lease_s": self.leases.lease_s}
+        return out, b""
 
     def op_release(self, session: Session, meta: dict[str, Any], data: bytes) -> Reply:
-        lease = self.leases.take(session.conn_id, field_of(meta, "lease", int), "read")
-        if lease is not None:
+        """End a read lease (``valid``: it had not expired), or give an unused write lease's
+        slots back (``kind: "write"``; the client promises it never wrote them)."""
+        kind = field_of(meta, "kind", str, "read")
+        if kind not in ("read", "write"):
+            raise ProtocolError(Code.BAD_REQUEST, f"kind must be 'read' or 'write', got {kind[:20]!r}")
+        lease = self.leases.take(session.conn_id, field_of(meta, "lease", int), kind)
+        if lease is not None and kind == "read":
             lease.state.store.release_host(lease.keys)
+        elif lease is not None:
+            lease.state.store.cancel_host(lease.slots)
         return {"valid": lease is not None}, b""
+
+    def op_touch(self, session: Session, meta: dict[str, Any], data: bytes) -> Reply:
+        """A client copied these blocks lock-free: count the read and refresh their recency
+        (as a get would; a block demoted meanwhile is promoted back, it was just used)."""
+        state, tenant, keys = self._keys(session, meta)
+        if not session.shm:
+            raise ProtocolError(Code.BAD_REQUEST, "this connection has no shared-memory path")
+        slots = state.store.acquire_host(keys)
+        state.store.release_host(keys[: len(slots)])
+        state.count(tenant, requests=1, get_blocks=len(slots))
+        return {"num_blocks": len(slots)}, b""
 
     def op_pin(self, session: Session, meta: dict[str, Any], data: bytes) -> Reply:
         state, tenant, keys = self._keys(session, meta)
@@ -323,7 +362,10 @@ class Ops:
                 "tenant": dict(state.counters[principal.tenant])}, b""
 
 
-_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+def _num_free_host(state: NamespaceState) -> int:
+    """Host slots holding nothing, reserved or published (racy: a hint for reserving ahead)."""
+    pool = state.store.shared_pool
+    return pool[2] - state.store.stats()["host"]["num_blocks"] if pool else 0
 
 
 def _runs(slots: list[int]) -> list[tuple[int, int]]:

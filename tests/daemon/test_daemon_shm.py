@@ -1,0 +1,164 @@
+"""The shared-memory path: lock-free reads of slots named by earlier replies, checked by slot
+generations, and the standing write lease that makes a put one round trip.
+
+The race tests force the case the generation check exists for: while a client copies a slot
+without a lease, another connection makes the daemon evict the block and reuse its slot for
+other bytes. The copy must then never be returned as the block.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvstore.daemon import client as client_module
+from kvstore.daemon.pool_map import MappedPool
+from kvstore.daemon.protocol import Code, RemoteError
+
+from daemon_helpers import LAYOUT, DaemonProc, blocks, prompt
+
+pytestmark = pytest.mark.skipif(not MappedPool.lock_free(), reason="lock-free reads need x86-64 (leases only)")
+PAYLOAD = LAYOUT.bytes_per_block
+
+
+class CopyCounter:
+    """Wraps ``_copy_runs``: counts reads from the pool, and runs ``midway`` once, after the
+    first half of a read's rows are copied and before the rest are."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.reads = 0
+        self.midway: object = None
+        self.raw: torch.Tensor | None = None  # what the raced copy produced
+        self._orig = client_module._copy_runs
+        monkeypatch.setattr(client_module, "_copy_runs", self)
+
+    def __call__(self, slots: list[int], rows: torch.Tensor, pool: torch.Tensor, *, to_pool: bool) -> None:
+        if to_pool:
+            return self._orig(slots, rows, pool, to_pool=True)
+        self.reads += 1
+        midway, self.midway = self.midway, None
+        if midway is None:
+            return self._orig(slots, rows, pool, to_pool=False)
+        half = len(slots) // 2
+        self._orig(slots[:half], rows[:half], pool, to_pool=False)
+        midway()  # type: ignore[operator]
+        self._orig(slots[half:], rows[half:], pool, to_pool=False)
+        self.raw = rows.clone()
+        return None
+
+
+def small_daemon(tmp_path: Path) -> DaemonProc:
+    # 16 host slots of one page each, no disk: an evicted block is gone, its slot reused
+    return DaemonProc(tmp_path / "data", "--max-namespaces", "1", host_mem="64KiB", disk="0")
+
+
+def test_get_reuses_slots_from_earlier_replies_without_a_lease(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    d = small_daemon(tmp_path)
+    try:
+        with d.connect(shm=True) as c:
+            copies = CopyCounter(monkeypatch)
+            keys = c.block_keys(prompt(1, 4))
+            c.put(keys, blocks(keys))  # the commit's reply names the slots
+            requests = c.daemon_stats()
+            for _ in range(3):
+                assert torch.equal(c.get(keys), blocks(keys))
+            assert copies.reads == 3
+            # no get round trip: the daemon saw only touches (and the stats calls)
+            deadline = time.monotonic() + 10
+            while c.daemon_stats()["tenant"]["get_blocks"] < 12 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            stats = c.daemon_stats()
+            assert stats["tenant"]["get_blocks"] == 12, stats  # touches count as reads
+            assert stats["tenant"]["requests"] - requests["tenant"]["requests"] == 3
+    finally:
+        d.stop()
+
+
+@pytest.mark.parametrize("then", ["evicted", "evicted and put again"])
+def test_a_slot_reused_during_a_lock_free_copy_is_never_returned(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                 then: str) -> None:
+    d = small_daemon(tmp_path)
+    try:
+        with d.connect(shm=True) as reader, d.connect(shm=False) as writer:
+            copies = CopyCounter(monkeypatch)
+            keys = reader.block_keys(prompt(2, 4))
+            reader.put(keys, blocks(keys))
+            expected = blocks(keys)
+
+            def evict_and_reuse() -> None:
+                # 5 x 8 new blocks through a 16-slot pool: every older block is evicted and
+                # its slot rewritten with other bytes, while the reader is mid-copy
+                for r in range(5):
+                    others = writer.block_keys(prompt(100 + r, 8))
+                    writer.put(others, blocks(others))
+                if then == "evicted and put again":
+                    writer.put(keys, expected)  # same tenant, same keys: the same bytes again
+
+            copies.midway = evict_and_reuse
+            if then == "evicted":
+                with pytest.raises(KeyError):
+                    reader.get(keys)
+                assert copies.raw is not None
+                raw = copies.raw.view(torch.uint8).reshape(len(keys), PAYLOAD)
+                want = expected.view(torch.uint8).reshape(len(keys), PAYLOAD)
+                # the race really happened: the lock-free copy holds other bytes in some row
+                assert any(not torch.equal(raw[i], want[i]) for i in range(len(keys)))
+                assert copies.reads == 1  # and then no lease could find the blocks
+            else:
+                assert torch.equal(reader.get(keys), expected)
+                assert copies.raw is not None
+                assert copies.reads == 2  # the raced copy was dropped; a lease copied again
+    finally:
+        d.stop()
+
+
+def test_standing_write_lease_makes_a_put_one_round_trip(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    d = DaemonProc(tmp_path / "data", "--max-namespaces", "1", host_mem="1MiB", disk="0")
+    try:
+        with d.connect(shm=True) as c:
+            chains = [c.block_keys(prompt(10 + r, 8)) for r in range(4)]
+            calls: list[str] = []
+            real_call = c._call
+
+            def counting_call(meta: dict, *args: object, **kwargs: object) -> object:
+                calls.append(meta["op"])
+                return real_call(meta, *args, **kwargs)  # type: ignore[arg-type]
+
+            monkeypatch.setattr(c, "_call", counting_call)
+            for keys in chains:
+                c.put(keys, blocks(keys))
+            # the first put reserves; every commit reserves the next put's slots
+            assert calls == ["reserve", "commit", "commit", "commit", "commit"]
+            for keys in chains:
+                assert torch.equal(c.get(keys), blocks(keys))
+            odd = c.block_keys(prompt(20, 3))  # another size: the standing lease goes back
+            c.put(odd, blocks(odd))
+            assert torch.equal(c.get(odd), blocks(odd))
+        with d.connect(shm=True) as c:  # the closed connection's standing lease was freed
+            keys = c.block_keys(prompt(30, 8))
+            c.put(keys, blocks(keys))
+            # host slots in use: the 43 + 8 blocks put, and this connection's standing 8 (the
+            # first connection's 3 went with it; reserved slots count as used)
+            deadline = time.monotonic() + 10
+            while c.stats()["host"]["num_blocks"] != 51 and time.monotonic() < deadline:
+                time.sleep(0.05)  # the daemon ends a closed connection's leases as it notices
+            assert c.stats()["host"]["num_blocks"] == 4 * 8 + 3 + 8 + 8
+    finally:
+        d.stop()
+
+
+def test_commit_rejects_keys_that_do_not_match_its_lease(tmp_path: Path) -> None:
+    d = DaemonProc(tmp_path / "data", "--max-namespaces", "1", host_mem="1MiB", disk="0")
+    try:
+        with d.connect(shm=True) as c:
+            keys = c.block_keys(prompt(40, 4))
+            lease = c._call({"op": "reserve", "keys": c._keys_blob(keys)})[0]["lease"]
+            with pytest.raises(RemoteError) as info:
+                c._call({"op": "commit", "lease": lease, "keys": c._keys_blob(keys[:3])})
+            assert info.value.code == Code.BAD_REQUEST
+            assert c.stats()["host"]["num_blocks"] == 0
+    finally:
+        d.stop()
