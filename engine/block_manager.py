@@ -170,7 +170,9 @@ class BlockManager:
         t0 = time.perf_counter()
         try:
             if background and self.demoter is not None:
-                for run in self._runs([self.blocks[b] for b in block_ids]):
+                blocks = [self.blocks[b] for b in block_ids]
+                present = self.store.contains([b.key for b in blocks])  # gather only what it lacks
+                for run in self._runs([b for b, p in zip(blocks, present, strict=True) if not p]):
                     ids = torch.tensor([b.block_id for b in run], dtype=torch.long)
                     self.demoter.submit([b.key for b in run], kernels.gather_blocks(self.pool.pool, ids),  # type: ignore[misc]
                                         run[0].tenant)

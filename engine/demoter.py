@@ -1,9 +1,9 @@
 """Demoter: writes evicted device blocks to the store on a background thread.
 
-When admitting a request evicts cached device blocks, their bytes are gathered out of the
-pool at once (the blocks are reused right after), and the store's ``put`` (the host copy, and
-behind it any disk write, sync and catalog commit of the store's own cascade) runs here, off
-the engine loop: the request that caused the eviction does not wait for it.
+When admitting a request evicts cached device blocks, the bytes of those the store lacks are
+gathered out of the pool at once (the blocks are reused right after), and the store's ``put``
+(the host copy, and behind it any disk write, sync and catalog commit of the store's own
+cascade) runs here, off the engine loop: the request that caused the eviction does not wait for it.
 
 Bounded: at most ``max_pending_bytes`` of gathered payloads wait at a time. A submission
 beyond that is dropped and counted (a cache may lose a demotion; it must not stall a request
@@ -32,7 +32,6 @@ class Demoter:
         self.store = store
         self.max_pending_bytes = max_pending_bytes
         self.num_demoted = 0  # blocks the store took
-        self.num_present = 0  # blocks skipped: the store already held them
         self.num_dropped = 0  # blocks lost: over the bound, the store full, or an error
         self.busy_s = 0.0  # seconds the worker spent storing
         self._queue: deque[tuple[list[bytes], torch.Tensor, str]] = deque()
@@ -98,19 +97,8 @@ class Demoter:
                     self._cv.notify_all()
 
     def _store(self, keys: list[bytes], payload: torch.Tensor, tenant: str) -> None:
-        present = self.store.contains(keys)
-        start = 0
-        while start < len(keys):  # one put per sub-run of blocks the store lacks
-            if present[start]:
-                self.num_present += 1
-                start += 1
-                continue
-            stop = start
-            while stop < len(keys) and not present[stop]:
-                stop += 1
-            try:
-                self.store.put(keys[start:stop], payload[start:stop], tenant=tenant)
-                self.num_demoted += stop - start
-            except KVStoreError:  # the store is full of pinned or in-flight blocks
-                self.num_dropped += stop - start
-            start = stop
+        try:  # a key stored meanwhile (another engine) is only refreshed by put
+            self.store.put(keys, payload, tenant=tenant)
+            self.num_demoted += len(keys)
+        except KVStoreError:  # the store is full of pinned or in-flight blocks
+            self.num_dropped += len(keys)
