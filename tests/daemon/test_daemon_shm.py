@@ -62,17 +62,22 @@ def test_get_reuses_slots_from_earlier_replies_without_a_lease(tmp_path: Path, m
             copies = CopyCounter(monkeypatch)
             keys = c.block_keys(prompt(1, 4))
             c.put(keys, blocks(keys))  # the commit's reply names the slots
-            requests = c.daemon_stats()
+            calls: list[str] = []
+            real_call = c._call
+
+            def counting_call(meta: dict, *args: object, **kwargs: object) -> object:
+                calls.append(meta["op"])
+                return real_call(meta, *args, **kwargs)  # type: ignore[arg-type]
+
+            monkeypatch.setattr(c, "_call", counting_call)
             for _ in range(3):
                 assert torch.equal(c.get(keys), blocks(keys))
-            assert copies.reads == 3
-            # no get round trip: the daemon saw only touches (and the stats calls)
+            assert copies.reads == 3 and calls == []  # no round trip at all
+            # the daemon hears of the reads later, batched (touches count as reads)
             deadline = time.monotonic() + 10
             while c.daemon_stats()["tenant"]["get_blocks"] < 12 and time.monotonic() < deadline:
                 time.sleep(0.05)
-            stats = c.daemon_stats()
-            assert stats["tenant"]["get_blocks"] == 12, stats  # touches count as reads
-            assert stats["tenant"]["requests"] - requests["tenant"]["requests"] == 3
+            assert c.daemon_stats()["tenant"]["get_blocks"] == 12
     finally:
         d.stop()
 
