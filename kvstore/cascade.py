@@ -246,8 +246,9 @@ class Cascade:
         self.reserved_host += len(slots)
         return slots
 
-    def reserve_host_exactly(self, n: int) -> list[int]:
-        """``reserve_host`` for a writer that needs all ``n`` slots or none.
+    def reserve_host_exactly(self, n: int, evict: bool = True) -> list[int]:
+        """``reserve_host`` for a writer that needs all ``n`` slots or none; with
+        ``evict=False`` only from slots already free (a reservation ahead of need).
 
         Raises:
             CapacityError: fewer than ``n`` slots can be freed (the rest pinned or in flight).
@@ -256,7 +257,7 @@ class Cascade:
         if n > host.num_slots - self.reserved_host:  # hopeless: evict nothing
             raise CapacityError(f"need {n} host slots, {host.num_slots} in the pool, "
                                 f"{self.reserved_host} of them reserved")
-        if host.num_free < n:
+        if host.num_free < n and evict:
             self.make_room(0, n - host.num_free)
         if host.num_free < n:
             raise CapacityError(f"need {n} host slots, {host.num_free} free of "

@@ -78,16 +78,18 @@ class HostLeases:
                 entry.readers -= 1
                 cascade.forget_if_unheld(entry)
 
-    def reserve(self, n: int) -> list[int]:
-        """Take ``n`` free host slots (evicting as a put would) for a writer outside the store.
+    def reserve(self, n: int, evict: bool = True) -> list[int]:
+        """Take ``n`` free host slots (evicting as a put would, unless ``evict`` is False) for a
+        writer outside the store.
 
         Raises:
-            CapacityError: fewer than ``n`` slots can be freed (the rest pinned or in flight).
+            CapacityError: fewer than ``n`` slots can be freed (the rest pinned or in flight),
+                or with ``evict=False`` fewer than ``n`` are free.
         """
         self._check_raw()
         with self.cascade.lock:
             self.cascade.check_open()
-            return self.cascade.reserve_host_exactly(n)
+            return self.cascade.reserve_host_exactly(n, evict)
 
     def cancel(self, slots: Sequence[int]) -> None:
         """Give reserved slots back unpublished."""

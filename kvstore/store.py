@@ -302,9 +302,10 @@ class TieredStore:
         """End a read lease: undo one ``acquire_host`` of each of ``keys``."""
         self._leases.release(self._check_keys(keys))
 
-    def reserve_host(self, n: int) -> list[int]:
-        """Take ``n`` free host slots for a writer outside the store (see HostLeases.reserve)."""
-        return self._leases.reserve(n)
+    def reserve_host(self, n: int, *, evict: bool = True) -> list[int]:
+        """Take ``n`` free host slots for a writer outside the store (see HostLeases.reserve);
+        ``evict=False`` takes only slots already free."""
+        return self._leases.reserve(n, evict)
 
     def cancel_host(self, slots: Sequence[int]) -> None:
         """Give reserved slots back unpublished."""
@@ -366,12 +367,14 @@ class TieredStore:
         """Per tier: capacity_bytes, used_bytes, num_blocks, hits, misses, evictions,
         bytes_read, bytes_written, errors, refused (blocks in a format this reader refuses:
         misses), and the tier's ``codec`` (name) and ``lossy`` (bool). Bytes count what the
-        tier stores (the encoded size under a codec). The remote tier adds dropped (writes
-        given up), pending (queued writes) and nodes_up; its occupancy is the cluster's own
-        (Redis INFO)."""
+        tier stores (the encoded size under a codec). Host slots reserved for a promotion or
+        a shared-memory writer count in ``used_bytes`` (they are taken) but hold no block yet,
+        so not in ``num_blocks``. The remote tier adds dropped (writes given up), pending
+        (queued writes) and nodes_up; its occupancy is the cluster's own (Redis INFO)."""
         with self._lock:
             out = {level.name: {**level.stats(), "codec": level.describe_codec()["codec"], "lossy": level.lossy}
                    for level in self._cascade.levels}
+            out[self._cascade.host.name]["num_blocks"] -= self._cascade.reserved_host
         for shared in self._cascade.shared:  # outside the lock: this may ask the network
             out[shared.name] = shared.stats()
         return out

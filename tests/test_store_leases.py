@@ -80,3 +80,18 @@ def test_write_lease_publishes_only_on_commit(tmp_path: Path) -> None:
     assert sorted(store.held_keys()) == sorted(keys) and store.held_keys("nobody") == []
     assert store.block_info(b"\0" * 32) is None
     store.close()
+
+
+def test_reserved_slots_are_not_blocks_and_reserving_ahead_never_evicts(tmp_path: Path) -> None:
+    store = make_store(tmp_path, host_blocks=4, shared_host=True)
+    keys = chain(store, 2)
+    store.put(keys, blocks_for(keys))
+    slots = store.reserve_host(2, evict=False)  # the two free slots
+    host = store.stats()["host"]
+    assert host["num_blocks"] == 2 and host["used_bytes"] == 4 * SLOT  # reserved: taken, but no block
+    with pytest.raises(CapacityError):
+        store.reserve_host(1, evict=False)  # none free: it would have to evict
+    assert store.lookup(keys).num_blocks == 2
+    store.cancel_host(slots)
+    store.check_integrity()
+    store.close()

@@ -305,9 +305,10 @@ class Ops:
         reserve = field_of(meta, "reserve", int, 0)
         # Only from free slots: reserving ahead must never evict (it could evict what was
         # just committed); in a full pool the next put reserves (and evicts) itself.
-        if 0 < reserve <= min(self.max_blocks(lease.state), _num_free_host(lease.state)):
+        if 0 < reserve <= self.max_blocks(lease.state):
             with contextlib.suppress(CapacityError, ProtocolError):
-                nxt = self.leases.grant_write(session.conn_id, lease.state, [b""] * reserve, lease.tenant)
+                nxt = self.leases.grant_write(session.conn_id, lease.state, [b""] * reserve, lease.tenant,
+                                              evict=False)
                 out["next"] = {"lease": nxt.id, "slots": nxt.slots, "lease_s": self.leases.lease_s}
         return out, b""
 
@@ -360,12 +361,6 @@ class Ops:
         assert state is not None and principal is not None
         return {"namespace": state.id, "tiers": state.store.stats(),
                 "tenant": dict(state.counters[principal.tenant])}, b""
-
-
-def _num_free_host(state: NamespaceState) -> int:
-    """Host slots holding nothing, reserved or published (racy: a hint for reserving ahead)."""
-    pool = state.store.shared_pool
-    return pool[2] - state.store.stats()["host"]["num_blocks"] if pool else 0
 
 
 def _runs(slots: list[int]) -> list[tuple[int, int]]:

@@ -64,10 +64,12 @@ class Leases:
                       time.monotonic() + self.lease_s)
         return self._add(lease)
 
-    def grant_write(self, conn: int, state: NamespaceState, keys: list[bytes], tenant: str) -> Lease:
-        """Reserve one free host slot per key (CapacityError when none can be freed)."""
+    def grant_write(self, conn: int, state: NamespaceState, keys: list[bytes], tenant: str,
+                    evict: bool = True) -> Lease:
+        """Reserve one free host slot per key (CapacityError when none can be freed; with
+        ``evict=False``, when fewer are free)."""
         self._check_room(conn)
-        slots = state.store.reserve_host(len(keys))
+        slots = state.store.reserve_host(len(keys), evict=evict)
         lease = Lease(next(self._ids), "write", conn, state, keys, slots, tenant, time.monotonic() + self.lease_s)
         return self._add(lease)
 

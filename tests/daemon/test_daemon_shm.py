@@ -142,15 +142,16 @@ def test_standing_write_lease_makes_a_put_one_round_trip(tmp_path: Path, monkeyp
             odd = c.block_keys(prompt(20, 3))  # another size: the standing lease goes back
             c.put(odd, blocks(odd))
             assert torch.equal(c.get(odd), blocks(odd))
-        with d.connect(shm=True) as c:  # the closed connection's standing lease was freed
+        with d.connect(shm=True) as c:
             keys = c.block_keys(prompt(30, 8))
             c.put(keys, blocks(keys))
-            # host slots in use: the 43 + 8 blocks put, and this connection's standing 8 (the
-            # first connection's 3 went with it; reserved slots count as used)
+            # 43 blocks held; the slots in use add this connection's standing 8 (reserved, no
+            # block yet), while the first connection's standing 3 went with it
             deadline = time.monotonic() + 10
-            while c.stats()["host"]["num_blocks"] != 51 and time.monotonic() < deadline:
+            while c.stats()["host"]["used_bytes"] != (43 + 8) * 4096 and time.monotonic() < deadline:
                 time.sleep(0.05)  # the daemon ends a closed connection's leases as it notices
-            assert c.stats()["host"]["num_blocks"] == 4 * 8 + 3 + 8 + 8
+            host = c.stats()["host"]
+            assert host["num_blocks"] == 4 * 8 + 3 + 8 and host["used_bytes"] == (43 + 8) * 4096, host
     finally:
         d.stop()
 
