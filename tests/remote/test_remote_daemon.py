@@ -29,8 +29,8 @@ def payload(keys: list[bytes]) -> torch.Tensor:
     return torch.randn((len(keys), *LAYOUT.block_shape), generator=gen)
 
 
-def connect(daemon: Daemon, token: str) -> kvstore.StoreClient:
-    return kvstore.connect(daemon.unix, token=token, layout=LAYOUT, model_id="m", shm=False)
+def connect(daemon: Daemon, token: str, shm: bool = False) -> kvstore.StoreClient:
+    return kvstore.connect(daemon.unix, token=token, layout=LAYOUT, model_id="m", shm=shm)
 
 
 def wait_for(check, timeout: float = 15.0) -> None:  # type: ignore[no-untyped-def]
@@ -46,7 +46,8 @@ def test_two_daemons_share_blocks_and_tenants_stay_apart(cluster: RedisCluster, 
     node_a, node_b = Daemon(tmp_path / "a", *common), Daemon(tmp_path / "b", *common)
     try:
         tokens = list(range(40))
-        with connect(node_a, "tok-acme") as a:
+        with connect(node_a, "tok-acme", shm=True) as a:  # a put through shared memory (commit)
+            assert a.uses_shm
             keys = a.block_keys(tokens)
             a.put(keys, payload(keys))
         with connect(node_b, "tok-acme") as b:

@@ -48,19 +48,19 @@ def split_by_primary(t: RemoteTier, cluster: RedisCluster, port: int, tag: str) 
 
 
 def test_client_pause_takes_the_timeout_path_within_the_deadline(cluster: RedisCluster) -> None:
-    timeout = 0.3
+    timeout = 0.5
     with tier(cluster.url, timeout_s=timeout, breaker_threshold=2, breaker_cooldown_s=0.5) as t:
         paused = cluster.primaries()[0]
         on, off = split_by_primary(t, cluster, paused.port, "pause")
         ks = on + off
         data = payloads(ks)
         assert t.put(ks, list(data)) == 32
-        cli(paused.port, "CLIENT", "PAUSE", "2500", "ALL")
+        cli(paused.port, "CLIENT", "PAUSE", "4000", "ALL")
         out = np.zeros_like(data)
         started = time.monotonic()
         ok = t.get(ks, list(out))
         elapsed = time.monotonic() - started
-        assert elapsed < timeout + 0.5, f"get took {elapsed:.2f} s with a {timeout} s timeout"
+        assert elapsed < timeout + 1.0, f"get took {elapsed:.2f} s with a {timeout} s timeout"
         assert ok == [False] * 16 + [True] * 16 and np.array_equal(out[16:], data[16:])
         assert t.stats()["errors_timeout"] >= 1
         t.get(ks, list(out))  # the second timeout opens the paused node's circuit
