@@ -9,6 +9,7 @@ cascade's lock; bulk copies of blocks being read run outside it, protected by th
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -102,6 +103,8 @@ class TieredStore:
         self._leases = HostLeases(cascade, self._reads, self._writes)
         self._codings = [level.coding for level in cascade.levels if level.coding is not None]
         self._executor = ThreadPoolExecutor(config.transfer_threads, thread_name_prefix="kvstore-transfer")
+        for shared in cascade.shared:
+            shared.watch(functools.partial(self._shared_stored, shared.name))
 
     @property
     def levels(self) -> tuple[str, ...]:
@@ -325,6 +328,14 @@ class TieredStore:
     def remove_listener(self, listener: StoreListener) -> None:
         with self._lock:
             self._cascade.listeners.remove(listener)
+
+    def _shared_stored(self, tier: str, keys: list[bytes]) -> None:
+        """Blocks this store offered are in shared level ``tier`` now: tell the listeners (KV
+        events, medium REMOTE). Parents are not known there, and removals are not reported
+        (the medium evicts on its own, unseen), so a block written again after Redis evicted
+        it is announced again."""
+        with self._lock:
+            self._cascade.listeners.stored(tier, keys, [None] * len(keys))
 
     def held_by_tier(self) -> dict[str, list[tuple[bytes, bytes | None]]]:
         """Snapshot: per tier name, ``(key, parent)`` of every block that tier holds."""

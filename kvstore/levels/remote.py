@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -68,6 +68,9 @@ class RemoteLevel(SharedLevel):
                 return
             payloads = list(stored)
         self.tier.put_async(keys, payloads)
+
+    def watch(self, stored: Callable[[list[bytes]], None]) -> None:
+        self.tier.on_stored = stored
 
     def flush(self, timeout: float | None = None) -> bool:
         return self.tier.flush(timeout)

@@ -19,7 +19,7 @@ the indexed levels end; adding another shared medium is one more entry there.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -92,6 +92,11 @@ class SharedLevel(ABC):
     def stats(self) -> dict[str, Any]:
         """capacity_bytes, used_bytes, num_blocks, hits, misses, evictions, bytes_read,
         bytes_written, errors, dropped (occupancy is the medium's own, shared by every store)."""
+
+    @abstractmethod
+    def watch(self, stored: Callable[[list[bytes]], None]) -> None:
+        """Have ``stored(keys)`` called (on the writing thread, without the store lock) once
+        blocks this store offered are in the level."""
 
     def nodes(self) -> list[dict[str, Any]]:
         """Per node of the medium: address, up, memory and evictions (none by default)."""

@@ -177,3 +177,25 @@ def test_a_lossy_remote_codec_is_marked_and_refused_by_exact_reads(cluster: Redi
         assert node_b.block_info(keys[0])["lossy"]  # type: ignore[index]
         assert raw_reader.lookup(keys).num_blocks == 0  # another codec names another layout: a miss
         assert node_b.stats()["remote"]["codec"] == "int8"
+
+
+def test_listeners_hear_the_blocks_this_store_wrote_remote(cluster: RedisCluster) -> None:
+    heard: list[tuple[str, list[bytes]]] = []
+
+    class Listener:
+        def blocks_stored(self, tier: str, keys: list[bytes], parents: list[bytes | None]) -> None:
+            heard.append((tier, keys))
+
+        def blocks_removed(self, tier: str, keys: list[bytes]) -> None:
+            heard.append((f"-{tier}", keys))
+
+    with remote(cluster) as node_a:
+        node_a.add_listener(Listener())
+        keys = chain(node_a, 5, salt=12)
+        node_a.put(keys, blocks_for(keys))
+        assert node_a.flush(10)
+        remote_keys = [k for tier, ks in heard if tier == "remote" for k in ks]
+        assert sorted(remote_keys) == sorted(keys)
+        assert ("host", keys) in heard
+        node_a.put(keys, blocks_for(keys))  # held already: no second announcement
+        assert node_a.flush(10) and len([t for t, _ in heard if t == "remote"]) == 1

@@ -12,7 +12,8 @@ miss or a counted dropped write. Only caller errors (bad arguments) raise.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from tiers.buffers import byte_view
@@ -23,6 +24,8 @@ from tiers.remote.naming import DEFAULT_PREFIX, MAX_RUN_LENGTH, block_name, chec
 from tiers.remote.topology import Command, Topology, error_kind
 from tiers.remote.url import Node, RemoteURL, parse_url
 from tiers.remote.writer import PendingWrite, WriteBehind
+
+log = logging.getLogger(__name__)
 
 
 class RemoteTier:
@@ -43,6 +46,11 @@ class RemoteTier:
 
     Every batch method takes ``tags``: the group head key of each block (``naming.group_tags``);
     None means each block is its own head, which is right only for ``run_length == 1``.
+
+    Attributes:
+        on_stored: called with the keys of each batch a put or the write-behind wrote (not
+            those it found there already); None: nobody listens. It runs on
+            the writing thread and must not block; an exception from it is logged and ignored.
     """
 
     def __init__(
@@ -64,6 +72,7 @@ class RemoteTier:
         self._topology = Topology(self.url, timeout_s, breaker_threshold=breaker_threshold,
                                   breaker_cooldown_s=breaker_cooldown_s)
         self._info = NodeInfoCache(self._topology)
+        self.on_stored: Callable[[list[bytes]], None] | None = None
         self._writer = WriteBehind(self._send, queue_blocks, batch_blocks,
                                    lambda n: self.counters.add(dropped=n))
 
@@ -177,7 +186,7 @@ class RemoteTier:
             view = byte_view(payload, writable=False)[0]
             if view.nbytes < self.payload_bytes:
                 raise ValueError(f"payload of {view.nbytes} bytes is shorter than payload_bytes={self.payload_bytes}")
-            pending.append(PendingWrite(name, codec.encode(key, self._layout, view[: self.payload_bytes])))
+            pending.append(PendingWrite(name, codec.encode(key, self._layout, view[: self.payload_bytes]), key))
         return pending
 
     def put(self, keys: Sequence[bytes], payloads: Sequence[Any], tags: Sequence[bytes] | None = None) -> int:
@@ -205,6 +214,7 @@ class RemoteTier:
         missing = [i for i, r in enumerate(held) if r == 0]  # an error is not a 0: not sent
         failed = len(items) - len(missing) - sum(1 for r in held if r == 1)
         self.counters.add(skipped=sum(1 for r in held if r == 1))
+        stored: list[bytes] = []
         written = 0
         if missing:
             commands: list[Command] = [("SET", items[i].name, items[i].value) for i in missing]
@@ -218,14 +228,20 @@ class RemoteTier:
                     self.counters.error(error_kind(reply.error))
                     failed += len(idx)
                     continue
-                for result in reply.results:
+                for i, result in zip(idx, reply.results, strict=True):
                     if result is True:
                         written += 1
+                        stored.append(items[missing[i]].key)
                     else:
                         failed += 1
                         if isinstance(result, BaseException):
                             self.counters.error(error_kind(result))
         self.counters.add(bytes_written=written * self.payload_bytes, dropped=failed)
+        if stored and self.on_stored is not None:
+            try:
+                self.on_stored(stored)
+            except Exception:
+                log.exception("remote tier on_stored callback failed")
         return written
 
     def delete(self, keys: Sequence[bytes], tags: Sequence[bytes] | None = None) -> None:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 class PendingWrite:
     name: bytes
     value: bytes
+    key: bytes
 
 
 Send = Callable[[list[PendingWrite]], object]
