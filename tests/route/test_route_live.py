@@ -79,12 +79,17 @@ def test_multi_turn_conversations_stay_where_their_prefix_is(replicas: list[Repl
         assert last is not None
         direct, _ = chat(replicas[0].client(), last[0])  # one engine's greedy output, no router
         assert direct.choices[0].message.content == last[1]
+        stream = client.chat.completions.create(model="random", messages=last[0], max_tokens=6, temperature=0,
+                                                stream=True, stream_options={"include_usage": True})
+        chunks = list(stream)  # passed through chunk by chunk, usage chunk last
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == last[1]
+        assert chunks[-1].usage is not None and chunks[-1].usage.prompt_tokens_details.cached_tokens > 0
         metrics = {line.split(" ")[0]: float(line.split(" ")[1]) for line in
                    httpx.get(f"{router.url}/metrics", timeout=5).text.splitlines() if line and line[0] != "#"}
         assert metrics['kvstore_router_decisions_total{reason="cache_hit"}'] >= 6
         predicted = metrics["kvstore_router_predicted_cached_tokens_total"]
         assert 0 < predicted <= metrics["kvstore_router_reported_cached_tokens_total"]
-        assert metrics['kvstore_router_requests_total{endpoint="chat",status="200"}'] == 18
+        assert metrics['kvstore_router_requests_total{endpoint="chat",status="200"}'] == 18 + 1  # + the stream
         assert "kvstore route" in httpx.get(f"{router.url}/router", timeout=5).text
         if CHROMIUM:  # the page, rendered by a real browser from the live router
             dom = render_page(f"{router.url}/router")
@@ -225,6 +230,12 @@ def test_tenants_never_share_cache_affinity(replicas: list[Replica], tmp_path: A
         assert k2["x-kvstore-replica"] == k1["x-kvstore-replica"] and g2.usage.prompt_tokens_details.cached_tokens > 0
         with pytest.raises(openai.AuthenticationError):
             complete(router.client("tok-nobody"), prompt)
+        auth = {"authorization": "Bearer tok-acme"}
+        bad = httpx.post(f"{router.url}/v1/completions", content=b"not json", headers=auth, timeout=10)
+        assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error"
+        bad = httpx.post(f"{router.url}/v1/completions", json={"prompt": prompt, "max_tokens": 0}, headers=auth,
+                         timeout=10)  # the replica's own 400, passed through
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"
         assert httpx.get(f"{router.url}/v1/models", timeout=5).status_code == 401
     finally:
         assert router.stop() == 0
