@@ -17,7 +17,7 @@ def run_route(args: argparse.Namespace) -> int:
 
     try:
         routing = RouterConfig(policy=args.policy, gate_min_requests=args.gate_min_requests,
-                               pending_ttl_s=args.pending_ttl)
+                               pending_ttl_s=args.pending_ttl, shared_remote=args.shared_remote)
         config = RouteConfig(tuple(args.replica or ()), host=args.host, port=args.port, tokens_file=args.tokens,
                              router_token=args.router_token or os.environ.get("KVSTORE_ROUTER_TOKEN") or None,
                              routing=routing, health_interval_s=args.health_interval, dead_after_s=args.dead_after,
@@ -44,6 +44,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--gate-min-requests", type=int, default=16,
                    help="overload gate: in-flight requests above the least loaded replica before it applies (16)")
     p.add_argument("--pending-ttl", type=float, default=5.0, help="seconds a routed prefix counts as held (5)")
+    p.add_argument("--shared-remote", action="store_true",
+                   help="the replicas share one remote tier: a block any of them holds there counts for all")
     p.add_argument("--health-interval", type=float, default=0.25, help="seconds between load polls (0.25)")
     p.add_argument("--dead-after", type=float, default=1.5, help="a replica silent this long is out (1.5 s)")
     p.add_argument("--drain-s", type=float, default=10.0, help="SIGTERM waits this long for requests (default 10)")

@@ -43,6 +43,8 @@ class RouterConfig:
         pending_ttl_s: how long a routed prefix counts as held before the replica's events
             confirm it.
         history_blocks: per replica, the most guesses kept in approximate mode.
+        shared_remote: the replicas share one remote tier (one Redis Cluster): a block any of
+            them published in ``REMOTE`` can be fetched by every one.
     """
 
     policy: str = CACHE_AWARE
@@ -56,6 +58,7 @@ class RouterConfig:
     gate_min_tokens: int = 65536
     pending_ttl_s: float = 5.0
     history_blocks: int = 1 << 16
+    shared_remote: bool = False
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:

@@ -16,6 +16,7 @@ from kvstore.routing.keytable import KeyTable, key_ids
 from kvstore.routing.tiers import (
     BITS,
     MEDIA,
+    REMOTE,
     ROUTED,
     ROUTED_BITS,
     ROUTED_OLD_BIT,
@@ -131,11 +132,20 @@ class PrefixIndex:
         return gone
 
     # -- queries ---------------------------------------------------------------------------
-    def match(self, ids: np.ndarray, replicas: Sequence[str] | None = None) -> PrefixMatches:
-        """Per replica, the leading run of ``ids`` (a chain, root first) it holds. Pure query."""
+    def match(self, ids: np.ndarray, replicas: Sequence[str] | None = None,
+              shared_remote: bool = False) -> PrefixMatches:
+        """Per replica, the leading run of ``ids`` (a chain, root first) it holds. Pure query.
+
+        With ``shared_remote`` the replicas share one remote tier: a block any replica
+        published in ``REMOTE`` counts as in ``REMOTE`` for all of them.
+        """
         names = tuple(self._columns) if replicas is None else tuple(replicas)
         columns = [self._column(r) for r in names]
-        rows = self._table.rows(self._table.find(ids))[:, columns]  # [blocks, replicas]
+        every = self._table.rows(self._table.find(ids))
+        rows = every[:, columns]  # [blocks, replicas]
+        if shared_remote:
+            remote = np.uint8(BITS[REMOTE])
+            rows |= np.where((every & remote).any(axis=1), remote, np.uint8(0))[:, None]
         run = np.logical_and.accumulate(rows != 0, axis=0)
         tiers = np.where(run, self._tier_of[rows], len(TIERS))
         by_tier = (tiers[:, :, None] == np.arange(len(TIERS))).sum(axis=0)

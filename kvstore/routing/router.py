@@ -198,7 +198,7 @@ class Router:
                              for s in states])  # the router's own requests will fill some
             if policy == CACHE_AWARE:
                 self.history.expire(now)
-            match = self.index.match(ids, [s.name for s in states])
+            match = self.index.match(ids, [s.name for s in states], self.config.shared_remote)
             saved = scoring.saved_tokens(match.saved_blocks, self.block_tokens, prompt_tokens)
             saved[match.num_blocks < self.config.min_match * ids.size] = 0.0
             if policy == ROUND_ROBIN:

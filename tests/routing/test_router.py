@@ -11,6 +11,7 @@ from kvstore.routing import (
     CPU,
     DISK,
     GPU,
+    REMOTE,
     LoadReport,
     Router,
     RouterConfig,
@@ -55,6 +56,17 @@ def test_the_longest_prefix_wins_and_device_beats_lower_tiers() -> None:
     store(router, "c", prompt(1)[: 6 * BLOCK], CPU)
     d = router.route(prompt(1), now=0.0)
     assert d.replica == "c" and d.predicted_by_tier == {CPU: 6}  # 6 x 0.93 > 8 x 0.56 > 4
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_a_shared_remote_tier_counts_for_every_replica(shared: bool) -> None:
+    router = make_router(shared_remote=shared)
+    store(router, "a", prompt(13), REMOTE)  # a wrote all 10 blocks to the remote tier
+    store(router, "b", prompt(13)[: 5 * BLOCK])  # b holds the first 5 on its device
+    d = router.route(prompt(13), now=0.0)
+    assert d.replica == "b"
+    assert d.predicted_by_tier == ({GPU: 5, REMOTE: 5} if shared else {GPU: 5})
+    assert d.predicted_cached_tokens == (9 if shared else 5) * BLOCK  # the last block is computed
 
 
 def test_tenants_never_share_a_prefix() -> None:
