@@ -11,6 +11,9 @@ Three phases:
   3. under the lock: publish the promoted copies on host, forget blocks a level found
      corrupt, release the readers.
 
+When every block of the run is in host RAM (the common case) phase 1 does no more than
+that, phase 2 is one copy per run of slots and phase 3 only releases the readers.
+
 A block that fails its read ends the delivered run there: the caller recomputes the rest.
 
 Where the indexed run ends, the shared levels (the remote tier) are asked for the blocks
@@ -47,23 +50,47 @@ class ReadPath:
             cascade.check_open()
             plan: list[tuple[BlockEntry, int]] = []
             entries, now = cascade.index.entries, time.time()
+            host_keys: list[bytes] = []
             for key in keys:  # hot loop: one dict lookup and a few attribute updates a block
                 entry = entries.get(key)
                 if entry is None:
                     break
-                rank = entry.exact_rank if exact else entry.best_rank
-                if rank is None:
-                    break
+                if entry.slots[0] is not None and not (exact and entry.inexact & 1):
+                    rank = 0  # the common case, inlined: host holds it
+                    host_keys.append(key)
+                else:
+                    found = entry.exact_rank if exact else entry.best_rank
+                    if found is None:
+                        break
+                    rank = found
                 entry.readers += 1
-                cascade.note_use(entry, now)
+                if entry.num_uses:  # cascade.note_use, inlined for the common case
+                    entry.last_access = now
+                    entry.num_uses += 1
+                else:
+                    cascade.note_use(entry, now)
                 plan.append((entry, rank))
             if count:
-                cascade.count_lookup(PrefixMatch(len(plan), tuple(names[r] for _, r in plan)), len(keys))
-            host_keys = [e.key for e, r in plan if r == 0]
+                found_tiers = ((names[0],) * len(plan) if len(host_keys) == len(plan)
+                               else tuple(names[r] for _, r in plan))
+                cascade.count_lookup(PrefixMatch(len(plan), found_tiers), len(keys))
             if host_keys:
                 cascade.host.policy.access(host_keys)
-            lower = [(e, r) for e, r in plan if r > 0]
+            lower = [(e, r) for e, r in plan if r > 0] if len(host_keys) < len(plan) else []
             promo_slots = cascade.reserve_host(len(lower)) if lower and self.promote else []
+        if not lower and (len(plan) == len(keys) or not cascade.shared):
+            # all in host RAM (and no shared tier to ask for the rest): one copy per run of
+            # slots, nothing to publish
+            try:
+                if dst is not None and plan:
+                    self._copy_host(plan, dst)
+            finally:
+                with cascade.lock:
+                    for entry, _rank in plan:
+                        entry.readers -= 1
+                        if entry.readers == 0 and entry.slots[0] is None:  # deleted or evicted meanwhile
+                            cascade.forget_if_unheld(entry)
+            return FetchResult(len(plan), (names[0],) * len(plan))
         ok: dict[bytes, bool] = {}
         unplaced: set[bytes] = set()
         try:
@@ -146,6 +173,12 @@ class ReadPath:
             for entry in placed:
                 cascade.forget_if_unheld(entry)
 
+    def _copy_host(self, plan: list[tuple[BlockEntry, int]], dst: torch.Tensor) -> None:
+        """Copy host-resident ``plan`` into ``dst``'s leading rows, one copy per run of slots."""
+        host = self.cascade.host
+        host.read_rows([e.slots[0] for e, _r in plan], dst[: len(plan)])  # type: ignore[misc]
+        host.counters.bytes_read += len(plan) * host.payload_bytes
+
     def _copy(self, plan: list[tuple[BlockEntry, int]], lower: list[tuple[BlockEntry, int]],
               promo_slots: list[int], dst: torch.Tensor | None) -> tuple[dict[bytes, bool], set[bytes]]:
         """Move the bytes; returns per lower block whether it was read, and the keys read but
@@ -184,11 +217,19 @@ class ReadPath:
         raw = host.raw_bytes
         read = [ok[e.key] for e, _r in lower[: len(promo_slots)]]
         promoted = host.finish_promotion(promo_slots, targets_on_host, read)
-        for (entry, _r), target, good, placed in zip(lower, targets_on_host, read, promoted, strict=False):
+        copies: list[tuple[int, int]] = []  # (dst row, index into promo_slots) of blocks read
+        for i, ((entry, _r), good, placed) in enumerate(zip(lower, read, promoted, strict=False)):
             if dst is not None and good:
-                dst[rows[entry.key]].copy_(target[:raw])
+                copies.append((rows[entry.key], i))
             if good and not placed:
                 unplaced.add(entry.key)
+        if dst is not None and host.coding is None:  # raw slots: one copy per run of rows and slots
+            for first, count in _runs(copies):
+                row, i = copies[first]
+                host.read_rows(promo_slots[i : i + count], dst[row : row + count])
+        elif dst is not None:
+            for row, i in copies:
+                dst[row].copy_(targets_on_host[i][:raw])
         return ok, unplaced
 
     def _finish(self, plan: list[tuple[BlockEntry, int]], lower: list[tuple[BlockEntry, int]],
@@ -217,3 +258,14 @@ class ReadPath:
         for entry, _rank in plan:
             entry.readers -= 1
             cascade.forget_if_unheld(entry)
+
+
+def _runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``(start, count)`` of each run of ``(row, index)`` pairs that both step by one."""
+    runs: list[tuple[int, int]] = []
+    for i, (row, index) in enumerate(pairs):
+        if runs and (row, index) == (pairs[i - 1][0] + 1, pairs[i - 1][1] + 1):
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((i, 1))
+    return runs

@@ -440,11 +440,12 @@ class TieredStore:
 
     def _check_keys(self, keys: Sequence[bytes]) -> list[bytes]:
         keys = list(keys)
-        for key in keys:
-            if not isinstance(key, bytes) or len(key) != self.hasher.key_bytes:
-                raise TypeError(
-                    f"keys must be {self.hasher.key_bytes}-byte strings from block_keys(), got {key!r:.60}"
-                )
+        n = self.hasher.key_bytes
+        # the common case in two C-level passes; the loop below only names the bad key
+        if keys and (set(map(type, keys)) != {bytes} or set(map(len, keys)) != {n}):
+            for key in keys:
+                if not isinstance(key, bytes) or len(key) != n:
+                    raise TypeError(f"keys must be {n}-byte strings from block_keys(), got {key!r:.60}")
         return keys
 
 
