@@ -19,7 +19,8 @@ from kvstore.errors import CodecError
 from kvstore.eviction import EvictionPolicy
 from kvstore.index import DISK, BlockEntry
 from kvstore.levels.base import Level, Recovered
-from kvstore.levels.coding import LevelCodec, aligned_rows
+from kvstore.levels.coding import LevelCodec
+from kvstore.levels.staging import Staging, select
 from kvstore.stats import tier_stats
 from tiers.disk import DiskTier
 from tiers.errors import TierError
@@ -37,6 +38,7 @@ class DiskLevel(Level):
         self.tier = tier
         self.namespace_id = namespace_id
         self.layout_id = namespace_id if coding is None else f"{namespace_id}{CODED_SUFFIX}"
+        self._staging = Staging(tier.slot_bytes) if coding is not None else None
 
     @property
     def payload_bytes(self) -> int:
@@ -72,7 +74,8 @@ class DiskLevel(Level):
               payloads: torch.Tensor | Sequence[torch.Tensor]) -> bool:
         rows: Sequence[torch.Tensor] = list(payloads) if isinstance(payloads, torch.Tensor) else payloads
         if self.coding is not None:
-            staging = list(aligned_rows(len(rows), self.tier.slot_bytes))
+            assert self._staging is not None
+            staging = self._staging.rows(len(rows))
             try:
                 self.coding.encode(rows, staging)
             except CodecError:  # checked at put, so not expected: the blocks are not demoted
@@ -89,22 +92,35 @@ class DiskLevel(Level):
         return True
 
     def read(self, keys: Sequence[bytes], slots: Sequence[int], outs: Sequence[torch.Tensor]) -> list[bool]:
-        try:
-            if self.coding is None:
+        if self.coding is None:
+            try:
                 return self.tier.read(keys, slots, outs)
-            staging = list(aligned_rows(len(keys), self.tier.slot_bytes))
-            flags = self.tier.read(keys, slots, staging)
+            except TierError:
+                self.counters.errors += 1
+                return [False] * len(keys)
+        coding, staging = self.coding, self._staging
+        assert staging is not None
+        rows = staging.rows(len(keys))
+        flags = [False] * len(keys)
+
+        def read(batch: range) -> list[bool]:
+            return self.tier.read([keys[i] for i in batch], [slots[i] for i in batch], select(rows, batch))
+
+        def decode(batch: range, got: list[bool]) -> None:
+            good = [i for i, ok in zip(batch, got, strict=True) if ok]
+            decoded = coding.decode(select(rows, good), select(outs, good))  # type: ignore[arg-type]
+            refused = [keys[i] for i, ok in zip(good, decoded, strict=True) if not ok]
+            if refused:  # checksummed, but in a format this reader does not know: a counted miss
+                self.counters.refused += len(refused)
+                self.tier.delete(refused)
+            for i, ok in zip(good, decoded, strict=True):
+                flags[i] = ok
+
+        try:
+            staging.pipelined(len(keys), read, decode)
         except TierError:
             self.counters.errors += 1
             return [False] * len(keys)
-        good = [i for i, ok in enumerate(flags) if ok]
-        decoded = self.coding.decode([staging[i] for i in good], [outs[i] for i in good])
-        refused = [keys[i] for i, ok in zip(good, decoded, strict=True) if not ok]
-        if refused:  # checksummed, but in a format this reader does not know: a counted miss
-            self.counters.refused += len(refused)
-            self.tier.delete(refused)
-        for i, ok in zip(good, decoded, strict=True):
-            flags[i] = ok
         return flags
 
     def drop(self, keys: Sequence[bytes], slots: Sequence[int]) -> None:
@@ -131,4 +147,6 @@ class DiskLevel(Level):
         self.tier.check_integrity()
 
     def close(self) -> None:
+        if self._staging is not None:
+            self._staging.close()
         self.tier.close()

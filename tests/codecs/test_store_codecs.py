@@ -271,3 +271,19 @@ def test_another_namespaces_directory_is_never_reformatted(tmp_path: Path) -> No
                                     disk_path=tmp_path / "disk", disk_bytes=4 * other.bytes_per_block))
     assert again.lookup(keys).num_blocks == 2  # untouched
     again.close()
+
+
+def test_a_long_prefix_reads_in_pipelined_batches(tmp_path: Path) -> None:
+    # 100 int8 blocks: 3 batches of at most 4 MiB, each decoded while the next one is read.
+    store = _store(tmp_path, host_blocks=102, disk_blocks=102, disk_codec="int8", write_policy="write_through",
+                   promotion="never")
+    keys = _keys(store, 100)
+    blocks = random_kv(LAYOUT, 100, seed=14)
+    store.put(keys, blocks)
+    store.close()
+    store = _store(tmp_path, host_blocks=102, disk_blocks=102, disk_codec="int8", promotion="never")
+    whole = store.get(keys)
+    one_by_one = torch.cat([store.get([k]) for k in keys[::-1]]).flip(0)
+    assert torch.equal(whole, one_by_one)
+    assert bool(((whole.float() - blocks.float()).abs() <= int8_bound(blocks, LAYOUT.dtype)).all())
+    store.close()
