@@ -164,7 +164,7 @@ def render(tp: dict[str, Any], sz: dict[str, float], errs: dict[str, Any], disk:
     lines = [
         "## Codecs (`kvstore bench codecs`)",
         "",
-        f"Machine: {machine()}. Layout: 24 layers, 2 KV heads, head dim 64, block 16, fp16 (192 KiB "
+        f"Machine: {machine()}, {torch.get_num_threads()} torch intra-op thread(s). Layout: 24 layers, 2 KV heads, head dim 64, block 16, fp16 (192 KiB "
         f"blocks); {num_blocks} blocks = a {num_blocks * 16}-token prefix of real-shaped random KV "
         f"(N(0, 1), 1 in 16 K channels 20x larger). Best of {repeat} interleaved rounds.",
         "",
@@ -216,6 +216,8 @@ def render(tp: dict[str, Any], sz: dict[str, float], errs: dict[str, Any], disk:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.threads:
+        torch.set_num_threads(args.threads)
     blocks = real_shaped_kv(BENCH_LAYOUT, args.blocks)
     print("encode / decode throughput ...", flush=True)
     tp = bench_throughput(blocks, 3 * args.repeat)
@@ -245,5 +247,6 @@ def register_target(targets: argparse._SubParsersAction) -> None:
     p.add_argument("--repeat", type=int, default=5, help="rounds; the best is kept (default 5)")
     p.add_argument("--dir", help="where the scratch disk tiers go (default: current directory; not tmpfs)")
     p.add_argument("--no-engine", action="store_true", help="skip the TTFT runs through the engine")
+    p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (default: torch's own)")
     p.add_argument("--no-write", action="store_true", help="print only; leave docs/ untouched")
     p.set_defaults(func=run)
