@@ -18,7 +18,7 @@ import torch
 from kvstore.levels.coding import aligned_rows
 
 KEEP_BYTES = 64 << 20  # a thread keeps staging up to this size between calls
-BATCH_BYTES = 4 << 20  # encoded bytes per pipelined read
+BATCH_BYTES = 2 << 20  # encoded bytes per pipelined read
 
 
 class Staging:
