@@ -178,12 +178,8 @@ def scatter_blocks(pool: torch.Tensor, block_ids: torch.Tensor, src: torch.Tenso
 def dequantize_int8(data: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """Reference of ``kernels.dequantize_int8``: ``out[b, r] = data[b, r] * scales[b, r]``."""
     _checks.check_dequantize_int8(data, scales, out)
-    column = scales.unsqueeze(-1)
-    if scales.dtype == out.dtype or out.dtype == torch.float32:
-        # |q| <= 127 is exact in every float dtype, and the product of an int8 and a float16
-        # is exact in float32, so this rounds once, as the kernel does; no temporary.
-        out.copy_(data)
-        out.mul_(column)
-    else:
-        out.copy_(data.float().mul_(column.float()))
+    # The product of an int8 and a float16 or float32 scale is formed in float32 and rounded
+    # once into out, as the kernel does. (On the CPU this float32 pass, with its temporary,
+    # is also faster than multiplying in float16 in place: every float16 op converts anyway.)
+    out.copy_(data.float().mul_(scales.float().unsqueeze(-1)))
     return out

@@ -46,9 +46,6 @@ class Int8Codec(ScaledCodec):
         x.div_(divisor.unsqueeze(-1)).round_().clamp_(-QMAX, QMAX)
         return scales
 
-    def _decodes_in_place(self, dtype: torch.dtype) -> bool:
-        return dtype in (self.scale_dtype, torch.float32)  # as kernels.reference.dequantize_int8
-
     def _dequantize(self, scales: torch.Tensor, elements: torch.Tensor, out: torch.Tensor) -> None:
         n, head_dim = out.shape[0], out.shape[-1]
         kernels.dequantize_int8(elements.reshape(n, -1, head_dim), scales.reshape(n, -1),

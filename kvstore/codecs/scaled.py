@@ -93,10 +93,6 @@ class ScaledCodec(Codec):
     def _chunk(self, layout: KVLayout) -> int:
         return max(1, CHUNK_ELEMENTS // layout.elements_per_block)
 
-    def _decodes_in_place(self, dtype: torch.dtype) -> bool:
-        """Whether decoding into ``dtype`` needs no temporaries (then one call does it all)."""
-        return False
-
     # ---------------------------------------------------------------------------- encode
 
     def encode(self, blocks: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -156,7 +152,7 @@ class ScaledCodec(Codec):
         if src.device != out.device:
             src = src.to(out.device, non_blocking=True)
         scales, elements = self._views(src, layout)
-        chunk = n if out.device.type != "cpu" or self._decodes_in_place(out.dtype) else self._chunk(layout)
+        chunk = n if out.device.type != "cpu" else self._chunk(layout)
         for start in range(0, n, chunk):
             stop = start + chunk
             self._dequantize(scales[start:stop], elements[start:stop], out[start:stop])
