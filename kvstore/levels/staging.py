@@ -2,9 +2,10 @@
 
 A coded disk reads its encoded slots into staging rows (in place with O_DIRECT) and decodes
 them into the caller's rows. Fresh staging would cost a page fault per 4 KiB on every read,
-so each thread keeps its rows for the next call. A long read is split into batches: a helper
-thread reads batch i + 1 while the caller decodes batch i (the reads and the decode both
-release the GIL), so the decode hides behind the I/O instead of adding to it.
+so each thread keeps its rows for the next call. A long read is split into batches read by
+a few helper threads at once, and the caller decodes batch i while later batches are still
+being read (the reads and the decode both release the GIL): the decode hides behind the
+I/O instead of adding to it.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from kvstore.levels.coding import aligned_rows
 
 KEEP_BYTES = 64 << 20  # a thread keeps staging up to this size between calls
 BATCH_BYTES = 2 << 20  # encoded bytes per pipelined read
+READERS = 4  # reads in flight
 
 
 class Staging:
@@ -41,9 +43,10 @@ class Staging:
 
     def pipelined(self, n: int, read: Callable[[range], list[bool]],
                   decode: Callable[[range, list[bool]], None]) -> None:
-        """``read(batch)`` then ``decode(batch, flags)`` over batches of ``range(n)``, reading
-        the next batch while the current one decodes. Returns once every read has ended;
-        an exception of a read or decode propagates after that."""
+        """``read(batch)`` then ``decode(batch, flags)`` over batches of ``range(n)``: the reads
+        all go out at once (a few in flight, as one large read would keep the device busy) and
+        each batch decodes as soon as its read is back. Returns once every read has ended; an
+        exception of a read or decode propagates after that."""
         step = max(1, BATCH_BYTES // self.width)
         batches = [range(i, min(n, i + step)) for i in range(0, n, step)]
         if len(batches) <= 1:
@@ -51,21 +54,18 @@ class Staging:
                 decode(batch, read(batch))
             return
         reader = self._executor()
-        pending: Future[list[bool]] | None = reader.submit(read, batches[0])
+        pending: list[Future[list[bool]]] = [reader.submit(read, batch) for batch in batches]
         try:
-            for j, batch in enumerate(batches):
-                assert pending is not None
-                flags = pending.result()
-                pending = reader.submit(read, batches[j + 1]) if j + 1 < len(batches) else None
-                decode(batch, flags)
+            for batch, future in zip(batches, pending, strict=True):
+                decode(batch, future.result())
         finally:
-            if pending is not None:  # never return while a read still writes the staging rows
-                pending.exception()
+            for future in pending:  # never return while a read still writes the staging rows
+                future.exception()
 
     def _executor(self) -> ThreadPoolExecutor:
         with self._lock:
             if self._reader is None:
-                self._reader = ThreadPoolExecutor(1, thread_name_prefix="kvstore-staging")
+                self._reader = ThreadPoolExecutor(READERS, thread_name_prefix="kvstore-staging")
             return self._reader
 
     def close(self) -> None:
