@@ -181,5 +181,10 @@ def dequantize_int8(data: torch.Tensor, scales: torch.Tensor, out: torch.Tensor)
     # The product of an int8 and a float16 or float32 scale is formed in float32 and rounded
     # once into out, as the kernel does. (On the CPU this float32 pass, with its temporary,
     # is also faster than multiplying in float16 in place: every float16 op converts anyway.)
-    out.copy_(data.float().mul_(scales.float().unsqueeze(-1)))
+    column = scales.float().unsqueeze(-1)
+    if out.dtype == torch.float32:
+        out.copy_(data)  # |q| <= 127: exact
+        out.mul_(column)
+    else:
+        out.copy_(data.float().mul_(column))
     return out

@@ -75,14 +75,17 @@ class DiskLevel(Level):
         rows: Sequence[torch.Tensor] = list(payloads) if isinstance(payloads, torch.Tensor) else payloads
         if self.coding is not None:
             assert self._staging is not None
-            staging = self._staging.rows(len(rows))
-            try:
-                self.coding.encode(rows, staging)
-            except CodecError:  # checked at put, so not expected: the blocks are not demoted
-                self.tier.release(slots)
-                self.counters.errors += 1
-                return False
-            rows = staging
+            with self._staging.rows(len(rows)) as staging:
+                try:
+                    self.coding.encode(rows, staging)
+                except CodecError:  # checked at put, so not expected: the blocks are not demoted
+                    self.tier.release(slots)
+                    self.counters.errors += 1
+                    return False
+                return self._write(entries, slots, staging)
+        return self._write(entries, slots, rows)
+
+    def _write(self, entries: Sequence[BlockEntry], slots: Sequence[int], rows: Sequence[torch.Tensor]) -> bool:
         try:
             self.tier.write([e.key for e in entries], slots, rows, [e.tenant for e in entries],
                             self.layout_id)
@@ -98,9 +101,14 @@ class DiskLevel(Level):
             except TierError:
                 self.counters.errors += 1
                 return [False] * len(keys)
+        assert self._staging is not None
+        with self._staging.rows(len(keys)) as rows:
+            return self._read_coded(keys, slots, outs, rows)
+
+    def _read_coded(self, keys: Sequence[bytes], slots: Sequence[int], outs: Sequence[torch.Tensor],
+                    rows: list[torch.Tensor]) -> list[bool]:
         coding, staging = self.coding, self._staging
-        assert staging is not None
-        rows = staging.rows(len(keys))
+        assert coding is not None and staging is not None
         flags = [False] * len(keys)
 
         def read(batch: range) -> list[bool]:

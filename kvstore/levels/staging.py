@@ -2,7 +2,7 @@
 
 A coded disk reads its encoded slots into staging rows (in place with O_DIRECT) and decodes
 them into the caller's rows. Fresh staging would cost a page fault per 4 KiB on every read,
-so each thread keeps its rows for the next call. A long read is split into batches read by
+so the level keeps a small pool of warm buffers. A long read is split into batches read by
 a few helper threads at once, and the caller decodes batch i while later batches are still
 being read (the reads and the decode both release the GIL): the decode hides behind the
 I/O instead of adding to it.
@@ -11,35 +11,59 @@ I/O instead of adding to it.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 
 import torch
 
 from kvstore.levels.coding import aligned_rows
 
-KEEP_BYTES = 64 << 20  # a thread keeps staging up to this size between calls
+KEEP_BYTES = 64 << 20  # staging kept between calls, in all
+WARM_BYTES = 16 << 20  # staging allocated and touched when the level opens
 BATCH_BYTES = 2 << 20  # encoded bytes per pipelined read
 READERS = 4  # reads in flight
 
 
 class Staging:
-    """Per-thread staging rows of ``width`` bytes, and the helper thread of pipelined reads."""
+    """A pool of staging rows of ``width`` bytes, and the helper threads of pipelined reads.
+
+    Buffers go back to the pool after each call (up to ``KEEP_BYTES`` in all), so a store's
+    reads and demotions reuse warm memory whatever thread runs them; one buffer of
+    ``WARM_BYTES`` is allocated and touched up front.
+    """
 
     def __init__(self, width: int) -> None:
         self.width = width
-        self._local = threading.local()
-        self._reader: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
+        self._free: list[torch.Tensor] = []
+        self._kept = 0
+        self._reader: ThreadPoolExecutor | None = None
+        warm = aligned_rows(max(1, WARM_BYTES // width), width)
+        warm.fill_(0)  # fault the pages in now, not during the first read
+        self._give(warm)
 
-    def rows(self, n: int) -> list[torch.Tensor]:
-        """``n`` page-aligned rows of ``width`` bytes, this thread's until its next call."""
-        buf: torch.Tensor | None = getattr(self._local, "buf", None)
-        if buf is None or buf.shape[0] < n:
+    @contextmanager
+    def rows(self, n: int) -> Iterator[list[torch.Tensor]]:
+        """``n`` page-aligned rows of ``width`` bytes, the caller's until the block ends."""
+        with self._lock:
+            fits = [b for b in self._free if b.shape[0] >= n]
+            buf = min(fits, key=lambda b: b.shape[0]) if fits else None
+            if buf is not None:
+                self._free.remove(buf)
+                self._kept -= buf.numel()
+        if buf is None:
             buf = aligned_rows(n, self.width)
-            if n * self.width <= KEEP_BYTES:
-                self._local.buf = buf
-        return list(buf[:n])
+        try:
+            yield list(buf[:n])
+        finally:
+            self._give(buf)
+
+    def _give(self, buf: torch.Tensor) -> None:
+        with self._lock:
+            if self._kept + buf.numel() <= KEEP_BYTES:
+                self._free.append(buf)
+                self._kept += buf.numel()
 
     def pipelined(self, n: int, read: Callable[[range], list[bool]],
                   decode: Callable[[range, list[bool]], None]) -> None:
