@@ -68,6 +68,10 @@ def test_client_pause_takes_the_timeout_path_within_the_deadline(cluster: RedisC
         assert t.get(ks, list(out)) == [False] * 16 + [True] * 16
         assert time.monotonic() - started < timeout, "an open circuit must not wait for the node"
         assert t.stats()["errors_unavailable"] >= 1
+        time.sleep(0.7)  # past the cool-down, still paused: a background probe, not this call, waits
+        started = time.monotonic()
+        assert t.get(ks, list(out)) == [False] * 16 + [True] * 16
+        assert time.monotonic() - started < timeout, "a half-open circuit must not make a caller wait"
         wait_until(lambda: all(t.get(ks, list(out))), 10, "hits after the pause")
         assert np.array_equal(out, data)
 

@@ -1,11 +1,13 @@
 """A per-node circuit breaker: stop asking a node that keeps failing, probe it later.
 
     closed --(threshold consecutive failures)--> open --(cooldown elapsed)--> half-open
-    half-open: one caller probes; success -> closed, failure -> open again (cooldown doubles,
+    half-open: one probe goes out; success -> closed, failure -> open again (cooldown doubles,
     up to max_cooldown_s)
 
 While open, requests to the node are not sent at all: its keys are misses (or dropped writes)
-at once, so a dead node costs nothing per request beyond the counting.
+at once, so a dead node costs nothing per request beyond the counting. ``should_probe`` hands
+the probe to the owner, which sends it on a thread of its own: no caller ever waits on a node
+that is still down.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ CLOSED, OPEN, HALF_OPEN = "closed", "open", "half_open"
 
 
 class CircuitBreaker:
-    """Thread-safe. ``allow()`` before a request, then ``success()`` or ``failure()``."""
+    """Thread-safe. Requests go out while ``is_closed``; each reports ``success()`` or
+    ``failure()``, and so does the probe that ``should_probe()`` asks for."""
 
     def __init__(self, threshold: int = 3, cooldown_s: float = 0.5, max_cooldown_s: float = 5.0) -> None:
         if threshold < 1 or cooldown_s <= 0 or max_cooldown_s < cooldown_s:
@@ -39,17 +42,21 @@ class CircuitBreaker:
                 return HALF_OPEN
             return self._state
 
-    def allow(self) -> bool:
-        """May a request go to the node now? In half-open state only one caller at a time."""
+    def should_probe(self) -> bool:
+        """True once per cool-down: the caller sends a probe (and reports its outcome) while
+        requests keep being refused until the probe succeeds."""
         with self._lock:
-            if self._state == CLOSED:
-                return True
-            if self._state == OPEN and time.monotonic() - self._opened_at < self._cooldown_s:
+            if self._state == CLOSED or self._probing:
                 return False
-            if self._probing:
+            if self._state == OPEN and time.monotonic() - self._opened_at < self._cooldown_s:
                 return False
             self._state, self._probing = HALF_OPEN, True
             return True
+
+    @property
+    def is_closed(self) -> bool:
+        with self._lock:
+            return self._state == CLOSED
 
     def success(self) -> None:
         with self._lock:

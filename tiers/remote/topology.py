@@ -187,10 +187,16 @@ class Topology:
         replies: dict[Node, NodeReply] = {}
         allowed: list[Node] = []
         for node in batches:
-            if self.breaker(node).allow():
+            breaker = self.breaker(node)
+            if breaker.is_closed:
                 allowed.append(node)
-            else:
-                replies[node] = NodeReply(None, NodeUnavailable(f"{node[0]}:{node[1]} circuit open"))
+                continue
+            # Open: refuse at once. After the cool-down a PING probes the node in the
+            # background, so no request ever waits on a node that is still down.
+            if breaker.should_probe():
+                with contextlib.suppress(RuntimeError):
+                    self._pool.submit(self._probe, node)
+            replies[node] = NodeReply(None, NodeUnavailable(f"{node[0]}:{node[1]} circuit open"))
         # The caller's thread runs the biggest pipeline itself (its socket timeouts bound it);
         # the others go to the pool, so a batch never waits on a thread hand-off it can avoid.
         allowed.sort(key=lambda n: len(batches[n]))
@@ -209,6 +215,16 @@ class Topology:
                 replies[node] = NodeReply(None, TimeoutError(f"{node[0]}:{node[1]} gave no reply within "
                                                              f"{self.timeout_s} s"))
         return replies
+
+    def _probe(self, node: Node) -> None:
+        breaker = self.breaker(node)
+        try:
+            self.client(node).ping()
+        except (RedisError, OSError):
+            breaker.failure()
+            self.invalidate()
+            return
+        breaker.success()
 
     def _pipeline(self, node: Node, commands: Sequence[Command]) -> NodeReply:
         breaker = self.breaker(node)
