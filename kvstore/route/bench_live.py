@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import re
 import signal
 import socket
@@ -34,10 +35,23 @@ MODEL = {"num_layers": 4, "hidden_size": 256, "intermediate_size": 512, "num_hea
          "head_dim": 64, "vocab_size": 512}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+_TAKEN: set[int] = set()
+
+
+def _free_port_pair() -> int:
+    """A port whose next one is free too (KV events + replay), below the ephemeral range."""
+    while True:
+        port = random.randrange(20000, 32000, 2)
+        if port in _TAKEN:
+            continue
+        try:
+            for candidate in (port, port + 1):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", candidate))
+        except OSError:
+            continue
+        _TAKEN.add(port)
+        return port
 
 
 class _Process:
@@ -112,11 +126,12 @@ def run(args: argparse.Namespace) -> int:
     print(f"starting {args.replicas} replicas ...", flush=True)
     replicas: list[_Process] = []
     try:
+        ports = [_free_port_pair() for _ in range(args.replicas)]
         with ThreadPoolExecutor(args.replicas) as pool:
-            replicas = list(pool.map(lambda _: _Process(
+            replicas = list(pool.map(lambda port: _Process(
                 ["engine", "--random-model", "--random-config", json.dumps(MODEL), "--port", "0",
-                 "--kv-events", f"tcp://127.0.0.1:{_free_port()}", "--kv-cache", "64MiB", "--host-mem", "0"],
-                "kvstore engine"), range(args.replicas)))
+                 "--kv-events", f"tcp://127.0.0.1:{port}", "--kv-cache", "64MiB", "--host-mem", "0"],
+                "kvstore engine"), ports))
         results: dict[str, list[list[float]]] = {"cache_aware": [], "round_robin": []}
         for i in range(args.repeat):
             for policy in results:

@@ -5,6 +5,7 @@ with KV events on fixed ports so that a restarted replica keeps its URL and endp
 from __future__ import annotations
 
 import os
+import random
 import re
 import signal
 import socket
@@ -27,17 +28,27 @@ __all__ = ["BLOCK", "ENGINE_ARGS", "MAX_MODEL_LEN", "ROUTER_TOKEN", "EngineServe
            "free_ports"]
 
 
+_TAKEN: set[int] = set()
+_PORTS_LOCK = threading.Lock()
+
+
 def free_ports(count: int) -> list[int]:
-    """``count`` TCP ports free right now, each followed by a free one (a KV-events replay port)."""
+    """``count`` TCP ports, each followed by a free one (a KV-events replay port), none handed
+    out before in this process. Drawn below Linux's ephemeral range (32768-60999), so that
+    no outgoing connection takes one between this check and the replica's bind."""
     ports: list[int] = []
-    while len(ports) < count:
-        with socket.socket() as a, socket.socket() as b:
-            a.bind(("127.0.0.1", 0))
-            port = a.getsockname()[1]
+    with _PORTS_LOCK:
+        while len(ports) < count:
+            port = random.randrange(20000, 32000, 2)
+            if port in _TAKEN or port + 1 in _TAKEN:
+                continue
             try:
-                b.bind(("127.0.0.1", port + 1))
+                for candidate in (port, port + 1):
+                    with socket.socket() as s:
+                        s.bind(("127.0.0.1", candidate))
             except OSError:
                 continue
+            _TAKEN.update((port, port + 1))
             ports.append(port)
     return ports
 
