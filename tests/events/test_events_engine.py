@@ -1,9 +1,11 @@
 """An engine's KV events, followed by a real ZeroMQ subscriber: after a multi-turn workload that
-evicts from a small device pool, the view rebuilt from the events alone equals what the engine
-holds; a late subscriber catches up by snapshot; a restarted engine is a new epoch."""
+evicts through the device pool, host RAM and disk, the view rebuilt from the events alone
+equals what the engine and its store hold; a dropped connection catches up by replay; a late
+subscriber catches up by snapshot; a restarted engine is a new epoch."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +25,7 @@ GREEDY = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
 def make(tmp_path: Path, endpoint: str, **kwargs: Any) -> LLMEngine:
     opts: dict[str, Any] = dict(random_model=TINY, block_size=4, kv_cache_bytes=12 * BLOCK_BYTES,
                                 host_bytes=10 * SLOT, disk_path=tmp_path / "disk", disk_bytes=14 * SLOT,
-                                fetch_policy="always", kv_events=endpoint)
+                                fetch_policy="always", max_num_seqs=1, kv_events=endpoint)
     opts.update(kwargs)
     return LLMEngine(None, **opts)
 
@@ -76,6 +78,12 @@ def test_device_tier_view_equals_the_engine_after_evictions(tmp_path: Path) -> N
             assert late.sink.held() == truth(llm) == sub.sink.held()
         finally:
             late.close()
+        sub.pause()  # the connection drops for a turn; the subscriber catches up by replay
+        converse(llm, 1, first=20)
+        time.sleep(0.1)
+        sub.resume()
+        until(lambda: sub.stats()["replays"] >= 1 and sub.sink.held() == truth(llm), sub)
+        assert sub.stats()["snapshots"] == 1 and not sub.approximate
         llm.evict_device_cache()
         until(lambda: sub.sink.held() == truth(llm) and GPU not in truth(llm), sub)
     finally:
