@@ -9,7 +9,7 @@ from collections.abc import Callable
 from kvstore.events import Subscriber
 
 
-def until(cond: Callable[[], bool], sub: Subscriber, timeout: float = 10.0) -> None:
+def until(cond: Callable[[], bool], sub: Subscriber, timeout: float = 30.0) -> None:
     """Poll ``sub`` until ``cond()`` holds; fail with the subscriber's counters after ``timeout``."""
     deadline = time.monotonic() + timeout
     while not cond():
