@@ -209,33 +209,46 @@ class RemoteTier:
         return self._writer.num_pending
 
     def _send(self, items: list[PendingWrite]) -> int:
-        names = [item.name for item in items]
-        held = self._ask(names, "EXISTS")
-        missing = [i for i, r in enumerate(held) if r == 0]  # an error is not a 0: not sent
-        failed = len(items) - len(missing) - sum(1 for r in held if r == 1)
-        self.counters.add(skipped=sum(1 for r in held if r == 1))
+        """EXISTS, then SET of the missing blocks, per node: each node's SETs follow its own
+        EXISTS replies at once (no wait for the slowest node). Returns how many were written."""
+        groups, unowned = self._by_node([item.name for item in items])
+
+        def missing(node: Node, held: list[Any]) -> list[int]:  # an error is not a 0: not sent
+            return [i for i, r in zip(groups[node], held, strict=True) if r == 0]
+
+        def sets(node: Node, held: list[Any]) -> list[Command]:
+            return [("SET", items[i].name, items[i].value) for i in missing(node, held)]
+
+        replies = self._topology.run({n: [("EXISTS", items[i].name) for i in idx] for n, idx in groups.items()},
+                                     then=sets)
         stored: list[bytes] = []
-        written = 0
-        if missing:
-            commands: list[Command] = [("SET", items[i].name, items[i].value) for i in missing]
-            groups, unowned = self._by_node([c[1] for c in commands])
-            replies = self._topology.run({n: [commands[i] for i in idx] for n, idx in groups.items()})
-            failed += len(unowned)
-            for node, idx in groups.items():
-                reply = replies[node]
-                if reply.results is None:
-                    assert reply.error is not None
-                    self.counters.error(error_kind(reply.error))
-                    failed += len(idx)
-                    continue
-                for i, result in zip(idx, reply.results, strict=True):
-                    if result is True:
-                        written += 1
-                        stored.append(items[missing[i]].key)
-                    else:
-                        failed += 1
-                        if isinstance(result, BaseException):
-                            self.counters.error(error_kind(result))
+        written, failed = 0, len(unowned)
+        for node, idx in groups.items():
+            reply = replies[node]
+            if reply.results is None:  # the EXISTS pipeline failed: nothing sent
+                assert reply.error is not None
+                self.counters.error(error_kind(reply.error))
+                failed += len(idx)
+                continue
+            for result in reply.results:
+                if isinstance(result, BaseException):
+                    self.counters.error(error_kind(result))
+                    failed += 1
+            self.counters.add(skipped=sum(1 for r in reply.results if r == 1))
+            sent = missing(node, reply.results)
+            if sent and reply.followup is None:  # the SET pipeline failed
+                assert reply.error is not None
+                self.counters.error(error_kind(reply.error))
+                failed += len(sent)
+                continue
+            for i, result in zip(sent, reply.followup or (), strict=True):
+                if result is True:
+                    written += 1
+                    stored.append(items[i].key)
+                else:
+                    failed += 1
+                    if isinstance(result, BaseException):
+                        self.counters.error(error_kind(result))
         self.counters.add(bytes_written=written * self.payload_bytes, dropped=failed)
         if stored and self.on_stored is not None:
             try:

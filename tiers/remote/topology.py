@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
@@ -74,10 +74,16 @@ def error_kind(error: BaseException) -> str:
 
 @dataclass(frozen=True)
 class NodeReply:
-    """What one node's pipeline gave: per command a result or an exception; or one error."""
+    """What one node's pipeline gave: per command a result or an exception; or one error.
+    ``followup``: the results of the second pipeline ``run(then=...)`` asked for (None when
+    it asked for none or it failed: then ``error`` says why)."""
 
     results: list[Any] | None
     error: BaseException | None = None
+    followup: list[Any] | None = None
+
+
+Then = Callable[[Node, list[Any]], Sequence[Command]]
 
 
 class Topology:
@@ -179,10 +185,13 @@ class Topology:
 
     # ----------------------------------------------------------------------------- pipelines
 
-    def run(self, batches: dict[Node, Sequence[Command]]) -> dict[Node, NodeReply]:
+    def run(self, batches: dict[Node, Sequence[Command]], then: Then | None = None) -> dict[Node, NodeReply]:
         """One pipeline per node, nodes in parallel; returns within about ``timeout_s``.
 
-        Never raises for a node's failure: that node's reply carries the error instead.
+        With ``then``, each node that answered runs a second pipeline at once, of the commands
+        ``then(node, results)`` makes from its first results (a put's SETs after its EXISTS),
+        without waiting for the other nodes. Never raises for a node's failure: that node's
+        reply carries the error instead.
         """
         replies: dict[Node, NodeReply] = {}
         allowed: list[Node] = []
@@ -201,10 +210,10 @@ class Topology:
         # the others go to the pool, so a batch never waits on a thread hand-off it can avoid.
         allowed.sort(key=lambda n: len(batches[n]))
         inline = allowed.pop() if allowed else None
-        asked = {node: self._pool.submit(self._pipeline, node, batches[node]) for node in allowed}
+        asked = {node: self._pool.submit(self._pipeline, node, batches[node], then) for node in allowed}
         started = time.monotonic()
         if inline is not None:
-            replies[inline] = self._pipeline(inline, batches[inline])
+            replies[inline] = self._pipeline(inline, batches[inline], then)
         if asked:
             wait(asked.values(), timeout=max(0.0, self.timeout_s - (time.monotonic() - started)))
         for node, future in asked.items():
@@ -226,7 +235,19 @@ class Topology:
             return
         breaker.success()
 
-    def _pipeline(self, node: Node, commands: Sequence[Command]) -> NodeReply:
+    def _pipeline(self, node: Node, commands: Sequence[Command], then: Then | None = None) -> NodeReply:
+        results = self._execute(node, commands)
+        if isinstance(results, BaseException):
+            return NodeReply(None, results)
+        second = then(node, results) if then is not None else ()
+        if not second:
+            return NodeReply(results)
+        followup = self._execute(node, second)
+        if isinstance(followup, BaseException):
+            return NodeReply(results, followup)
+        return NodeReply(results, followup=followup)
+
+    def _execute(self, node: Node, commands: Sequence[Command]) -> list[Any] | BaseException:
         breaker = self.breaker(node)
         try:
             pipe = self.client(node).pipeline(transaction=False)
@@ -236,14 +257,14 @@ class Topology:
         except (RedisError, OSError) as e:
             breaker.failure()
             self.invalidate()
-            return NodeReply(None, e)
+            return e
         breaker.success()
         for result in results:
             if isinstance(result, AskError):  # MOVED or ASK: the slot lives elsewhere now
                 self.moved(result)
             elif isinstance(result, (ClusterDownError, TryAgainError)):
                 self.invalidate()
-        return NodeReply(results)
+        return list(results)
 
     def close(self) -> None:
         with self._lock:
