@@ -51,7 +51,5 @@ def e4m3_as_float16(elements: torch.Tensor) -> torch.Tensor:
     exponent bits and its top 3 mantissa bits: float16 bits ``s << 15 | (e & 0x7f) << 7``.
     Both formats' subnormals line up too; e4m3fn's NaN (0x7f, 0xff) never occurs in an encoding.
     """
-    b = elements.view(torch.uint8)
-    high = (b & 0x80) | ((b & 0x7F) >> 1)
-    low = (b & 0x01) << 7
-    return torch.stack((low, high), dim=-1).view(torch.float16).squeeze(-1)  # little-endian halves
+    bits = elements.view(torch.uint8).to(torch.int16)
+    return (((bits & 0x80) << 8) | ((bits & 0x7F) << 7)).view(torch.float16)  # 0x80 << 8 wraps to the sign bit
