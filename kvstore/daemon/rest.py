@@ -178,9 +178,10 @@ def create_app(target: Registry | TieredStore, admin_token: str | None = None, d
         bs = state.layout.block_size
         tiers = match.tiers if match else ()
         per_tier = {t: sum(1 for x in tiers if x == t) * bs for t in state.store.stats()}
+        lossy = sum(match.lossy) * bs if match else 0  # held only as a lossy codec's copy
         return {"model": state.model_id, "namespace": state.id, "tenant": who.tenant,
                 "num_tokens": len(body.token_ids), "num_blocks": len(tiers),
-                "matched_tokens": {**per_tier, "total": len(tiers) * bs}}
+                "matched_tokens": {**per_tier, "total": len(tiers) * bs}, "lossy_tokens": lossy}
 
     @app.get("/v1/blocks/{key}")
     def block(key: Annotated[str, Path(pattern=r"^[0-9a-fA-F]{32}([0-9a-fA-F]{32})?$")],

@@ -35,6 +35,12 @@ def test_daemon_with_an_int8_disk(tmp_path: Path) -> None:
             keys = client.block_keys(prompt(3, 30, CODEC_LAYOUT.block_size))
             data = blocks(keys, CODEC_LAYOUT)
             client.put(keys, data)  # write-through: every block also goes to the int8 disk
+            body = json.dumps({"model": "test-model", "token_ids": prompt(3, 30, CODEC_LAYOUT.block_size)}).encode()
+            req = urllib.request.Request(f"{d.http}/v1/lookup", data=body, headers={"content-type": "application/json"})
+            with urllib.request.urlopen(req, timeout=20) as r:
+                looked = json.loads(r.read())
+            num_disk = client.lookup(keys).tiers.count("disk")  # the host copies are the bytes put
+            assert num_disk > 0 and looked["lossy_tokens"] == num_disk * CODEC_LAYOUT.block_size
             got = client.get(keys[:2])  # heads: still in host RAM, the bytes put
             assert torch.equal(got, data[:2])
             stats = client.stats()
