@@ -57,7 +57,7 @@ def run_docs_block(model_dir: str, socket_url: str) -> dict[str, Any]:
     code = code.replace("unix:///run/kvstore/kvstore.sock", socket_url)
     script = (f"MODEL_DIR, PROMPT = {model_dir!r}, {P!r}\n{code}\nimport json, kvstore.integrations.vllm as kv\n"
               "print('RESULT ' + json.dumps({'tokens': list(out.outputs[0].token_ids), "
-              "'cached': out.num_cached_tokens, 'counters': kv.counters()}))\n")
+              "'cached': out.num_cached_tokens, 'counters': (kv.flush(60), kv.counters())[1]}))\n")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the block sets it itself
     proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,

@@ -36,9 +36,12 @@ def make_llm(model: str, extra: dict[str, Any] | None) -> Any:
 
 
 def counters() -> dict[str, int]:
+    """The connector counters once its queued saves are done ({} when no connector ran)."""
     if "kvstore.integrations.vllm" not in sys.modules:
         return {}
-    return sys.modules["kvstore.integrations.vllm"].counters()  # type: ignore[no-any-return]
+    module = sys.modules["kvstore.integrations.vllm"]
+    assert module.flush(60), "connector saves still running after 60 s"
+    return module.counters()  # type: ignore[no-any-return]
 
 
 def main(plan: list[dict[str, Any]]) -> list[Any]:

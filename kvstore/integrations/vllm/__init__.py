@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvstore.integrations.vllm.counters import COUNTERS
+from kvstore.integrations.vllm.counters import COUNTERS, flush
 
 
 def counters() -> dict[str, int]:
@@ -24,4 +24,4 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["KVStoreConnector", "counters"]
+__all__ = ["KVStoreConnector", "counters", "flush"]

@@ -39,3 +39,26 @@ class ConnectorCounters:
 
 
 COUNTERS = ConnectorCounters()
+
+_saves_in_flight = 0
+_saves_done = threading.Condition()
+
+
+def save_started() -> None:
+    global _saves_in_flight
+    with _saves_done:
+        _saves_in_flight += 1
+
+
+def save_finished() -> None:
+    global _saves_in_flight
+    with _saves_done:
+        _saves_in_flight -= 1
+        _saves_done.notify_all()
+
+
+def flush(timeout: float = 60.0) -> bool:
+    """Wait until every save this process's connectors started has reached the store (or
+    failed); False if some are still running after ``timeout`` seconds."""
+    with _saves_done:
+        return _saves_done.wait_for(lambda: _saves_in_flight == 0, timeout)

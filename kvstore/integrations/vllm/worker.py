@@ -2,8 +2,10 @@
 
 Synchronous loads (the step's forward needs them) start in ``start_load_kv`` and are copied
 in layer by layer as ``wait_for_layer_load`` asks; asynchronous loads copy every layer on the
-transfer thread and are reported in ``finished_recving``. Saves gather each layer as
-``save_kv_layer`` hands it over and are put in ``wait_for_save``. A block a load could not
+transfer thread and are reported in ``finished_recving``. Saves gather each layer into a
+staging buffer of their own as ``save_kv_layer`` hands it over (so vLLM's blocks are free to
+be reused once the step ends), and ``wait_for_save`` hands them to a saver thread: the put
+(and a daemon's write-through to disk) never delays the step. At most MAX_PENDING_SAVES wait. A block a load could not
 deliver (corrupt, vanished, store down) is reported by ``load_errors`` and vLLM recomputes it.
 """
 
@@ -12,18 +14,21 @@ from __future__ import annotations
 import functools
 import logging
 import threading
+from collections import deque
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
 
 from kvstore.integrations.vllm.backend import GuardedStore
-from kvstore.integrations.vllm.counters import COUNTERS
+from kvstore.integrations.vllm.counters import COUNTERS, save_finished, save_started
 from kvstore.integrations.vllm.metadata import KVStoreMetadata, LoadSpec, SaveSpec
 from kvstore.integrations.vllm.paged import PagedKV
 from kvstore.transfer import FetchHandle
 
 logger = logging.getLogger("kvstore.vllm")
+MAX_PENDING_SAVES = 8  # beyond this, wait_for_save waits for the oldest (bounded staging memory)
 
 
 @dataclass
@@ -58,6 +63,8 @@ class WorkerSide:
         self._finished_recving: set[str] = set()
         self._errors: set[int] = set()
         self._pending_async = 0
+        self._saver = ThreadPoolExecutor(1, thread_name_prefix="kvstore-vllm-save")
+        self._pending_saves: deque[Future[None]] = deque()
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.paged = PagedKV(kv_caches, self.layer_names, self.store.layout, self.layer_bytes)
@@ -129,17 +136,28 @@ class WorkerSide:
             save.layers_done.add(layer_name)
 
     def wait_for_save(self) -> None:
-        """Finish the step: put every fully gathered save, and drop the step's loads."""
+        """Finish the step: queue every fully gathered save, and drop the step's loads."""
         # A sync load whose layers were never asked for still reports what it missed.
         for load in self._loads:
             self._settle(load)
         self._loads = []
         saves, self._saves = self._saves, []
         for save in saves:
-            if len(save.layers_done) == len(self.layer_names) and self.store.put(save.spec.keys, save.staging):
-                COUNTERS.add(saved_blocks=len(save.spec.keys))
-            else:
+            if len(save.layers_done) < len(self.layer_names):
                 COUNTERS.add(save_skipped=len(save.spec.keys))
+                continue
+            save_started()
+            self._pending_saves.append(self._saver.submit(self._put, save))
+        while self._pending_saves and (self._pending_saves[0].done()
+                                       or len(self._pending_saves) > MAX_PENDING_SAVES):
+            self._pending_saves.popleft().result()
+
+    def _put(self, save: _Save) -> None:
+        try:
+            ok = self.store.put(save.spec.keys, save.staging)
+            COUNTERS.add(**{"saved_blocks" if ok else "save_skipped": len(save.spec.keys)})
+        finally:
+            save_finished()
 
     # ------------------------------------------------------------------------ reports
 
@@ -157,3 +175,4 @@ class WorkerSide:
         for load in self._loads:
             load.handle.wait(5.0)
         self._loads = []
+        self._saver.shutdown(wait=True)  # queued saves reach the store before it closes
