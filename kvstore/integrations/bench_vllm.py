@@ -84,7 +84,7 @@ def _ttft(llm: Any, prompt: list[int], recompute: bool = False) -> float:
 
 def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     from kvstore.integrations.tiny_llama import save_tiny_llama
-    from kvstore.integrations.vllm import counters
+    from kvstore.integrations.vllm import counters, flush
 
     model = str(save_tiny_llama(work / "model", BENCH_MODEL))
     rng = random.Random(1)
@@ -109,10 +109,12 @@ def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             llm = _llm(model, daemon.url, prefix_caching=False)
             _ttft(llm, prompt())
             r["miss"] += [_ttft(llm, prompt()) for _ in range(args.repeat)]
+            flush()  # queued saves finish here, not inside the next measurement
             llm = None
             gc.collect()
         llm = _llm(model, daemon.url, prefix_caching=False)
         _ttft(llm, cached)  # saved to the daemon: host tier, and disk (write-through)
+        flush()
         llm = None
         gc.collect()
         # 2. A fresh instance (vLLM's own prefix cache off: every hit is kvstore's): host hit,
@@ -122,6 +124,7 @@ def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         for _ in range(args.repeat):
             r["host"].append(_ttft(llm, cached))
             r["recompute"].append(_ttft(llm, cached, recompute=True))
+            flush()  # (recompute re-saves the prompt's last block)
             daemon.stop()  # the host tier is written back; after the restart the blocks are disk-only
             drop_page_cache(work / "data")
             daemon.start()

@@ -98,12 +98,15 @@ class GuardedStore:
 
     # -------------------------------------------------------------------- lifecycle
 
-    def _connect(self) -> Any:
-        # Outside inference mode: vLLM may call in from its forward, and the client's shared-memory
-        # pool (or the embedded store's host pool) made there would be an inference tensor that
-        # the transfer threads may not write.
+    def _connect(self, force: bool = False) -> Any:
+        """The store, (re)connecting when it is down and ``retry_s`` has passed (or ``force``).
+
+        Outside inference mode: vLLM may call in from its forward, and the client's shared-memory
+        pool (or the embedded store's host pool) made there would be an inference tensor that
+        the transfer threads may not write.
+        """
         with self._lock, torch.inference_mode(False):
-            if self._store is not None or self._closed or self._clock() < self._next_try:
+            if self._store is not None or self._closed or (not force and self._clock() < self._next_try):
                 return self._store
             try:
                 if self.settings.is_daemon:
@@ -142,10 +145,11 @@ class GuardedStore:
                            type(exc).__name__, exc, self.settings.retry_s)
         self._release(store)
 
-    def _call(self, op: Callable[[Any], _T], default: _T) -> _T:
-        """``op(store)``; on an error reconnect once and retry, then give ``default``."""
+    def _call(self, op: Callable[[Any], _T], default: _T, force: bool = False) -> _T:
+        """``op(store)``; on an error reconnect once and retry, then give ``default``. ``force``
+        tries to connect even while backing off."""
         for attempt in range(2):
-            store = self._connect()
+            store = self._connect(force)
             if store is None:
                 return default
             try:
@@ -193,14 +197,15 @@ class GuardedStore:
 
     def fetch(self, keys: Sequence[bytes], into: torch.Tensor) -> FetchHandle:
         """Like TieredStore.fetch, on this guard's thread: a failure reconnects and retries once,
-        then delivers 0 blocks (the caller reports them; vLLM recomputes)."""
+        then delivers 0 blocks (the caller reports them; vLLM recomputes). A fetch connects even
+        while backing off: it follows a lookup that the store (over another connection) answered."""
 
         def op(store: Any) -> FetchResult:
             # Views made inside vLLM's inference mode could not be written by the store's threads.
             with torch.inference_mode(False):
                 return store.fetch(keys, into).result()
 
-        return FetchHandle(self._executor.submit(self._call, op, FetchResult(0, ())), len(keys))
+        return FetchHandle(self._executor.submit(self._call, op, FetchResult(0, ()), True), len(keys))
 
     def put(self, keys: Sequence[bytes], blocks: torch.Tensor) -> bool:
         """Store the blocks; False when the store is down or refused them."""
