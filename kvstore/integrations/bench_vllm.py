@@ -194,7 +194,7 @@ def render(r: dict[str, Any], args: argparse.Namespace) -> str:
                      f"| {spread[ours]:.0%} / {spread[base]:.0%} |")
     lines.append(f"| TTFT on a miss (lookup + save of 16 blocks) | {best['miss'] * 1e3:.0f} ms | connector, store "
                  f"down | {best['down'] * 1e3:.0f} ms | {overhead:+.1%} | < +5% | "
-                 f"{'yes' if overhead < 0.05 else 'NO'} | {spread['miss']:.0%} / {spread['down']:.0%} |")
+                 f"{_overhead_met(overhead)} | {spread['miss']:.0%} / {spread['down']:.0%} |")
     lines.append(f"| TTFT, vLLM without any connector (for the record) | {best['plain'] * 1e3:.0f} ms | connector, "
                  f"store down | {best['down'] * 1e3:.0f} ms | {best['plain'] / best['down']:.2f}x | - | - "
                  f"| {spread['plain']:.0%} / {spread['down']:.0%} |")
@@ -204,6 +204,14 @@ def render(r: dict[str, Any], args: argparse.Namespace) -> str:
               "build ran this prefill without any connector at the last row's ratio (a difference inside vLLM, not "
               "pinned down; it stays with the hybrid KV cache manager off)."]
     return "\n".join(lines)
+
+
+def _overhead_met(overhead: float) -> str:
+    """A miss faster than its baseline by more than the target's margin says more about the
+    baseline run than about the connector: no verdict then."""
+    if overhead < -0.05:
+        return "unclear (baseline slower)"
+    return "yes" if overhead < 0.05 else "NO"
 
 
 def run(args: argparse.Namespace) -> int:
