@@ -157,6 +157,13 @@ class StoreClient:
             self._sock.sendall(encode(meta))
             self._posted.add(self._next_id)
 
+    def _notify(self, meta: dict[str, Any]) -> None:
+        """Send a request that gets no reply at all (``noreply``: a hint, or giving back)."""
+        with self._lock:
+            self._next_id += 1
+            meta.update(id=self._next_id, noreply=True)
+            self._sock.sendall(encode(meta))
+
     def _recv_reply(self, request_id: int) -> tuple[dict[str, Any], int]:
         """Read replies until ``request_id``'s. The daemon runs a connection's requests
         concurrently, so a posted request's reply may come before or after a later one's."""
@@ -211,7 +218,7 @@ class StoreClient:
         n = len(keys)
         standing, self._standing = self._standing, None
         if standing is not None and (len(standing[1]) != n or time.monotonic() >= standing[2]):
-            self._post({"op": "release", "lease": standing[0], "kind": "write", "noreply": True})
+            self._notify({"op": "release", "lease": standing[0], "kind": "write"})
             standing = None
         if standing is None:
             sent_at = time.monotonic()
@@ -221,8 +228,10 @@ class StoreClient:
                 return False  # the socket path may still overflow to disk
             standing = (reply["lease"], reply["slots"], sent_at + 0.5 * reply["lease_s"])
         lease, slots, deadline = standing
-        if time.monotonic() < deadline:  # never start writing a slot past the lease
-            _copy_runs(slots, src, self._pool, to_pool=True)
+        if time.monotonic() >= deadline:  # never start writing a slot past the lease
+            self._notify({"op": "release", "lease": lease, "kind": "write"})  # unwritten: never commit it
+            return False
+        _copy_runs(slots, src, self._pool, to_pool=True)
         sent_at = time.monotonic()
         try:
             reply = self._call({"op": "commit", "lease": lease, "keys": self._keys_blob(keys), "reserve": n})[0]
@@ -344,11 +353,12 @@ class StoreClient:
         sent_at = time.monotonic()
         reply = self._call({"op": "get", "keys": self._keys_blob(keys), "shm": True})[0]
         n, deadline = reply["num_blocks"], sent_at + 0.5 * reply["lease_s"]
-        if n and time.monotonic() < deadline:
+        copied = time.monotonic() < deadline  # never start copying past the lease
+        if n and copied:
             _copy_runs(reply["slots"], dst[:n], self._pool, to_pool=False)
-        if time.monotonic() < deadline:
+        if copied and time.monotonic() < deadline:
             self._post({"op": "release", "lease": reply["lease"]})
-        elif not self._call({"op": "release", "lease": reply["lease"]})[0]["valid"]:
+        elif not self._call({"op": "release", "lease": reply["lease"]})[0]["valid"] or not copied:
             return 0
         self._remember(keys[:n], reply["slots"], reply.get("gens", []))
         return n

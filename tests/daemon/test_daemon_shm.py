@@ -168,3 +168,19 @@ def test_commit_rejects_keys_that_do_not_match_its_lease(tmp_path: Path) -> None
             assert c.stats()["host"]["num_blocks"] == 0
     finally:
         d.stop()
+
+
+def test_past_the_lease_deadline_nothing_unwritten_is_published_or_returned(tmp_path: Path) -> None:
+    # a lease of 0.2 ms: every deadline (half of it) passes before the client copies, so
+    # puts and gets fall back to the socket; before, a put past its deadline still committed
+    # its unwritten slots, and a get past its deadline returned rows it never copied
+    d = DaemonProc(tmp_path / "data", "--max-namespaces", "1", "--lease-s", "0.0002", host_mem="1MiB", disk="0")
+    try:
+        with d.connect(shm=True) as c, d.connect(shm=False) as other:
+            for r in range(4):
+                keys = c.block_keys(prompt(50 + r, 6))
+                c.put(keys, blocks(keys))
+                assert torch.equal(other.get(keys), blocks(keys))  # what was published is the bytes put
+                assert torch.equal(c.get(keys), blocks(keys))
+    finally:
+        d.stop()
