@@ -28,7 +28,7 @@ def run_serve(args: argparse.Namespace) -> int:
         "lease_s": args.lease_s, "shm": False if args.no_shm else None,
         "kv_events": args.kv_events, "kv_events_replay": args.kv_events_replay,
         "disk_codec": args.disk_codec, "remote_codec": args.remote_codec,
-        "remote": args.remote, "remote_writes": args.remote_writes,
+        "remote": args.remote, "remote_writes": args.remote_writes, "remote_timeout_s": args.remote_timeout,
     }
     try:
         config = load_config(args.config, overrides)
@@ -73,4 +73,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    "or redis://HOST:PORT (docs/remote.md; put a password in the TOML key instead)")
     p.add_argument("--remote-writes", default=None, choices=["put", "demote"],
                    help="which blocks go remote: every put (default) or only those leaving the node")
+    p.add_argument("--remote-timeout", type=float, default=None, metavar="SECONDS",
+                   help="the remote tier's socket timeout and per-call deadline (default 0.5)")
     p.set_defaults(func=run_serve)

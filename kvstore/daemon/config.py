@@ -97,6 +97,7 @@ class DaemonConfig:
             Cluster, docs/remote.md); None: none. Never shown in repr (it may hold a password:
             prefer the TOML key to the flag, which other users can see in ``ps``).
         remote_writes: "put" (every block, write-behind) or "demote" (blocks leaving the node).
+        remote_timeout_s: the remote tier's socket timeout and per-call deadline.
     """
 
     data_dir: Path = Path(".kvstore")
@@ -121,6 +122,7 @@ class DaemonConfig:
     remote_codec: str = "none"
     remote: str | None = field(default=None, repr=False)
     remote_writes: str = "put"
+    remote_timeout_s: float = 0.5
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "data_dir", Path(self.data_dir))
@@ -158,6 +160,8 @@ class DaemonConfig:
                 parse_url(self.remote)
             except ValueError as exc:
                 raise ConfigError(f"--remote: {exc}") from None
+        if not isinstance(self.remote_timeout_s, (int, float)) or not self.remote_timeout_s > 0:
+            raise ConfigError(f"remote_timeout_s must be positive, got {self.remote_timeout_s!r}")
         if self.remote_writes not in ("put", "demote"):
             raise ConfigError(f"remote_writes must be 'put' or 'demote', got {self.remote_writes!r}")
         for name in ("listen", "http"):

@@ -234,7 +234,8 @@ class Registry:
         kwargs: dict[str, Any] = {"layout": ns.layout, "model_id": ns.model_id, "host_bytes": host,
                                   "hash_algo": ns.hash_algo, "shared_host": cfg.shm, "pin_host_memory": False,
                                   "disk_codec": cfg.disk_codec, "remote_codec": cfg.remote_codec,
-                                  "remote_url": cfg.remote, "remote_writes": cfg.remote_writes}
+                                  "remote_url": cfg.remote, "remote_writes": cfg.remote_writes,
+                                  "remote_timeout_s": cfg.remote_timeout_s}
         disk_codec = get_codec(cfg.disk_codec)
         if disk >= -(-stored_bytes(disk_codec, ns.layout, PAGE) // PAGE) * PAGE:
             where = cfg.data_dir / "namespaces" / ns.id

@@ -42,7 +42,7 @@ def wait_for(check, timeout: float = 15.0) -> None:  # type: ignore[no-untyped-d
 
 def test_two_daemons_share_blocks_and_tenants_stay_apart(cluster: RedisCluster, tmp_path: Path) -> None:
     (tmp_path / "tokens.toml").write_text(TOKENS)
-    common = ("--remote", cluster.url, "--tokens", str(tmp_path / "tokens.toml"))
+    common = ("--remote", cluster.url, "--remote-timeout", "3", "--tokens", str(tmp_path / "tokens.toml"))
     node_a, node_b = Daemon(tmp_path / "a", *common), Daemon(tmp_path / "b", *common)
     try:
         tokens = list(range(40))

@@ -18,6 +18,7 @@ from factories import SLOT, blocks_for, chain, make_store
 
 def remote(cluster: RedisCluster, tmp_path: Path | None = None, host_blocks: int = 16,
            disk_blocks: int = 0, **overrides: object) -> TieredStore:
+    overrides.setdefault("remote_timeout_s", 3.0)  # generous: a loaded 2-core CI machine
     return make_store(tmp_path, host_blocks=host_blocks, disk_blocks=disk_blocks, remote_url=cluster.url,
                       **overrides)
 

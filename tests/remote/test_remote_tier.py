@@ -143,7 +143,7 @@ def test_maxmemory_eviction_is_misses_never_errors(cluster: RedisCluster) -> Non
             time.sleep(0.05)
 
     sampler = threading.Thread(target=sample)
-    with tier(cluster.url) as t:
+    with tier(cluster.url, timeout_s=5.0) as t:  # this test is about eviction, not timeouts
         sampler.start()
         ks = keys("evict", 3 * 3 * limit // PAYLOAD)  # three times the cluster's memory
         try:
