@@ -269,7 +269,9 @@ def test_a_replica_without_events_is_routed_from_history(replicas: list[Replica]
     silent = Replica(events=False)
     router = RouterProcess([silent, replicas[0]], "--pending-ttl", "0.5")
     try:
-        view = router.wait_for(lambda v: all(r["healthy"] for r in v.values()), 60, "both healthy")
+        # healthy comes first; "events" once the replica's subscriber has its first snapshot
+        view = router.wait_for(lambda v: all(r["healthy"] for r in v.values())
+                               and v[replicas[0].url]["mode"] == "events", 60, "both healthy, one on events")
         assert view[silent.url]["mode"] == "approximate" and view[replicas[0].url]["mode"] == "events"
         client, followed = router.client(), 0
         for conv in range(6):
