@@ -83,7 +83,9 @@ class Scheduler:
         for seq in [s for s in self.running if not s.is_decoding]:
             if budget == 0:
                 break
-            budget -= self._schedule_chunk(seq, budget, batch)
+            if seq.status != SeqStatus.RUNNING:
+                continue  # preempted to make room for an older sequence's chunk
+            budget -= self._schedule_chunk(seq, budget, batch, preempt=True)
         while self.waiting and budget > 0 and len(self.running) + len(self.loading) < self.max_num_seqs:
             if not self._admit(self.waiting[0]):
                 break
@@ -92,11 +94,24 @@ class Scheduler:
                 budget -= self._schedule_chunk(seq, budget, batch)
         return batch
 
-    def _schedule_chunk(self, seq: Sequence, budget: int, batch: list[Scheduled]) -> int:
-        """Schedule the next prefill chunk of ``seq`` within ``budget`` and the free blocks."""
+    def _schedule_chunk(self, seq: Sequence, budget: int, batch: list[Scheduled], preempt: bool = False) -> int:
+        """Schedule the next prefill chunk of ``seq`` within ``budget`` and the free blocks.
+
+        With ``preempt``, a chunk that finds no free block preempts the newest running
+        sequences not in this step's batch (``seq`` itself last, as decode does): running
+        sequences that all wait for a block in mid-prefill would otherwise never move again.
+        """
         start = seq.num_cached_tokens
         n = min(seq.num_tokens - start, budget)
         room = (len(seq.block_table) + self.blocks.num_available) * self.block_size - start
+        if preempt and n > 0 and room <= 0:
+            scheduled = {item.seq.seq_id for item in batch}
+            while room <= 0:
+                victim = [s for s in self.running if s.seq_id not in scheduled][-1]  # seq is among them
+                self._preempt(victim)
+                if victim is seq:
+                    return 0
+                room = (len(seq.block_table) + self.blocks.num_available) * self.block_size - start
         n = min(n, room)
         if n <= 0:
             return 0

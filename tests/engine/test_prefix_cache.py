@@ -210,3 +210,25 @@ def test_preemption_keeps_output(llama_dir: Path, expected: list[list[int]]) -> 
         llm.check_integrity()
     finally:
         llm.close()
+
+
+@pytest.mark.timeout(180)
+def test_prefills_stalled_on_a_full_pool_preempt_instead_of_waiting_forever(llama_dir: Path, tmp_path: Path) -> None:
+    # Three conversations growing 10 tokens a turn over a 16-block pool: by the fourth turn
+    # the three prefills together need more blocks than the pool has, and every running
+    # sequence is mid-prefill (none decoding). The newest must yield its blocks, not wait.
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    convs = [[20 + 10 * c + i for i in range(7)] for c in range(3)]
+    reference = make_engine(llama_dir, enable_prefix_caching=False, host_bytes=0, kv_cache_bytes=64 * 2048)
+    llm = make_engine(llama_dir, kv_cache_bytes=16 * 2048, host_bytes=10 * 4096, disk_path=tmp_path / "disk",
+                      disk_bytes=14 * 4096)
+    try:
+        for turn in range(4):
+            outs = llm.generate(convs, params)
+            assert [o.token_ids for o in outs] == [o.token_ids for o in reference.generate(convs, params)]
+            convs = [c + o.token_ids + [70 + 7 * turn + i for i in range(7)] for c, o in zip(convs, outs, strict=True)]
+        assert llm.stats()["engine"]["preemptions"] > 0
+        llm.check_integrity()
+    finally:
+        llm.close()
+        reference.close()
