@@ -21,6 +21,7 @@ from kvstore.cascade import Cascade
 from kvstore.config import StoreConfig
 from kvstore.errors import CapacityError
 from kvstore.index import PrefixMatch
+from kvstore.inspection import StoreView
 from kvstore.keys import BlockHasher, ExtraKey, Namespace
 from kvstore.leases import HostLeases
 from kvstore.levels import Level, SharedLevel
@@ -51,6 +52,7 @@ class TieredStore:
         self._writes = WritePath(cascade, write_through=config.write_policy == "write_through")
         self._reads = ReadPath(cascade, promote=config.promotion != "never")
         self._leases = HostLeases(cascade, self._reads, self._writes)
+        self._view = StoreView(cascade, self._payload)
         self._codings = [level.coding for level in cascade.levels if level.coding is not None]
         self._executor = ThreadPoolExecutor(config.transfer_threads, thread_name_prefix="kvstore-transfer")
         for shared in cascade.shared:
@@ -289,69 +291,32 @@ class TieredStore:
 
     def held_by_tier(self) -> dict[str, list[tuple[bytes, bytes | None]]]:
         """Snapshot: per tier name, ``(key, parent)`` of every block that tier holds."""
-        with self._lock:
-            return self._cascade.held_by_tier()
+        return self._view.held_by_tier()
 
     # ----------------------------------------------------------------------------- inspection
+    # Read-only views of the cascade (kvstore/inspection.py).
 
     def held_keys(self, tenant: str | None = None) -> list[bytes]:
         """Snapshot of the keys the store holds (only ``tenant``'s when given)."""
-        with self._lock:
-            if tenant is None:
-                return list(self._index.entries)
-            return [k for k, e in self._index.entries.items() if e.tenant == tenant]
+        return self._view.held_keys(tenant)
 
     def block_info(self, key: bytes) -> dict[str, Any] | None:
-        """One block's tiers (and its slot in each), size, tenant, created/last access times and
-        pins; None if absent."""
-        with self._lock:
-            entry = self._index.get(key)
-            if entry is None:
-                return None
-            names = self._index.level_names
-            tiers = [names[rank] for rank, slot in enumerate(entry.slots) if slot is not None]
-            slots = {names[rank]: slot for rank, slot in enumerate(entry.slots) if slot is not None}
-            codecs = {names[rank]: self._cascade.levels[rank].describe_codec()["codec"]
-                      for rank, slot in enumerate(entry.slots) if slot is not None}
-            return {
-                "key": key.hex(), "tier": tiers[0] if tiers else None, "tiers": tiers, "slots": slots,
-                "codecs": codecs, "lossy": bool(tiers) and not entry.is_exact(entry.slots.index(slots[tiers[0]])),
-                "exact_tier": names[entry.exact_rank] if entry.exact_rank is not None else None,
-                "size": self._payload,
-                "tenant": entry.tenant, "created": entry.created,
-                "last_access": entry.last_access or entry.created, "pins": entry.pins,
-            }
-
-    # ----------------------------------------------------------------------------- state
+        """One block's tiers (its slot and codec in each), size, tenant, created/last access
+        times and pins; None if absent (see StoreView.block_info)."""
+        return self._view.block_info(key)
 
     def stats(self) -> dict[str, dict[str, Any]]:
-        """Per tier: capacity_bytes, used_bytes, num_blocks, hits, misses, evictions,
-        bytes_read, bytes_written, errors, refused (blocks in a format this reader refuses:
-        misses), and the tier's ``codec`` (name) and ``lossy`` (bool). Bytes count what the
-        tier stores (the encoded size under a codec). Host slots reserved for a promotion or
-        a shared-memory writer count in ``used_bytes`` (they are taken) but hold no block yet,
-        so not in ``num_blocks``. The remote tier adds dropped (writes given up), pending
-        (queued writes) and nodes_up; its occupancy is the cluster's own (Redis INFO)."""
-        with self._lock:
-            out = {level.name: {**level.stats(), "codec": level.describe_codec()["codec"], "lossy": level.lossy}
-                   for level in self._cascade.levels}
-            out[self._cascade.host.name]["num_blocks"] -= self._cascade.reserved_host
-        for shared in self._cascade.shared:  # outside the lock: this may ask the network
-            out[shared.name] = shared.stats()
-        return out
+        """Per tier: occupancy, counters, codec (see StoreView.stats for every field)."""
+        return self._view.stats()
 
     def codecs(self) -> dict[str, dict[str, Any]]:
         """Per tier: ``{"codec", "lossy", "block_bytes", ...}``, how it represents blocks."""
-        found = {level.name: level.describe_codec() for level in self._cascade.levels}
-        for shared in self._cascade.shared:
-            found[shared.name] = (shared.coding.describe() if shared.coding is not None else
-                                  {"codec": "none", "lossy": False, "block_bytes": self.layout.bytes_per_block})
-        return found
+        return self._view.codecs()
 
     def remote_nodes(self) -> list[dict[str, Any]]:
         """Per node of the shared levels: address, up, breaker, used_memory, maxmemory,
         evicted_keys, keys (empty without a remote tier)."""
-        return [dict(node, tier=level.name) for level in self._cascade.shared for node in level.nodes()]
+        return self._view.remote_nodes()
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every block offered to the remote tier so far is written there or counted
