@@ -16,6 +16,9 @@ class ConnectorCounters:
             (corrupt, vanished, store down) and reported for recompute.
         async_loads: loads run outside the step.
         saved_blocks, save_skipped: blocks put; blocks not put (store down or full).
+        lookup_ns, save_ns: time the connector spent on vLLM's critical path in lookups
+            (scheduler) and in saves (gathers in the forward, queueing in wait_for_save); the
+            puts themselves run on the saver thread and are not counted.
     """
 
     lookups: int = 0
@@ -26,6 +29,8 @@ class ConnectorCounters:
     async_loads: int = 0
     saved_blocks: int = 0
     save_skipped: int = 0
+    lookup_ns: int = 0
+    save_ns: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def add(self, **deltas: int) -> None:

@@ -10,6 +10,7 @@ blocks are in kvstore as soon as they are computed (a finished request leaves no
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -88,6 +89,13 @@ class SchedulerSide:
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         """Tokens kvstore holds beyond ``num_computed_tokens`` (whole blocks), and whether to load
         them asynchronously. The prompt's last token is always left to compute."""
+        started = time.perf_counter_ns()
+        try:
+            return self._matched(request, num_computed_tokens)
+        finally:
+            COUNTERS.add(lookup_ns=time.perf_counter_ns() - started)
+
+    def _matched(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         t = self._tracked.get(request.request_id)
         if t is None:
             t = self._tracked[request.request_id] = _Tracked(request, getattr(request, "cache_salt", None) or "")

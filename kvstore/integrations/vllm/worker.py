@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -128,12 +129,14 @@ class WorkerSide:
     def save_kv_layer(self, layer_name: str, meta: KVStoreMetadata) -> None:
         if self.paged is None or layer_name not in self.paged.layer_index or not meta.saves:
             return
+        started = time.perf_counter_ns()
         if not self._saves:
             self._saves = [_Save(s, self.paged.staging(len(s.keys)), torch.tensor(s.block_ids, dtype=torch.long))
                            for s in meta.saves]
         for save in self._saves:
             self.paged.gather_layer(layer_name, save.block_ids, save.staging)
             save.layers_done.add(layer_name)
+        COUNTERS.add(save_ns=time.perf_counter_ns() - started)
 
     def wait_for_save(self) -> None:
         """Finish the step: queue every fully gathered save, and drop the step's loads."""
@@ -141,6 +144,7 @@ class WorkerSide:
         for load in self._loads:
             self._settle(load)
         self._loads = []
+        started = time.perf_counter_ns()
         saves, self._saves = self._saves, []
         for save in saves:
             if len(save.layers_done) < len(self.layer_names):
@@ -151,6 +155,7 @@ class WorkerSide:
         while self._pending_saves and (self._pending_saves[0].done()
                                        or len(self._pending_saves) > MAX_PENDING_SAVES):
             self._pending_saves.popleft().result()
+        COUNTERS.add(save_ns=time.perf_counter_ns() - started)
 
     def _put(self, save: _Save) -> None:
         try:
