@@ -14,10 +14,7 @@ import asyncio
 import contextlib
 import logging
 import os
-import signal
-import socket
 import time
-from collections.abc import Iterator
 from typing import Any
 
 from engine.serve.app import create_app
@@ -26,7 +23,7 @@ from engine.serve.config import ServeConfig
 from engine.serve.loop import EngineLoop
 from engine.serve.state import ServerState
 from engine.serve.tokenizer import load_tokenizer
-from kvstore.errors import ConfigError
+from kvstore.http_serving import bind, stop_on_signals, uvicorn_server, where
 
 log = logging.getLogger("kvstore.engine.serve")
 
@@ -55,47 +52,12 @@ def build_state(config: ServeConfig) -> ServerState:
     return ServerState(loop, tokenizer, auth, config.model_name, kv_events_info(llm))
 
 
-def bind(host: str, port: int) -> socket.socket:
-    """The listening socket. Raises ConfigError when the address cannot be bound."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    # proto IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on sockets that name it, and
-    # without it Nagle holds each SSE chunk back until the client's delayed ACK (~40 ms).
-    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as exc:
-        sock.close()
-        raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
-    return sock
-
-
 async def run(config: ServeConfig) -> int:
-    import uvicorn
-
-    class _Server(uvicorn.Server):
-        @contextlib.contextmanager
-        def capture_signals(self) -> Iterator[None]:  # run() owns the signals
-            yield
-
-    stop = asyncio.Event()
-    signals = 0
-
-    def on_signal() -> None:
-        nonlocal signals
-        signals += 1
-        if signals > 1:
-            os._exit(1)
-        stop.set()
-
     aloop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        aloop.add_signal_handler(sig, on_signal)
+    stop = stop_on_signals(aloop)
     sock = bind(config.host, config.port)  # before the model loads: a taken port fails at once
     state = await aloop.run_in_executor(None, build_state, config)
-    server = _Server(uvicorn.Config(create_app(state), log_level="warning", lifespan="off", access_log=False,
-                                    timeout_graceful_shutdown=1))
+    server = uvicorn_server(create_app(state))
     task = asyncio.create_task(server.serve(sockets=[sock]))
     while not (server.started or task.done()):
         await asyncio.sleep(0.01)
@@ -103,9 +65,8 @@ async def run(config: ServeConfig) -> int:
         await aloop.run_in_executor(None, state.loop.stop)
         await task  # raises what stopped it
         return 1
-    host, port = sock.getsockname()[:2]
-    where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    print(f"kvstore engine: serving {state.model_name!r} on http://{where} (pid {os.getpid()}); ready", flush=True)
+    print(f"kvstore engine: serving {state.model_name!r} on http://{where(sock)} (pid {os.getpid()}); ready",
+          flush=True)
     await stop.wait()
     state.draining = True
     deadline = time.monotonic() + config.drain_s

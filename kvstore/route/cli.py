@@ -22,10 +22,10 @@ def run_route(args: argparse.Namespace) -> int:
                              router_token=args.router_token or os.environ.get("KVSTORE_ROUTER_TOKEN") or None,
                              routing=routing, health_interval_s=args.health_interval, dead_after_s=args.dead_after,
                              drain_s=args.drain_s)
-    except (ConfigError, ValueError) as exc:
+        return serve(config)
+    except (ConfigError, ValueError) as exc:  # a bad flag, or an address that cannot be bound
         print(f"kvstore route: {exc}", file=sys.stderr)
         return 2
-    return serve(config)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -14,11 +14,9 @@ import asyncio
 import contextlib
 import logging
 import os
-import signal
-import socket
 import time
-from collections.abc import Iterator
 
+from kvstore.http_serving import bind, stop_on_signals, uvicorn_server, where
 from kvstore.route.app import RouteState, create_app
 from kvstore.route.config import RouteConfig
 
@@ -26,51 +24,28 @@ RECIPE_TIMEOUT_S = 60.0
 
 
 async def run(config: RouteConfig) -> int:
-    import uvicorn
-
-    class _Server(uvicorn.Server):
-        @contextlib.contextmanager
-        def capture_signals(self) -> Iterator[None]:  # run() owns the signals
-            yield
-
-    stop = asyncio.Event()
-    signals = 0
-
-    def on_signal() -> None:
-        nonlocal signals
-        signals += 1
-        if signals > 1:
-            os._exit(1)
-        stop.set()
-
     aloop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        aloop.add_signal_handler(sig, on_signal)
+    stop = stop_on_signals(aloop)
+    sock = bind(config.host, config.port)  # before learning the replicas: a taken port fails at once
     state = RouteState(config)
     try:
         await state.learn_recipe(RECIPE_TIMEOUT_S)
     except RuntimeError as exc:
         print(f"kvstore route: {exc}", flush=True)
         await state.close()
+        sock.close()
         return 1
     await state.check_all()
     health = asyncio.create_task(state.health_loop())
-    family = socket.AF_INET6 if ":" in config.host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((config.host, config.port))
-    server = _Server(uvicorn.Config(create_app(state), log_level="warning", lifespan="off", access_log=False,
-                                    timeout_graceful_shutdown=1))
+    server = uvicorn_server(create_app(state))
     task = asyncio.create_task(server.serve(sockets=[sock]))
     while not (server.started or task.done()):
         await asyncio.sleep(0.01)
     if not server.started:
         await task
         return 1
-    host, port = sock.getsockname()[:2]
-    where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     print(f"kvstore route: routing {len(state.links)} replicas ({len(state.healthy_urls())} healthy) with "
-          f"{config.routing.policy} on http://{where} (pid {os.getpid()}); ready", flush=True)
+          f"{config.routing.policy} on http://{where(sock)} (pid {os.getpid()}); ready", flush=True)
     await stop.wait()
     state.draining = True
     deadline = time.monotonic() + config.drain_s
