@@ -88,6 +88,32 @@ def test_guarded_store_embedded_round_trip(tmp_path: Path) -> None:
     reopened.close()
 
 
+def test_embedded_stores_of_two_nodes_share_blocks_through_a_remote_tier(tmp_path: Path) -> None:
+    from kvstore.redis_local import RedisServer
+    from tests.remote.conftest import require_redis
+
+    require_redis()
+    redis = RedisServer.start(tmp_path / "redis")
+    try:
+        url = redis.url
+        settings = ConnectorSettings(host_bytes="1MiB", remote_url=url)
+        assert url not in settings.describe() and "remote tier" in settings.describe()
+        writer = GuardedStore(settings, LAYOUT, "m")
+        keys = writer.block_keys(list(range(24)), "")
+        assert keys is not None
+        blocks = torch.randn(3, *LAYOUT.block_shape)
+        assert writer.put(keys, blocks)
+        writer.close()  # the last user of this process's store: it flushes to the remote tier
+        # another node: its own (empty) local tiers, the same remote tier
+        reader = GuardedStore(ConnectorSettings(host_bytes="1MiB", remote_url=url), LAYOUT, "m")
+        assert reader.lookup(keys).tiers == ("remote",) * 3
+        out = torch.empty_like(blocks)
+        assert reader.fetch(keys, out).result(10).num_blocks == 3 and torch.equal(out, blocks)
+        reader.close()
+    finally:
+        redis.close()
+
+
 def test_guarded_store_turns_a_dead_daemon_into_misses(tmp_path: Path) -> None:
     daemon = DaemonProc(tmp_path / "data", host_mem="2MiB", disk="2MiB")
     store = GuardedStore(ConnectorSettings(store=daemon.unix, retry_s=30), LAYOUT, "m")

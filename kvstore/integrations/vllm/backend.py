@@ -43,7 +43,8 @@ def _open_embedded(settings: ConnectorSettings, layout: KVLayout, model_id: str)
             config = StoreConfig(layout=layout, model_id=model_id, host_bytes=settings.host_bytes,
                                  disk_path=settings.disk_path,
                                  disk_bytes=settings.disk_bytes if settings.disk_path else 0,
-                                 write_policy=settings.write_policy, hash_algo=settings.hash_algo)
+                                 write_policy=settings.write_policy, hash_algo=settings.hash_algo,
+                                 remote_url=settings.remote_url)
             entry = _EMBEDDED[key] = [TieredStore(config), 0]  # (built outside inference mode)
         entry[1] += 1
         return entry[0]

@@ -28,6 +28,9 @@ class ConnectorSettings:
         token: the daemon token (default: KVSTORE_TOKEN); it names the daemon-side tenant.
         host_bytes, disk_path, disk_bytes, write_policy: the embedded store's tiers
             (sizes as ints or text like ``"2GiB"``); ignored for a daemon.
+        remote_url: the embedded store's remote tier (``redis+cluster://h:p,...`` or
+            ``redis://h:p``, see docs/remote.md), shared with other nodes; ignored for a daemon
+            (``kvstore serve --remote`` gives a daemon one).
         model_id: the namespace's model identity, when the checkpoint path is not stable
             across machines (default: derived from vLLM's model config, see identity.py).
         hash_algo: the key hash ("sha256"; "xxh3_128" only where one tenant sends prompts).
@@ -43,6 +46,7 @@ class ConnectorSettings:
     disk_path: str | None = None
     disk_bytes: int = 0
     write_policy: str = "write_back"
+    remote_url: str | None = None
     model_id: str | None = None
     hash_algo: str = "sha256"
     async_tiers: tuple[str, ...] = ("disk",)
@@ -88,4 +92,5 @@ class ConnectorSettings:
         if self.is_daemon:
             return f"daemon {self.store}"
         disk = f", disk {self.disk_path} ({self.disk_bytes} B)" if self.disk_path else ""
-        return f"embedded store (host {self.host_bytes} B{disk}, {self.write_policy})"
+        remote = ", a remote tier" if self.remote_url else ""  # the URL may hold a password
+        return f"embedded store (host {self.host_bytes} B{disk}{remote}, {self.write_policy})"
