@@ -172,3 +172,40 @@ class Level(ABC):
     @abstractmethod
     def close(self) -> None:
         """Release the medium. The cascade has written back what it wanted to keep."""
+
+
+class SlotLevel(Level):
+    """A level whose medium is one of ``tiers/``' slot stores, ``self.tier`` (host pool, disk
+    slab): occupancy and handing out slots are the tier's own; subclasses move the bytes."""
+
+    tier: Any  # tiers.host.HostTier or tiers.disk.DiskTier: the same occupancy interface
+
+    @property
+    def payload_bytes(self) -> int:
+        return int(self.tier.payload_bytes)
+
+    @property
+    def num_slots(self) -> int:
+        return int(self.tier.num_slots)
+
+    @property
+    def num_free(self) -> int:
+        return int(self.tier.num_free)
+
+    @property
+    def num_used(self) -> int:
+        return int(self.tier.num_used)
+
+    @property
+    def slot_bytes(self) -> int:
+        return int(self.tier.slot_bytes)
+
+    @property
+    def capacity_bytes(self) -> int:
+        return int(self.tier.capacity_bytes)
+
+    def allocate(self, n: int) -> list[int]:
+        return list(self.tier.allocate(n))
+
+    def release(self, slots: Sequence[int]) -> None:
+        self.tier.release(slots)

@@ -18,7 +18,7 @@ import torch
 from kvstore.errors import CodecError
 from kvstore.eviction import EvictionPolicy
 from kvstore.index import DISK, BlockEntry
-from kvstore.levels.base import Level, Recovered
+from kvstore.levels.base import Recovered, SlotLevel
 from kvstore.levels.coding import LevelCodec
 from kvstore.levels.staging import Staging, select
 from kvstore.stats import tier_stats
@@ -28,7 +28,7 @@ from tiers.errors import TierError
 CODED_SUFFIX = "/coded"  # catalog layout id suffix of encoded blocks
 
 
-class DiskLevel(Level):
+class DiskLevel(SlotLevel):
     """The disk tier as a level. Writes are durable before they are published (the tier
     syncs payloads before its catalog commits); the catalog is the truth after a restart."""
 
@@ -39,36 +39,6 @@ class DiskLevel(Level):
         self.namespace_id = namespace_id
         self.layout_id = namespace_id if coding is None else f"{namespace_id}{CODED_SUFFIX}"
         self._staging = Staging(tier.slot_bytes) if coding is not None else None
-
-    @property
-    def payload_bytes(self) -> int:
-        return self.tier.payload_bytes
-
-    @property
-    def num_slots(self) -> int:
-        return self.tier.num_slots
-
-    @property
-    def num_free(self) -> int:
-        return self.tier.num_free
-
-    @property
-    def num_used(self) -> int:
-        return self.tier.num_used
-
-    @property
-    def slot_bytes(self) -> int:
-        return self.tier.slot_bytes
-
-    @property
-    def capacity_bytes(self) -> int:
-        return self.tier.capacity_bytes
-
-    def allocate(self, n: int) -> list[int]:
-        return self.tier.allocate(n)
-
-    def release(self, slots: Sequence[int]) -> None:
-        self.tier.release(slots)
 
     def write(self, entries: Sequence[BlockEntry], slots: Sequence[int],
               payloads: torch.Tensor | Sequence[torch.Tensor]) -> bool:

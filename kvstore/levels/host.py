@@ -14,12 +14,12 @@ import torch
 from kvstore.errors import CodecError
 from kvstore.eviction import EvictionPolicy
 from kvstore.index import HOST, BlockEntry
-from kvstore.levels.base import Level
+from kvstore.levels.base import SlotLevel
 from kvstore.levels.coding import LevelCodec
 from tiers.host import HostTier
 
 
-class HostLevel(Level):
+class HostLevel(SlotLevel):
     """The host pool as a level. Beyond the level interface it offers what only memory can:
     zero-copy slot views and run copies into a caller's rows (the read path's fast case), and
     the shared pool that the daemon's same-host clients map."""
@@ -27,30 +27,6 @@ class HostLevel(Level):
     def __init__(self, tier: HostTier, policy: EvictionPolicy, coding: LevelCodec | None = None) -> None:
         super().__init__(HOST, 0, policy, coding=coding)
         self.tier = tier
-
-    @property
-    def payload_bytes(self) -> int:
-        return self.tier.payload_bytes
-
-    @property
-    def num_slots(self) -> int:
-        return self.tier.num_slots
-
-    @property
-    def num_free(self) -> int:
-        return self.tier.num_free
-
-    @property
-    def num_used(self) -> int:
-        return self.tier.num_used
-
-    @property
-    def slot_bytes(self) -> int:
-        return self.tier.slot_bytes
-
-    @property
-    def capacity_bytes(self) -> int:
-        return self.tier.capacity_bytes
 
     @property
     def pinned(self) -> bool:
@@ -61,12 +37,6 @@ class HostLevel(Level):
         """``(path, slot_bytes, num_slots)`` of the shared pool, or None if not shared."""
         path = self.tier.shm_path
         return None if path is None else (path, self.tier.slot_bytes, self.tier.num_slots)
-
-    def allocate(self, n: int) -> list[int]:
-        return self.tier.allocate(n)
-
-    def release(self, slots: Sequence[int]) -> None:
-        self.tier.release(slots)
 
     def write(self, entries: Sequence[BlockEntry], slots: Sequence[int],
               payloads: torch.Tensor | Sequence[torch.Tensor]) -> bool:
