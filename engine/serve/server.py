@@ -2,7 +2,7 @@
 uvicorn, and drain on SIGTERM.
 
 Lifecycle: load the model and open the store -> start the engine loop -> bind -> print
-``listening on http://HOST:PORT (pid N); ready`` -> serve -> SIGTERM/SIGINT: new requests
+``kvstore engine: serving NAME on http://HOST:PORT (pid N); ready`` -> serve -> SIGTERM/SIGINT: new requests
 (and /health) get 503, requests in flight finish (up to ``drain_s``; then they are cancelled
 and aborted), the loop stops, the engine closes (its device cache is written back to the
 store) and the process exits 0. A second signal exits at once.

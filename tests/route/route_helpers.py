@@ -4,12 +4,9 @@ with KV events on fixed ports so that a restarted replica keeps its URL and endp
 
 from __future__ import annotations
 
-import os
 import random
-import re
 import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -21,7 +18,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "engine" / "serve"))
 
-from serve_helpers import BLOCK, ENGINE_ARGS, MAX_MODEL_LEN, EngineServer  # noqa: E402
+from serve_helpers import BLOCK, ENGINE_ARGS, MAX_MODEL_LEN, CliServer, EngineServer  # noqa: E402
 
 ROUTER_TOKEN = "router-secret-5678"
 __all__ = ["BLOCK", "ENGINE_ARGS", "MAX_MODEL_LEN", "ROUTER_TOKEN", "EngineServer", "Replica", "RouterProcess",
@@ -97,38 +94,12 @@ class Replica:
             self.server.stop()
 
 
-class RouterProcess:
+class RouterProcess(CliServer):
     """``python -m kvstore.cli route ...`` on a free port; ``url`` once it printed ready."""
 
     def __init__(self, replicas: list[Replica], *args: str) -> None:
-        cmd = [sys.executable, "-m", "kvstore.cli", "route", *[a for r in replicas for a in ("--replica", r.url)],
-               "--port", "0", "--router-token", ROUTER_TOKEN, *args]
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        self.lines: list[str] = []
-        assert self.proc.stdout is not None
-        deadline = time.monotonic() + 90
-        line = ""
-        while time.monotonic() < deadline:
-            line = self.proc.stdout.readline()
-            if not line:
-                raise RuntimeError(f"kvstore route exited ({self.proc.wait()}): {''.join(self.lines)}")
-            self.lines.append(line)
-            if line.rstrip().endswith("ready"):
-                break
-        match = re.search(r"on (http://\S+) ", line)
-        assert match, line
-        self.url = match.group(1)
-        threading.Thread(target=self._drain, daemon=True).start()
-
-    def _drain(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.append(line)
-
-    @property
-    def output(self) -> str:
-        return "".join(self.lines)
+        super().__init__(["route", *[a for r in replicas for a in ("--replica", r.url)], "--port", "0",
+                          "--router-token", ROUTER_TOKEN, *args], timeout=90)
 
     def client(self, api_key: str = "unused") -> Any:
         import openai

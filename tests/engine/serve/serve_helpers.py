@@ -27,37 +27,29 @@ ENGINE_ARGS = ["--random-model", "--random-config", json.dumps(TINY), "--block-s
                "--max-model-len", str(MAX_MODEL_LEN), "--host-mem", "8MiB", "--kv-cache", "4MiB", "--seed", "3"]
 
 
-class EngineServer:
-    """``python -m kvstore.cli engine ...`` in a subprocess; ``url`` is its http://host:port."""
+class CliServer:
+    """``python -m kvstore.cli ARGS`` in a subprocess, up once it printed a line ending in
+    "ready" (``url`` is the http://host:port that line names); its output keeps being read."""
 
-    def __init__(self, *args: str, model: str | None = None, env: dict[str, str] | None = None) -> None:
-        which = ["--model", model, "--host-mem", "8MiB", "--kv-cache", "4MiB"] if model else ENGINE_ARGS
-        cmd = [sys.executable, "-m", "kvstore.cli", "engine", *which, "--port", "0", *args]
+    def __init__(self, args: list[str], timeout: float, env: dict[str, str] | None = None) -> None:
+        cmd = [sys.executable, "-m", "kvstore.cli", *args]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.lines: list[str] = []
         assert self.proc.stdout is not None
-        deadline = time.monotonic() + 120
+        self.deadline = time.monotonic() + timeout
         line = ""
-        while time.monotonic() < deadline:
+        while time.monotonic() < self.deadline:
             line = self.proc.stdout.readline()
             if not line:
-                raise RuntimeError(f"kvstore engine exited ({self.proc.wait()}): {''.join(self.lines)}")
+                raise RuntimeError(f"kvstore {args[0]} exited ({self.proc.wait()}): {''.join(self.lines)}")
             self.lines.append(line)
-            if "ready" in line:
+            if line.rstrip().endswith("ready"):
                 break
-        match = re.search(r"(http://\S+) ", line)
+        match = re.search(r"on (http://\S+) ", line)
         assert match, line
         self.url = match.group(1)
         threading.Thread(target=self._drain, daemon=True).start()
-        while time.monotonic() < deadline:  # ready means bound; /health means serving
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.05)
-        raise RuntimeError(f"/health did not answer: {self.output}")
 
     def _drain(self) -> None:
         assert self.proc.stdout is not None
@@ -67,6 +59,22 @@ class EngineServer:
     @property
     def output(self) -> str:
         return "".join(self.lines)
+
+
+class EngineServer(CliServer):
+    """``python -m kvstore.cli engine ...`` in a subprocess; ``url`` is its http://host:port."""
+
+    def __init__(self, *args: str, model: str | None = None, env: dict[str, str] | None = None) -> None:
+        which = ["--model", model, "--host-mem", "8MiB", "--kv-cache", "4MiB"] if model else ENGINE_ARGS
+        super().__init__(["engine", *which, "--port", "0", *args], timeout=120, env=env)
+        while time.monotonic() < self.deadline:  # ready means bound; /health means serving
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.05)
+        raise RuntimeError(f"/health did not answer: {self.output}")
 
     def client(self, api_key: str = "unused", **kw: Any) -> Any:
         import openai
