@@ -16,6 +16,8 @@ from kvstore import replay as rp
 from kvstore.replay.estimate import CostModel, estimate, measured_gbps
 from kvstore.replay.workloads import write_trace as write_workload
 
+from factories import require
+
 TRACES = Path(__file__).resolve().parents[1].parent / "shared" / "traces"
 
 
@@ -216,8 +218,7 @@ def test_default_is_not_worse_than_lru_off_its_tuning(tmp_path: Path, workload: 
 
 def test_real_trace_slice(tmp_path: Path) -> None:
     source = TRACES / "conversation_trace.jsonl"
-    if not source.exists():
-        pytest.skip(f"shared traces not found at {TRACES} (the repo's parent holds shared/ in CI)")
+    require(source.exists(), f"shared traces not found at {TRACES} (the repo's parent holds shared/ in CI)")
     with source.open() as f:
         lines = list(itertools.islice(f, 3000))
     path = tmp_path / "slice.jsonl"

@@ -24,6 +24,7 @@ from kvstore import KVLayout, StoreConfig, TieredStore
 from kvstore.daemon.rest import create_app
 
 from daemon_helpers import DaemonProc, blocks, prompt
+from factories import require
 
 ADMIN, ACME, GLOBEX = "tok-admin", "tok-acme", "tok-globex"
 
@@ -186,8 +187,8 @@ def test_embedded_store_gets_the_same_api(tmp_path: Path) -> None:
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 
-@pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed (.ci/run installs it)")
 def test_dashboard_renders_live_tiers_in_chromium(rest_daemon: DaemonProc) -> None:
+    require(CHROMIUM, "Debian's chromium is not installed (.ci/run installs it)")
     d = rest_daemon
     with d.connect(ACME) as acme:
         keys = acme.block_keys(prompt(33, 7))

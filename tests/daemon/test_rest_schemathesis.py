@@ -10,13 +10,14 @@ from pathlib import Path
 import pytest
 
 from daemon_helpers import DaemonProc, blocks, prompt
+from factories import require
 
 SCHEMATHESIS = shutil.which("schemathesis") or str(Path(sys.executable).with_name("schemathesis"))
 
 
-@pytest.mark.skipif(not Path(SCHEMATHESIS).exists(), reason="schemathesis is not installed (pip extra 'test')")
 @pytest.mark.parametrize("token", ["tok-admin"])
 def test_no_server_errors(tmp_path: Path, token: str) -> None:
+    require(Path(SCHEMATHESIS).exists(), "schemathesis is not installed (pip extra 'test')")
     tokens = tmp_path / "tokens.toml"
     tokens.write_text('[[tenant]]\nname = "acme"\ntokens = ["tok-acme"]\n')
     d = DaemonProc(tmp_path / "data", "--tokens", str(tokens), "--token", "tok-admin")
