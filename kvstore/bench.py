@@ -53,9 +53,23 @@ class Row:
         return self.base_s / self.ours_s
 
 
-def best_of(fn: Callable[[], object], repeat: int) -> float:
+class CacheFlush:
+    """Writes a buffer of twice the last-level cache, evicting what the caches held (call it
+    before a timed section, untimed)."""
+
+    def __init__(self, nbytes: int = 64 << 20) -> None:
+        self.buffer = torch.zeros(nbytes, dtype=torch.uint8)
+
+    def __call__(self) -> None:
+        self.buffer.add_(1)
+
+
+def best_of(fn: Callable[[], object], repeat: int, before: Callable[[], object] | None = None) -> float:
+    """The best time of ``repeat`` calls of ``fn``; ``before`` runs untimed ahead of each."""
     times = []
     for _ in range(repeat):
+        if before is not None:
+            before()
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
@@ -89,16 +103,20 @@ def bench_host(num_blocks: int, repeat: int) -> list[Row]:
         store.put(fresh, blocks)  # new blocks: a put of held keys would only refresh them
 
     # Each round deletes the put blocks again (untimed), so every put copies into the same
-    # host slots, as the baseline copies into the same buffer.
+    # host slots, as the baseline copies into the same buffer. Every timed call starts with
+    # the CPU caches flushed (untimed), as a serving get finds them: its blocks sat in host RAM
+    # while other work ran. Otherwise each side's speed would depend on what the call before
+    # it left in the 32 MiB of L3, more than on what it does itself.
+    flush = CacheFlush()
     put_s = get_s = copy_s = new_s = clone_s = float("inf")
     for _ in range(rounds):
-        put_s = min(put_s, best_of(put_new, 1))
+        put_s = min(put_s, best_of(put_new, 1, flush))
         store.delete(fresh)
-        get_s = min(get_s, best_of(lambda: store.get(held, out=out), 1))
-        copy_s = min(copy_s, best_of(lambda: dst.copy_(blocks), 1))
+        get_s = min(get_s, best_of(lambda: store.get(held, out=out), 1, flush))
+        copy_s = min(copy_s, best_of(lambda: dst.copy_(blocks), 1, flush))
         # without out=: the store allocates the result, as clone() does its copy
-        new_s = min(new_s, best_of(lambda: store.get(held), 1))
-        clone_s = min(clone_s, best_of(blocks.clone, 1))
+        new_s = min(new_s, best_of(lambda: store.get(held), 1, flush))
+        clone_s = min(clone_s, best_of(blocks.clone, 1, flush))
     store.close()
     size = f"{num_blocks} x {layout.bytes_per_block // 1024} KiB"
     return [

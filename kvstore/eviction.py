@@ -264,6 +264,69 @@ class ReusePolicy(EvictionPolicy):
         assert not any(k in self._uses for k in self._ghost), "a tracked block is also a ghost"
 
 
+class DeferredAccess(EvictionPolicy):
+    """A policy whose hits are recorded now and applied at its next decision.
+
+    ``access`` only appends the keys to a log; every other call (an insert, a removal, a
+    victim, a size) first replays the log into the wrapped policy, in order, so each decision
+    sees exactly the state it would have seen without the wrapper. A read pays one list
+    append instead of the policy's bookkeeping, which the next write (off the reader's
+    critical path: demotions run on their own threads) does instead. The log is replayed
+    inline once it holds ``max_pending`` keys, which bounds its memory.
+    """
+
+    name = "deferred"  # the wrapped policy's own name is ``policy.name``
+
+    def __init__(self, policy: EvictionPolicy, max_pending: int = 16384) -> None:
+        self.policy = policy
+        self.max_pending = max_pending
+        self._pending: list[Sequence[Key]] = []
+        self._num_pending = 0
+
+    def insert(self, keys: Sequence[Key], parents: Sequence[Key | None]) -> None:
+        self.apply_pending()
+        self.policy.insert(keys, parents)
+
+    def access(self, keys: Sequence[Key]) -> None:
+        """Record a hit on ``keys``; the caller must not mutate the sequence afterwards."""
+        self._pending.append(keys)
+        self._num_pending += len(keys)
+        if self._num_pending >= self.max_pending:
+            self.apply_pending()
+
+    @property
+    def num_pending(self) -> int:
+        """Keys whose hits are recorded but not applied yet."""
+        return self._num_pending
+
+    def apply_pending(self) -> None:
+        """Replay the recorded hits into the wrapped policy, oldest first."""
+        if self._pending:
+            pending, self._pending, self._num_pending = self._pending, [], 0
+            for keys in pending:
+                self.policy.access(keys)
+
+    def remove(self, key: Key) -> None:
+        self.apply_pending()
+        self.policy.remove(key)
+
+    def pop_victim(self, can_evict: Callable[[Key], bool] | None = None) -> Key | None:
+        self.apply_pending()
+        return self.policy.pop_victim(can_evict)
+
+    def __len__(self) -> int:
+        self.apply_pending()
+        return len(self.policy)
+
+    def __contains__(self, key: object) -> bool:
+        self.apply_pending()
+        return key in self.policy
+
+    def check_integrity(self) -> None:
+        self.apply_pending()
+        self.policy.check_integrity()
+
+
 POLICIES: dict[str, Callable[[], EvictionPolicy]] = {"lru": LRUPolicy, "reuse": ReusePolicy}
 DEFAULT_POLICY = "reuse"
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvstore.errors import ConfigError
+from kvstore.errors import ConfigError, LayoutMismatchError
 
 # dtype <-> stable name; the name (not torch's repr) enters key namespaces and disk catalogs.
 DTYPE_NAMES: dict[torch.dtype, str] = {
@@ -74,8 +74,6 @@ class KVLayout:
 
     def check_blocks(self, blocks: torch.Tensor, num_blocks: int | None = None) -> None:
         """Raise LayoutMismatchError unless ``blocks`` is ``[n, *block_shape]`` of this dtype."""
-        from kvstore.errors import LayoutMismatchError
-
         if not isinstance(blocks, torch.Tensor):
             raise LayoutMismatchError(f"blocks must be a torch.Tensor, got {type(blocks).__name__}")
         if blocks.dtype != self.dtype:

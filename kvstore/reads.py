@@ -11,8 +11,11 @@ Three phases:
   3. under the lock: publish the promoted copies on host, forget blocks a level found
      corrupt, release the readers.
 
-When every block of the run is in host RAM (the common case) phase 1 does no more than
-that, phase 2 is one copy per run of slots and phase 3 only releases the readers.
+When every block of the run is in host RAM (the common case) and it is at most
+``LOCKED_COPY_BYTES``, the copy (one per run of slots) is made in phase 1, under the lock, as
+a put's is: no block is marked as being read, and there are no phases 2 and 3. The hits reach
+host's eviction policy as one appended log entry (``DeferredAccess``), applied at its next
+decision.
 
 A block that fails its read ends the delivered run there: the caller recomputes the rest.
 
@@ -33,6 +36,10 @@ from kvstore.cascade import Cascade
 from kvstore.index import BlockEntry, PrefixMatch
 from kvstore.transfer import FetchResult
 
+# A host-only read up to this size copies under the store lock (a put copies under it too):
+# marking and releasing each block as being read costs more than such a copy holds the lock.
+LOCKED_COPY_BYTES = 64 << 20
+
 
 class ReadPath:
     def __init__(self, cascade: Cascade, *, promote: bool) -> None:
@@ -48,39 +55,61 @@ class ReadPath:
         names = cascade.index.level_names
         with cascade.lock:
             cascade.check_open()
-            plan: list[tuple[BlockEntry, int]] = []
             entries, now = cascade.index.entries, time.time()
-            host_keys: list[bytes] = []
-            for key in keys:  # hot loop: one dict lookup and a few attribute updates a block
+            # hot loop over the leading run host holds (the common case): one dict lookup and
+            # a few attribute updates a block (cascade.note_use, inlined)
+            host_entries: list[BlockEntry] = []
+            host_slots: list[int] = []
+            for key in keys:
                 entry = entries.get(key)
                 if entry is None:
                     break
-                if entry.slots[0] is not None and not (exact and entry.inexact & 1):
-                    rank = 0  # the common case, inlined: host holds it
-                    host_keys.append(key)
-                else:
-                    found = entry.exact_rank if exact else entry.best_rank
-                    if found is None:
-                        break
-                    rank = found
-                entry.readers += 1
-                if entry.num_uses:  # cascade.note_use, inlined for the common case
+                slot = entry.slots[0]
+                if slot is None or (exact and entry.inexact & 1):
+                    break
+                if entry.num_uses:
                     entry.last_access = now
                     entry.num_uses += 1
                 else:
                     cascade.note_use(entry, now)
-                plan.append((entry, rank))
+                host_entries.append(entry)
+                host_slots.append(slot)
+            num_host = len(host_entries)
+            plan: list[tuple[BlockEntry, int]] = []
+            if num_host < len(keys) and keys[num_host] in entries:  # lower levels hold more
+                plan = [(entry, 0) for entry in host_entries]
+                for key in keys[num_host:]:
+                    entry = entries.get(key)
+                    if entry is None:
+                        break
+                    found = 0 if entry.slots[0] is not None and not (exact and entry.inexact & 1) else \
+                        entry.exact_rank if exact else entry.best_rank
+                    if found is None:
+                        break
+                    cascade.note_use(entry, now)
+                    plan.append((entry, found))
+            host_keys = [entry.key for entry, rank in plan if rank == 0] if plan else keys[:num_host]
             if count:
-                found_tiers = ((names[0],) * len(plan) if len(host_keys) == len(plan)
-                               else tuple(names[r] for _, r in plan))
-                cascade.count_lookup(PrefixMatch(len(plan), found_tiers), len(keys))
+                found_tiers = (names[0],) * num_host if not plan else tuple(names[r] for _, r in plan)
+                cascade.count_lookup(PrefixMatch(len(found_tiers), found_tiers), len(keys))
             if host_keys:
                 cascade.host.policy.access(host_keys)
-            lower = [(e, r) for e, r in plan if r > 0] if len(host_keys) < len(plan) else []
+            if not plan and (num_host == len(keys) or not cascade.shared) \
+                    and num_host * cascade.host.payload_bytes <= LOCKED_COPY_BYTES:
+                # all in host RAM (and no shared tier to ask for the rest): one copy per run
+                # of slots, made under the lock, so no block needs marking as being read
+                if dst is not None and num_host:
+                    cascade.host.read_rows(host_slots, dst[:num_host])
+                    cascade.host.counters.bytes_read += num_host * cascade.host.payload_bytes
+                return FetchResult(num_host, (names[0],) * num_host)
+            if not plan:
+                plan = [(entry, 0) for entry in host_entries]
+            for entry, _rank in plan:
+                entry.readers += 1
+            lower = [(e, r) for e, r in plan if r > 0]
             promo_slots = cascade.reserve_host(len(lower)) if lower and self.promote else []
         if not lower and (len(plan) == len(keys) or not cascade.shared):
-            # all in host RAM (and no shared tier to ask for the rest): one copy per run of
-            # slots, nothing to publish
+            # all in host RAM, but too much to copy under the lock
             try:
                 if dst is not None and plan:
                     self._copy_host(plan, dst)

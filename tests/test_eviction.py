@@ -8,7 +8,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvstore.eviction import DEFAULT_POLICY, POLICIES, EvictionPolicy, LRUPolicy, ReusePolicy, make_policy
+from kvstore.eviction import (
+    DEFAULT_POLICY,
+    POLICIES,
+    DeferredAccess,
+    EvictionPolicy,
+    LRUPolicy,
+    ReusePolicy,
+    make_policy,
+)
 
 
 def chain(name: str, n: int) -> tuple[list[str], list[str | None]]:
@@ -208,3 +216,36 @@ def test_reuse_policy_tracks_exactly_the_model_set(ops: list[tuple[str, int, int
         assert len(policy) == len(model)
         assert all(k in policy for k in model) and not any(k in policy for k in range(-5, 0))
         policy.check_integrity()
+
+
+@settings(max_examples=60, deadline=None)
+@given(name=st.sampled_from(sorted(POLICIES)), max_pending=st.sampled_from([1, 3, 1000]),
+       ops=st.lists(st.tuples(st.sampled_from("iiaaarp"), st.integers(0, 30), st.integers(1, 6)), max_size=150))
+def test_deferred_access_decides_exactly_as_the_policy_it_wraps(name: str, max_pending: int,
+                                                               ops: list[tuple[str, int, int]]) -> None:
+    """Hits recorded now and replayed at the next decision change no decision: the same ops on
+    a wrapped and a plain policy give the same victims, sizes and memberships."""
+    plain, deferred = make_policy(name), DeferredAccess(make_policy(name), max_pending=max_pending)
+    held: set[int] = set()
+    for op, a, b in ops:
+        if op == "i":
+            keys = [k for k in range(a, a + b) if k not in held]
+            for policy in (plain, deferred):
+                policy.insert(keys, [None, *keys[:-1]])
+            held.update(keys)
+        elif op == "a":
+            keys = [k for k in range(a, a + b) if k in held]
+            plain.access(keys)
+            deferred.access(list(keys))
+            assert deferred.num_pending < max_pending  # the log never outgrows its bound
+        elif op == "r":
+            plain.remove(a)
+            deferred.remove(a)
+            held.discard(a)
+        else:
+            victim = plain.pop_victim(lambda k, b=b: k % (b + 1) != 0)
+            assert deferred.pop_victim(lambda k, b=b: k % (b + 1) != 0) == victim
+            held.discard(victim)  # type: ignore[arg-type]
+    assert len(deferred) == len(plain) == len(held)
+    assert drain(deferred) == drain(plain)
+    deferred.check_integrity()

@@ -8,6 +8,7 @@ import tempfile
 import threading
 from pathlib import Path
 
+import pytest
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -16,7 +17,12 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from factories import blocks_for, chain, make_store
 
 
-def test_threads_put_get_lookup_fetch_concurrently(tmp_path: Path) -> None:
+@pytest.mark.parametrize("locked_copy_bytes", [64 << 20, 0], ids=["host-copy-under-lock", "host-copy-marked-read"])
+def test_threads_put_get_lookup_fetch_concurrently(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                   locked_copy_bytes: int) -> None:
+    """Both ways a host-only get copies (under the store lock, or with its blocks marked as
+    being read when it is too large for that) hold under concurrent puts and evictions."""
+    monkeypatch.setattr("kvstore.reads.LOCKED_COPY_BYTES", locked_copy_bytes)
     store = make_store(tmp_path, host_blocks=12, disk_blocks=40)
     chains = [chain(store, 1 + s % 4, salt=s) for s in range(30)]
     errors: list[BaseException] = []

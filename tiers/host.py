@@ -158,6 +158,8 @@ def _runs(slots: Sequence[int]) -> list[tuple[int, int, int]]:
     slots  = [7, 8, 9, 3, 4, 12]
     runs   = (0, 3, 7), (3, 5, 3), (5, 6, 12)
     """
+    if slots and slots[-1] - slots[0] == len(slots) - 1 and slots == list(range(slots[0], slots[-1] + 1)):
+        return [(0, len(slots), slots[0])]  # the common case, checked in C: one run
     runs: list[tuple[int, int, int]] = []
     start = 0
     for i in range(1, len(slots) + 1):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from kvstore.codecs import get_codec
 from kvstore.config import PAGE, StoreConfig
-from kvstore.eviction import make_policy
+from kvstore.eviction import DeferredAccess, make_policy
 from kvstore.keys import Namespace
 from kvstore.layout import KVLayout
 from kvstore.levels.base import Level
@@ -24,7 +24,8 @@ def build_levels(config: StoreConfig, namespace: Namespace) -> list[Level]:
     host_coding = _coding(config.host_codec, layout, 1)
     payload = host_coding.stored_bytes if host_coding else layout.bytes_per_block
     host = HostTier(config.host_bytes, payload, pin_memory=config.pin_host_memory, shared=config.shared_host)
-    levels: list[Level] = [HostLevel(host, make_policy(config.host_policy), host_coding)]
+    # host hits are on readers' critical path: their policy bookkeeping waits for the next write
+    levels: list[Level] = [HostLevel(host, DeferredAccess(make_policy(config.host_policy)), host_coding)]
     if config.disk_path is not None:
         disk_coding = _coding(config.disk_codec, layout, PAGE)
         payload = disk_coding.stored_bytes if disk_coding else layout.bytes_per_block
