@@ -8,10 +8,12 @@ when offered and copies leased slots itself (docs/protocol.md, "Shared memory").
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import socket
 import threading
 import time
+from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -42,6 +44,8 @@ from kvstore.transfer import FetchHandle, FetchResult
 TIER_NAMES = {"h": "host", "d": "disk", "r": "remote"}
 TOUCH_BATCH = 4096  # lock-free reads told to the daemon in one touch, at the latest
 TOUCH_DELAY_S = 0.05  # or once this long has passed, or with the next request
+
+log = logging.getLogger(__name__)
 
 
 def connect(url: str, token: str | None = None, *, layout: KVLayout, model_id: str,
@@ -100,7 +104,11 @@ class StoreClient:
         self._pool: torch.Tensor | None = None
         self._generations: np.ndarray | None = None  # set: lock-free reads of cached slots
         self._slots: dict[bytes, tuple[int, int]] = {}  # key -> (slot, generation) the daemon told
-        self._standing: tuple[int, list[int], float] | None = None  # a write lease for the next put
+        # write leases for the next puts, (lease, slots, deadline), up to two ahead; and the
+        # last put's commit, sent but its reply not read yet: (request id, keys, sent_at)
+        self._write_leases: deque[tuple[int, list[int], float]] = deque()
+        self._commit: tuple[int, list[bytes], float] | None = None
+        self.num_lost_puts = 0  # blocks of puts whose commit found its lease expired
         self._touched: list[bytes] = []  # blocks read lock-free, not yet told to the daemon
         self._touch_due = 0.0
         self._executor: ThreadPoolExecutor | None = None
@@ -133,17 +141,22 @@ class StoreClient:
     def _call(self, meta: dict[str, Any], data: Any = b"", into: memoryview | None = None) -> tuple[dict[str, Any], bytes]:
         """One request and its response; the response's data goes to ``into`` when given."""
         with self._lock:
-            self._next_id += 1
-            meta["id"] = self._next_id
-            self._sock.sendall(self._touch_frame() + encode(meta, len(data)))
-            if len(data):
-                self._sock.sendall(data)
-            reply, data_len = self._recv_reply(self._next_id)
-            if into is not None and data_len <= len(into):
-                recv_into_view(self._sock, into[:data_len])
-                body = b""
-            else:
-                body = bytes(recv_exact(self._sock, data_len)) if data_len else b""
+            return self._call_locked(meta, data, into)
+
+    def _call_locked(self, meta: dict[str, Any], data: Any = b"", into: memoryview | None = None
+                     ) -> tuple[dict[str, Any], bytes]:
+        self._settle()
+        self._next_id += 1
+        meta["id"] = self._next_id
+        self._sock.sendall(self._touch_frame() + encode(meta, len(data)))
+        if len(data):
+            self._sock.sendall(data)
+        reply, data_len = self._recv_reply(self._next_id)
+        if into is not None and data_len <= len(into):
+            recv_into_view(self._sock, into[:data_len])
+            body = b""
+        else:
+            body = bytes(recv_exact(self._sock, data_len)) if data_len else b""
         error = reply.get("error")
         if error is not None:
             raise _as_exception(int(error.get("code", 0)), str(error.get("message", "")))
@@ -152,6 +165,7 @@ class StoreClient:
     def _post(self, meta: dict[str, Any]) -> None:
         """Send a request whose reply is read (and dropped) when it arrives before a later one's."""
         with self._lock:
+            self._settle()
             self._next_id += 1
             meta["id"] = self._next_id
             self._sock.sendall(encode(meta))
@@ -160,9 +174,39 @@ class StoreClient:
     def _notify(self, meta: dict[str, Any]) -> None:
         """Send a request that gets no reply at all (``noreply``: a hint, or giving back)."""
         with self._lock:
-            self._next_id += 1
-            meta.update(id=self._next_id, noreply=True)
-            self._sock.sendall(encode(meta))
+            self._notify_locked(meta)
+
+    def _notify_locked(self, meta: dict[str, Any]) -> None:
+        self._settle()
+        self._next_id += 1
+        meta.update(id=self._next_id, noreply=True)
+        self._sock.sendall(encode(meta))
+
+    def _settle(self) -> None:
+        """Read the reply of the last put's commit, if one is outstanding (``_lock`` held):
+        every later request is then ordered after that put."""
+        pending, self._commit = self._commit, None
+        if pending is None:
+            return
+        request_id, keys, sent_at = pending
+        reply, data_len = self._recv_reply(request_id)
+        if data_len:
+            recv_exact(self._sock, data_len)
+        error = reply.get("error")
+        if error is not None:
+            code, message = int(error.get("code", 0)), str(error.get("message", ""))
+            if code == Code.LEASE:  # the daemon stalled past the lease: those blocks were not stored
+                self.num_lost_puts += len(keys)
+                log.warning("a shared-memory put of %d blocks was not stored: %s", len(keys), message)
+                return
+            raise _as_exception(code, f"an earlier shared-memory put failed: {message}")
+        self._remember(keys, reply.get("slots", []), reply.get("gens", []))
+        self._keep_next(reply, sent_at)
+
+    def _keep_next(self, reply: dict[str, Any], sent_at: float) -> None:
+        nxt = reply.get("next")
+        if nxt is not None:
+            self._write_leases.append((nxt["lease"], nxt["slots"], sent_at + 0.5 * nxt["lease_s"]))
 
     def _recv_reply(self, request_id: int) -> tuple[dict[str, Any], int]:
         """Read replies until ``request_id``'s. The daemon runs a connection's requests
@@ -202,7 +246,12 @@ class StoreClient:
         return PrefixMatch(len(tiers), tuple(tiers))
 
     def put(self, keys: Sequence[bytes], blocks: torch.Tensor) -> None:
-        """Store ``blocks[i]`` under ``keys[i]`` (CapacityError when the daemon has no room)."""
+        """Store ``blocks[i]`` under ``keys[i]`` (CapacityError when the daemon has no room).
+
+        Over shared memory the call returns once the bytes are in the daemon's slots and their
+        commit is sent: this client's next request is ordered after it (and reports its
+        failure, if any); other clients see the blocks once the daemon has read the commit,
+        or once ``flush()`` returns."""
         self.layout.check_blocks(blocks, len(keys))
         src = blocks.detach().to("cpu").contiguous().view(torch.uint8).reshape(len(keys), self._payload)
         for start in range(0, len(keys), self.max_blocks):
@@ -212,38 +261,48 @@ class StoreClient:
                 self._call({"op": "put", "keys": self._keys_blob(keys[start:stop])}, data)
 
     def _put_shm(self, keys: Sequence[bytes], src: torch.Tensor) -> bool:
-        """Write the blocks into reserved host slots and commit them: one round trip when the
-        previous put's commit reserved this put's slots (a standing write lease)."""
+        """Write the blocks into reserved host slots and send their commit, without waiting
+        for it: the next request (the next put's, after its copy) reads the reply. Every
+        commit reserves the slots of the put after next, so a run of equal-sized puts copies
+        while the previous commit is on its way and pays no round trip of its own."""
         assert self._pool is not None
         n = len(keys)
-        standing, self._standing = self._standing, None
-        if standing is not None and (len(standing[1]) != n or time.monotonic() >= standing[2]):
-            self._notify({"op": "release", "lease": standing[0], "kind": "write"})
-            standing = None
-        if standing is None:
-            sent_at = time.monotonic()
-            try:
-                reply = self._call({"op": "reserve", "keys": self._keys_blob(keys)})[0]
-            except CapacityError:
-                return False  # the socket path may still overflow to disk
-            standing = (reply["lease"], reply["slots"], sent_at + 0.5 * reply["lease_s"])
-        lease, slots, deadline = standing
+        with self._lock:
+            lease = self._write_lease(n, keys)
+        if lease is None:
+            return False  # the socket path may still overflow to disk
+        lease_id, slots, deadline = lease
         if time.monotonic() >= deadline:  # never start writing a slot past the lease
-            self._notify({"op": "release", "lease": lease, "kind": "write"})  # unwritten: never commit it
+            self._notify({"op": "release", "lease": lease_id, "kind": "write"})  # unwritten: never commit it
             return False
         _copy_runs(slots, src, self._pool, to_pool=True)
+        with self._lock:
+            self._settle()
+            self._next_id += 1
+            sent_at = time.monotonic()
+            self._sock.sendall(self._touch_frame() + encode(
+                {"op": "commit", "lease": lease_id, "keys": self._keys_blob(keys), "reserve": n, "id": self._next_id}))
+            self._commit = (self._next_id, list(keys), sent_at)
+        return True
+
+    def _write_lease(self, n: int, keys: Sequence[bytes]) -> tuple[int, list[int], float] | None:
+        """A write lease of ``n`` slots for this put (``_lock`` held): one reserved ahead, or
+        a new one (which also reserves the next put's). None when the host has no room."""
+        leases = self._write_leases
+        if not leases:
+            self._settle()  # the last commit may bring one
+        now = time.monotonic()
+        while leases and (len(leases[0][1]) != n or now >= leases[0][2]):
+            self._notify_locked({"op": "release", "lease": leases.popleft()[0], "kind": "write"})
+        if leases:
+            return leases.popleft()
         sent_at = time.monotonic()
         try:
-            reply = self._call({"op": "commit", "lease": lease, "keys": self._keys_blob(keys), "reserve": n})[0]
-        except RemoteError as exc:
-            if exc.code != Code.LEASE:
-                raise
-            return False
-        self._remember(keys, reply.get("slots", []), reply.get("gens", []))
-        nxt = reply.get("next")
-        if nxt is not None:
-            self._standing = (nxt["lease"], nxt["slots"], sent_at + 0.5 * nxt["lease_s"])
-        return True
+            reply = self._call_locked({"op": "reserve", "keys": self._keys_blob(keys), "reserve": n})[0]
+        except CapacityError:
+            return None
+        self._keep_next(reply, sent_at)
+        return reply["lease"], reply["slots"], sent_at + 0.5 * reply["lease_s"]
 
     def get(self, keys: Sequence[bytes], out: torch.Tensor | None = None) -> torch.Tensor:
         """The blocks under ``keys``; KeyError naming the first one the daemon lacks."""
@@ -274,6 +333,9 @@ class StoreClient:
 
     def _read(self, keys: Sequence[bytes], out: torch.Tensor) -> FetchResult:
         dst = out.view(torch.uint8).reshape(len(keys), self._payload)
+        if self._commit is not None:  # the last put's reply names its slots: lock-free reads
+            with self._lock:
+                self._settle()
         tiers: list[str] = []
         for start in range(0, len(keys), self.max_blocks):
             chunk = keys[start : start + self.max_blocks]
@@ -395,11 +457,23 @@ class StoreClient:
         """stats() plus this tenant's counters in this namespace."""
         return self._call({"op": "stats"})[0]
 
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until this client's puts are published to every client of the daemon (a
+        shared-memory put returns once its commit is sent; this client's own later requests
+        already see it). True when done; the socket's timeout bounds the wait (``timeout`` is
+        accepted for TieredStore.flush's signature)."""
+        with self._lock:
+            self._settle()
+        return True
+
     def close(self) -> None:
         if self._executor is not None:
             self._executor.shutdown(wait=True)
         with self._lock, contextlib.suppress(OSError):
-            self._sock.sendall(self._touch_frame())
+            try:
+                self._settle()  # the last put's commit must land before its leases end with us
+            finally:
+                self._sock.sendall(self._touch_frame())
         self._pool = None
         self._generations = None
         self._sock.close()

@@ -23,7 +23,7 @@ from kvstore.daemon.config import DaemonConfig
 from kvstore.daemon.pool_map import MappedPool
 from kvstore.daemon.protocol import VERSION, Code, ProtocolError, field_of, split_keys
 from kvstore.daemon.registry import AuthError, NamespaceState, Principal, Registry, layout_from_dict
-from kvstore.daemon.shm import Leases
+from kvstore.daemon.shm import Lease, Leases
 from kvstore.errors import CapacityError, ConfigError, KVStoreError, LayoutMismatchError
 from kvstore.transfer import FetchResult
 
@@ -280,7 +280,9 @@ class Ops:
         if not session.shm:
             raise ProtocolError(Code.BAD_REQUEST, "this connection has no shared-memory path")
         lease = self.leases.grant_write(session.conn_id, state, keys, tenant)
-        return {"lease": lease.id, "slots": lease.slots, "lease_s": self.leases.lease_s}, b""
+        out: dict[str, Any] = {"lease": lease.id, "slots": lease.slots, "lease_s": self.leases.lease_s}
+        self._reserve_next(session, lease, field_of(meta, "reserve", int, 0), out)
+        return out, b""
 
     def op_commit(self, session: Session, meta: dict[str, Any], data: bytes) -> Reply:
         """Publish a write lease's slots (under the lease's keys, or the ``keys`` sent now),
@@ -302,15 +304,19 @@ class Ops:
             raise
         lease.state.count(lease.tenant, requests=1, put_blocks=len(lease.keys))
         out: dict[str, Any] = {"num_blocks": len(lease.keys), "slots": lease.slots, "gens": gens}
-        reserve = field_of(meta, "reserve", int, 0)
-        # Only from free slots: reserving ahead must never evict (it could evict what was
-        # just committed); in a full pool the next put reserves (and evicts) itself.
+        self._reserve_next(session, lease, field_of(meta, "reserve", int, 0), out)
+        return out, b""
+
+    def _reserve_next(self, session: Session, lease: Lease, reserve: int, out: dict[str, Any]) -> None:
+        """With ``reserve: n`` (a reserve or a commit), also take ``n`` free slots for the
+        client's next put, as ``out["next"]``. Only from free slots: reserving ahead must never
+        evict (it could evict what was just committed); in a full pool the next put reserves
+        (and evicts) itself."""
         if 0 < reserve <= self.max_blocks(lease.state):
             with contextlib.suppress(CapacityError, ProtocolError):
                 nxt = self.leases.grant_write(session.conn_id, lease.state, [b""] * reserve, lease.tenant,
                                               evict=False)
                 out["next"] = {"lease": nxt.id, "slots": nxt.slots, "lease_s": self.leases.lease_s}
-        return out, b""
 
     def op_release(self, session: Session, meta: dict[str, Any], data: bytes) -> Reply:
         """End a read lease (``valid``: it had not expired), or give an unused write lease's

@@ -45,7 +45,7 @@ def test_put_lookup_get_fetch_roundtrip(shared_daemon: DaemonProc, transport: st
         assert s.fetch(keys, into=into).result(timeout=10).num_blocks == 6
         stats = s.stats()
         assert stats["host"]["num_blocks"] == held_before + 6
-        standing = 12 if transport == "unix-shm" else 0  # the slots the last commit reserved ahead
+        standing = 24 if transport == "unix-shm" else 0  # the slots reserved for the next two puts
         assert stats["host"]["used_bytes"] == (held_before + 6 + standing) * 4096
         with pytest.raises(LayoutMismatchError):
             s.put(keys[:1], torch.zeros((2, *LAYOUT.block_shape)))

@@ -120,23 +120,31 @@ def test_a_slot_reused_during_a_lock_free_copy_is_never_returned(tmp_path: Path,
         d.stop()
 
 
-def test_standing_write_lease_makes_a_put_one_round_trip(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_run_of_puts_pays_no_round_trip_of_its_own(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     d = DaemonProc(tmp_path / "data", "--max-namespaces", "1", host_mem="1MiB", disk="0")
     try:
         with d.connect(shm=True) as c:
             chains = [c.block_keys(prompt(10 + r, 8)) for r in range(4)]
-            calls: list[str] = []
-            real_call = c._call
+            wire: list[str] = []  # what the client sent, and when it waited for a reply
+            real_encode, real_recv = client_module.encode, c._recv_reply
 
-            def counting_call(meta: dict, *args: object, **kwargs: object) -> object:
-                calls.append(meta["op"])
-                return real_call(meta, *args, **kwargs)  # type: ignore[arg-type]
+            def recording_encode(meta: dict, *args: object) -> bytes:
+                wire.append(meta["op"])
+                return real_encode(meta, *args)  # type: ignore[arg-type]
 
-            monkeypatch.setattr(c, "_call", counting_call)
+            def recording_recv(request_id: int) -> object:
+                wire.append("wait")
+                return real_recv(request_id)
+
+            monkeypatch.setattr(client_module, "encode", recording_encode)
+            monkeypatch.setattr(c, "_recv_reply", recording_recv)
             for keys in chains:
                 c.put(keys, blocks(keys))
-            # the first put reserves; every commit reserves the next put's slots
-            assert calls == ["reserve", "commit", "commit", "commit", "commit"]
+            # the first put reserves its slots and the next put's; each commit reserves the
+            # put's after next, and its reply is read only after the next put's copy
+            assert wire == ["reserve", "wait", "commit", "wait", "commit", "wait", "commit", "wait", "commit"]
+            c.flush()
+            assert wire[-1] == "wait"
             for keys in chains:
                 assert torch.equal(c.get(keys), blocks(keys))
             odd = c.block_keys(prompt(20, 3))  # another size: the standing lease goes back
@@ -145,13 +153,13 @@ def test_standing_write_lease_makes_a_put_one_round_trip(tmp_path: Path, monkeyp
         with d.connect(shm=True) as c:
             keys = c.block_keys(prompt(30, 8))
             c.put(keys, blocks(keys))
-            # 43 blocks held; the slots in use add this connection's standing 8 (reserved, no
-            # block yet), while the first connection's standing 3 went with it
+            # 43 blocks held; the slots in use add this connection's two standing leases of 8
+            # (reserved, no block yet), while the first connection's standing ones went with it
             deadline = time.monotonic() + 10
-            while c.stats()["host"]["used_bytes"] != (43 + 8) * 4096 and time.monotonic() < deadline:
+            while c.stats()["host"]["used_bytes"] != (43 + 16) * 4096 and time.monotonic() < deadline:
                 time.sleep(0.05)  # the daemon ends a closed connection's leases as it notices
             host = c.stats()["host"]
-            assert host["num_blocks"] == 4 * 8 + 3 + 8 and host["used_bytes"] == (43 + 8) * 4096, host
+            assert host["num_blocks"] == 4 * 8 + 3 + 8 and host["used_bytes"] == (43 + 16) * 4096, host
     finally:
         d.stop()
 
@@ -182,5 +190,35 @@ def test_past_the_lease_deadline_nothing_unwritten_is_published_or_returned(tmp_
                 c.put(keys, blocks(keys))
                 assert torch.equal(other.get(keys), blocks(keys))  # what was published is the bytes put
                 assert torch.equal(c.get(keys), blocks(keys))
+    finally:
+        d.stop()
+
+
+def test_a_commit_the_daemon_refuses_is_never_published(tmp_path: Path) -> None:
+    """A put returns before its commit's reply: a refused commit surfaces at the client's next
+    request: an expired lease as a counted loss, anything else as an error naming the put;
+    either way its blocks are misses, never other bytes."""
+    d = DaemonProc(tmp_path / "data", "--max-namespaces", "1", host_mem="1MiB", disk="0")
+    try:
+        with d.connect(shm=True) as c:
+            keys = c.block_keys(prompt(60, 4))
+            # a lease the daemon no longer knows (as after a stall past lease_s): the bytes go
+            # into free slots at the pool's end, the commit is refused with LEASE
+            c._write_leases.append((10**9, [250, 251, 252, 253], time.monotonic() + 60))
+            c.put(keys, blocks(keys))
+            assert c.num_lost_puts == 0  # not known yet: the reply has not been read
+            assert c.lookup(keys).num_blocks == 0 and c.num_lost_puts == 4
+            # a lease of 4 slots committed under 5 keys: BAD_REQUEST, raised by the next call
+            five = c.block_keys(prompt(61, 5))
+            lease = c._call({"op": "reserve", "keys": c._keys_blob(five[:4])})[0]
+            c._write_leases.clear()
+            c._write_leases.append((lease["lease"], [*lease["slots"], 254], time.monotonic() + 60))
+            c.put(five, blocks(five))
+            with pytest.raises(RemoteError, match="an earlier shared-memory put failed: 5 keys") as info:
+                c.lookup(five)
+            assert info.value.code == Code.BAD_REQUEST
+            assert c.lookup(five).num_blocks == 0 and c.stats()["host"]["num_blocks"] == 0
+            c.put(five, blocks(five))  # the next put works as ever
+            assert torch.equal(c.get(five), blocks(five))
     finally:
         d.stop()
