@@ -40,7 +40,11 @@ class Fp8Codec(ScaledCodec):
 
     def _dequantize(self, scales: torch.Tensor, elements: torch.Tensor, out: torch.Tensor) -> None:
         values = e4m3_as_float16(elements).to(torch.float32)  # = e * 2**-8, exactly
-        out.copy_(values.mul_(scales[:, :, :, None, :, None] * 256.0))
+        # One scale per row of head_dim values, materialised: a multiply by a contiguous
+        # column runs twice as fast on the CPU as one broadcast over the block's tokens.
+        block_size = elements.shape[3]
+        column = (scales * 256.0)[:, :, :, None, :].expand(-1, -1, -1, block_size, -1).contiguous()
+        out.copy_(values.mul_(column.unsqueeze(-1)))
 
 
 def e4m3_as_float16(elements: torch.Tensor) -> torch.Tensor:
@@ -50,6 +54,8 @@ def e4m3_as_float16(elements: torch.Tensor) -> torch.Tensor:
     sign, 4 exponent bits and 3 mantissa bits become float16's sign, the low 4 of its 5
     exponent bits and its top 3 mantissa bits: float16 bits ``s << 15 | (e & 0x7f) << 7``.
     Both formats' subnormals line up too; e4m3fn's NaN (0x7f, 0xff) never occurs in an encoding.
+    The byte is widened with its sign extended (``0x80 | m`` becomes ``0xff80 | m``), so after
+    ``<< 7`` the sign sits in bits 15 and 14: clearing bit 14 leaves exactly those bits.
     """
-    bits = elements.view(torch.uint8).to(torch.int16)
-    return (((bits & 0x80) << 8) | ((bits & 0x7F) << 7)).view(torch.float16)  # 0x80 << 8 wraps to the sign bit
+    bits = elements.view(torch.int8).to(torch.int16)
+    return bits.bitwise_left_shift_(7).bitwise_and_(-0x4001).view(torch.float16)
