@@ -77,7 +77,10 @@ class StepPlan:
             pos = torch.arange(seq_len)
             slots_1d = torch.tensor(table, dtype=torch.long)[pos // block_size] * block_size + pos % block_size
             visible = pos[None, :] <= context + torch.arange(num_new)[:, None]
-            self.prefill.append((self._rows(slots_1d).to(device), visible.to(device), num_new))
+            # additive (0 / -inf) rather than boolean: attention then skips converting it
+            bias = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf"))
+            self.prefill.append((self._rows(slots_1d).to(device), bias.to(device), num_new))
+        self._grouped: dict[tuple[int, int], torch.Tensor] = {}  # (chunk, group) -> mask repeated
 
     def _rows(self, slots: torch.Tensor) -> torch.Tensor:
         return (slots // self.block_size) * self.rows_per_block + slots % self.block_size
@@ -107,17 +110,37 @@ class StepPlan:
                                                   attn_mask=self.decode_mask, scale=scale)
             out[:d] = attn.reshape(d, num_heads, head_dim)
         start = d
-        for rows, mask, num_new in self.prefill:
+        for i, (rows, mask, num_new) in enumerate(self.prefill):
             end = start + num_new
             if rows is None:
                 keys, values = k[start:end], v[start:end]
+                queries, keys, values = q[start:end].transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1)
+                if up:
+                    queries, keys, values = queries.float(), keys.float(), values.float()
+                attn = F.scaled_dot_product_attention(queries, keys, values, is_causal=True, scale=scale,
+                                                      enable_gqa=group > 1)
+                out[start:end] = attn.transpose(0, 1)
             else:
+                assert mask is not None
                 keys, values = k_rows.index_select(0, rows), v_rows.index_select(0, rows)
-            queries, keys, values = q[start:end].transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1)
-            if up:
-                queries, keys, values = queries.float(), keys.float(), values.float()
-            attn = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, is_causal=mask is None,
-                                                  scale=scale, enable_gqa=group > 1)
-            out[start:end] = attn.transpose(0, 1)
+                # over a cached prefix, the `group` query heads of one KV head become `group`
+                # blocks of query rows of that head: its K/V are read as they are, not repeated
+                queries = q[start:end].view(num_new, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
+                queries = queries.reshape(num_kv_heads, group * num_new, head_dim)
+                keys, values = keys.transpose(0, 1), values.transpose(0, 1)
+                if up:
+                    queries, keys, values = queries.float(), keys.float(), values.float()
+                attn = F.scaled_dot_product_attention(queries, keys, values, attn_mask=self._grouped_mask(i, group),
+                                                      scale=scale)
+                out[start:end] = attn.view(num_kv_heads, group, num_new, head_dim).permute(2, 0, 1, 3).reshape(
+                    num_new, num_heads, head_dim)
             start = end
         return out
+
+    def _grouped_mask(self, chunk: int, group: int) -> torch.Tensor:
+        """Prefill chunk ``chunk``'s additive mask, repeated for ``group`` query heads per KV head
+        (built once per step, used by every layer)."""
+        mask = self._grouped.get((chunk, group))
+        if mask is None:
+            mask = self._grouped[(chunk, group)] = self.prefill[chunk][1].repeat(group, 1)  # type: ignore[union-attr]
+        return mask
