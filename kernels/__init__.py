@@ -25,6 +25,7 @@ from kernels import reference
 from kvstore import env
 
 __all__ = [
+    "dequantize_fp8",
     "dequantize_int8",
     "gather_blocks",
     "paged_decode_attention",
@@ -226,3 +227,14 @@ def dequantize_int8(data: torch.Tensor, scales: torch.Tensor, out: torch.Tensor)
     if _use_triton(out.device):
         return _triton_module("dequant").dequantize_int8(data, scales, out)
     return reference.dequantize_int8(data, scales, out)
+
+
+def dequantize_fp8(data: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Decode float8 e4m3fn rows with one scale per row: ``out[b, r, :] = data[b, r, :] * scales[b, r]``.
+
+    As ``dequantize_int8`` (the product in float32, rounded once into ``out``), for the fp8
+    codec's elements: ``data`` is ``[n, rows, head_dim]`` float8_e4m3fn, or its bytes as uint8.
+    """
+    if _use_triton(out.device):
+        return _triton_module("dequant").dequantize_fp8(data, scales, out)
+    return reference.dequantize_fp8(data, scales, out)

@@ -221,6 +221,16 @@ def check_dequantize_int8(data: torch.Tensor, scales: torch.Tensor, out: torch.T
     """Check int8 ``data [n, rows, head_dim]``, float16/float32 ``scales [n, rows]`` and ``out``
     like ``data`` (float32/float16/bfloat16), head_dim contiguous, on one device."""
     check_tensor("data", data, 3, (torch.int8,))
+    _check_dequantize(data, scales, out)
+
+
+def check_dequantize_fp8(data: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> None:
+    """As ``check_dequantize_int8``, for float8 e4m3fn ``data`` (or its bytes, uint8)."""
+    check_tensor("data", data, 3, (torch.float8_e4m3fn, torch.uint8))
+    _check_dequantize(data, scales, out)
+
+
+def _check_dequantize(data: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> None:
     check_tensor("scales", scales, 2, (torch.float16, torch.float32))
     check_tensor("out", out, 3, ATTENTION_DTYPES)
     if tuple(scales.shape) != tuple(data.shape[:2]) or out.shape != data.shape:

@@ -188,3 +188,15 @@ def dequantize_int8(data: torch.Tensor, scales: torch.Tensor, out: torch.Tensor)
     else:
         out.copy_(data.float().mul_(column))
     return out
+
+
+def dequantize_fp8(data: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Reference of ``kernels.dequantize_fp8``: ``out[b, r] = e4m3(data[b, r]) * scales[b, r]``."""
+    _checks.check_dequantize_fp8(data, scales, out)
+    # e4m3fn bits moved into float16 bits give the value times 2**-8, exactly (torch converts
+    # float8 one element at a time on the CPU): the byte widened with its sign extended, << 7,
+    # bit 14 cleared. Then the product with the scale, in float32, rounded once into out.
+    bits = data.view(torch.int8).to(torch.int16)
+    values = bits.bitwise_left_shift_(7).bitwise_and_(-0x4001).view(torch.float16).float()
+    out.copy_(values.mul_(scales.float().mul(256.0).unsqueeze(-1)))
+    return out

@@ -1,4 +1,5 @@
-"""Triton dequantize_int8 against the reference, bit for bit, on odd shapes and strided views."""
+"""Triton dequantize_int8 and dequantize_fp8 against the reference, bit for bit, on odd shapes
+and strided views; the fp8 reference against torch's own float8 conversion."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import pytest
 import torch
 
 from kernels import reference
-from kernels.dequant import dequantize_int8
+from kernels.dequant import dequantize_fp8, dequantize_int8
 
 from kernel_testing import DEVICE, assert_same_bits, poisoned_like
 
@@ -66,3 +67,37 @@ def test_empty_and_bad_inputs() -> None:
         dequantize_int8(data.to(torch.int16), scales, torch.empty((2, 3, 8), device=DEVICE))
     with pytest.raises(ValueError, match="contiguous in head_dim"):
         dequantize_int8(data, scales, torch.empty((2, 8, 3), device=DEVICE).transpose(1, 2))
+
+
+def _fp8_inputs(shape: tuple[int, int, int], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every e4m3fn byte but its NaNs (0x7f, 0xff, which no encoding holds), then random ones."""
+    gen = torch.Generator().manual_seed(seed)
+    data = torch.randint(0, 256, shape, dtype=torch.uint8, generator=gen).view(-1)
+    every = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)
+    data[: min(len(every), data.numel())] = every[: data.numel()]
+    data[(data & 0x7F) == 0x7F] = 0
+    scales = torch.rand(shape[:2], generator=gen) * 0.01
+    scales[0, 0] = 0
+    return data.view(shape).view(torch.float8_e4m3fn).to(DEVICE), scales.to(DEVICE)
+
+
+@pytest.mark.parametrize("shape", [*SHAPES, (2, 9, 32)])
+@pytest.mark.parametrize("out_dtype", OUT_DTYPES)
+def test_fp8_matches_reference(shape: tuple[int, int, int], out_dtype: torch.dtype) -> None:
+    data, scales = _fp8_inputs(shape, seed=sum(shape))
+    expected = reference.dequantize_fp8(data, scales, torch.empty(shape, dtype=out_dtype, device=DEVICE))
+    out = poisoned_like(expected)
+    assert dequantize_fp8(data, scales, out) is out
+    assert_same_bits(out, expected, f"dequantize fp8 {shape} -> {out_dtype}")
+    assert dequantize_fp8(data.view(torch.uint8), scales, poisoned_like(expected)).equal(expected)  # its bytes
+    # The reference is torch's own float8 conversion times the scale, rounded once.
+    exact = (data.to(torch.float64) * scales.double()[..., None]).to(out_dtype)
+    assert_same_bits(expected, exact, "reference vs float64 product")
+
+
+def test_fp8_bad_inputs() -> None:
+    data, scales = _fp8_inputs((2, 3, 8), seed=2)
+    with pytest.raises(ValueError, match="dtype"):
+        dequantize_fp8(data.view(torch.int8), scales, torch.empty((2, 3, 8), device=DEVICE))
+    with pytest.raises(ValueError, match="must be"):
+        dequantize_fp8(data, scales[:, :1], torch.empty((2, 3, 8), device=DEVICE))

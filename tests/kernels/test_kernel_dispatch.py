@@ -34,6 +34,7 @@ def _calls() -> dict[str, tuple[ModuleType, tuple[Any, ...]]]:
     scales = torch.rand((2, 3), device=DEVICE)
     return {
         "dequantize_int8": (dequant, (data, scales, torch.empty(data.shape, device=DEVICE))),
+        "dequantize_fp8": (dequant, (data.view(torch.uint8), scales, torch.empty(data.shape, device=DEVICE))),
         "paged_decode_attention": (decode_attention, (q, *paged, 0.1)),
         "paged_prefill_attention": (prefill_attention, (rows, *paged, cu_seqlens([1, 3]), 0.1)),
         "store_kv": (cache_write, (new_kv, new_kv, kv.k_cache, kv.v_cache, slots)),
