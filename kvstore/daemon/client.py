@@ -472,6 +472,8 @@ class StoreClient:
         with self._lock, contextlib.suppress(OSError):
             try:
                 self._settle()  # the last put's commit must land before its leases end with us
+            except (RemoteError, KeyError, CapacityError, LayoutMismatchError) as exc:  # lost either way
+                log.warning("the last shared-memory put was not stored: %s", exc)
             finally:
                 self._sock.sendall(self._touch_frame())
         self._pool = None

@@ -222,3 +222,18 @@ def test_a_commit_the_daemon_refuses_is_never_published(tmp_path: Path) -> None:
             assert torch.equal(c.get(five), blocks(five))
     finally:
         d.stop()
+
+
+def test_close_after_a_refused_commit_still_closes(tmp_path: Path) -> None:
+    d = DaemonProc(tmp_path / "data", "--max-namespaces", "1", host_mem="1MiB", disk="0")
+    try:
+        c = d.connect(shm=True)
+        keys = c.block_keys(prompt(62, 4))
+        c._write_leases.append((10**9, [250, 251, 252, 253], time.monotonic() + 60))  # unknown to the daemon
+        c.put(keys, blocks(keys))
+        c.close()  # reads the refusal (a warning), and closes all the same
+        assert c.num_lost_puts == 4 and c._sock.fileno() == -1
+        with d.connect(shm=True) as other:
+            assert other.lookup(keys).num_blocks == 0
+    finally:
+        d.stop()
