@@ -153,14 +153,15 @@ class EngineLoop:
         sched = self.llm.scheduler
         blocks = self.llm.block_manager
         num_blocks = blocks.pool.num_blocks
-        free = blocks.num_available
+        free = blocks.num_available  # free, or cached and unreferenced: what requests can take
         prefill = sum(s.num_tokens - s.num_cached_tokens for s in sched.waiting)
         prefill += sum(s.num_tokens - s.num_cached_tokens for s in sched.running if not s.is_decoding)
         fetcher = self.llm.fetcher
         return Load(running=len(sched.running), waiting=len(sched.waiting) + self._inbox.qsize(),
                     loading=len(sched.loading), queued_prefill_tokens=prefill,
                     running_decode_seqs=sum(1 for s in sched.running if s.is_decoding),
-                    kv_usage=(num_blocks - free) / num_blocks, num_free_blocks=free, num_blocks=num_blocks,
+                    kv_usage=(num_blocks - free) / num_blocks, num_free_blocks=blocks.pool.num_free,
+                    num_blocks=num_blocks,
                     fetched_blocks=fetcher.num_fetched_blocks if fetcher else 0,
                     failed_fetch_blocks=fetcher.num_failed_blocks if fetcher else 0,
                     preemptions=sched.num_preemptions)

@@ -179,7 +179,7 @@ def test_disconnect_mid_stream_frees_the_request(server: EngineServer) -> None:
             next(lines)
         assert server.load()["running"] == 1
     load = server.wait_idle(10)  # far sooner than 400 decode steps would take
-    assert load["num_free_blocks"] > 0
+    assert load["kv_usage"] == 0.0  # no request holds a block; its prefix stays cached
     with pytest.raises(httpx.ReadTimeout):  # a whole (non-streamed) request whose client gives up
         httpx.post(f"{server.url}/v1/completions", json={**body, "stream": False, "n": 16}, timeout=0.3)
     server.wait_idle(10)
