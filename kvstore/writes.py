@@ -83,7 +83,9 @@ class WritePath:
                 if not entry.is_held:
                     cascade.index.discard(entry.key)
             raise KVStoreError(f"host RAM's codec could not store {n_host} blocks")
-        self.publish_on_host(entries[:n_host], slots, refreshed, [src[i] for i in rows])
+        # the rows put, for the shared levels that take puts (made only when one does)
+        raw = [src[i] for i in rows] if any(level.takes_puts for level in cascade.shared) else None
+        self.publish_on_host(entries[:n_host], slots, refreshed, raw)
         overflow = entries[n_host:]
         if not overflow:
             return
