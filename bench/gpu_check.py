@@ -95,6 +95,18 @@ def correctness(dtype: torch.dtype) -> list[tuple[str, str, bool]]:
         block_copy.scatter_blocks(s["pool"], ids, fresh)
         torch.cuda.synchronize()
         results.append(compare(f"scatter from {where} {tag}", s["pool"][ids.cuda()], fresh.cuda(), exact=True))
+
+    from kernels import dequant
+
+    data8 = torch.randint(-127, 128, (64, 1536, HEAD_DIM), dtype=torch.int8, device="cuda")
+    fp8 = torch.randint(0, 256, data8.shape, dtype=torch.uint8, device="cuda")
+    fp8[(fp8 & 0x7F) == 0x7F] = 0  # e4m3fn's NaN codes never occur in an encoding
+    row_scales = torch.rand(data8.shape[:2], device="cuda") * 0.01
+    for name, fn, ref, data in (("int8", dequant.dequantize_int8, reference.dequantize_int8, data8),
+                                ("fp8", dequant.dequantize_fp8, reference.dequantize_fp8, fp8)):
+        want = ref(data, row_scales, torch.empty(data.shape, dtype=dtype, device="cuda"))
+        got = fn(data, row_scales, torch.empty(data.shape, dtype=dtype, device="cuda"))
+        results.append(compare(f"dequantize {name} {tag}", got, want, exact=True))
     return results
 
 
@@ -175,6 +187,26 @@ def timings() -> list[tuple[str, float, str, str, float, str]]:
     ):
         label = f"one pinned copy {nbytes / base / 1e6:.0f} GB/s"
         rows.append((name, ms, f"{nbytes / ms / 1e6:.0f} GB/s", label, base / ms, ">= 0.80" if "info" not in name else "-"))
+
+    # The codecs' decode on the device: 128 encoded blocks of the store's bench layout (24
+    # layers x K/V x 16 tokens x 2 heads = 1,536 rows of 64 per block) into fp16, against a
+    # D2D copy of the fp16 output (2 bytes read + 2 written per element; decode reads 1 + 2/64).
+    from kernels import dequant
+
+    n, rows_per_block, dim = 128, 1536, 64
+    out16 = torch.empty((n, rows_per_block, dim), dtype=dtype, device="cuda")
+    like = torch.empty_like(out16)
+    copy_ms = bench(lambda: like.copy_(out16))
+    scales = torch.rand((n, rows_per_block), device="cuda")
+    for name, fn, data in (
+        ("(info) dequantize int8", dequant.dequantize_int8,
+         torch.randint(-127, 128, out16.shape, dtype=torch.int8, device="cuda")),
+        ("(info) dequantize fp8", dequant.dequantize_fp8,
+         torch.randint(0, 120, out16.shape, dtype=torch.uint8, device="cuda")),
+    ):
+        ms = bench(functools.partial(fn, data, scales, out16))
+        gbs = out16.numel() * 2 / ms / 1e6
+        rows.append((name, ms, f"{gbs:.0f} GB/s of fp16", f"D2D copy {copy_ms:.3f} ms", copy_ms / ms, "-"))
     return rows
 
 
