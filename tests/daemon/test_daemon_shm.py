@@ -8,6 +8,7 @@ other bytes. The copy must then never be returned as the block.
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 
@@ -235,5 +236,38 @@ def test_close_after_a_refused_commit_still_closes(tmp_path: Path) -> None:
         assert c.num_lost_puts == 4 and c._sock.fileno() == -1
         with d.connect(shm=True) as other:
             assert other.lookup(keys).num_blocks == 0
+    finally:
+        d.stop()
+
+
+def test_threads_sharing_one_client_put_and_get_through_pipelined_commits(tmp_path: Path) -> None:
+    """Several threads on one shared-memory client: each put's copy runs outside the client's
+    lock while other threads' commits are in flight; every get returns exactly the bytes put."""
+    d = DaemonProc(tmp_path / "data", "--max-namespaces", "1", host_mem="2MiB", disk="0")
+    errors: list[BaseException] = []
+    try:
+        with d.connect(shm=True) as c:
+            def worker(t: int) -> None:
+                try:
+                    for r in range(25):
+                        keys = c.block_keys(prompt(1000 + 100 * t + r, 3 + (r + t) % 3))
+                        c.put(keys, blocks(keys))
+                        assert torch.equal(c.get(keys), blocks(keys))  # ordered after the put
+                        if r % 4 == 0:
+                            c.delete(keys)
+                except BaseException as exc:  # reported to the main thread
+                    errors.append(exc)
+
+            threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(timeout=120)
+            assert not errors, errors[0]
+            assert c.num_lost_puts == 0
+            c.flush()
+            with d.connect(shm=False) as other:  # another client sees every block kept
+                keys = c.block_keys(prompt(1000 + 100 * 3 + 23, 3 + (23 + 3) % 3))  # kept: 23 % 4 != 0
+                assert torch.equal(other.get(keys), blocks(keys))
     finally:
         d.stop()
