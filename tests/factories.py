@@ -7,6 +7,8 @@ modules named ``conftest`` cannot both be imported by name.
 from __future__ import annotations
 
 import hashlib
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -67,3 +69,24 @@ def require(found: object, missing: str) -> None:
     if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
         pytest.fail(f"CI=true and {missing}")
     pytest.skip(missing)
+
+
+def run_in_threads(worker: Callable[[int], None], num_threads: int, timeout: float = 120.0) -> None:
+    """Run ``worker(i)`` on ``num_threads`` threads at once; re-raise the first exception any
+    of them raised (an assertion in a worker thread fails the test, not just that thread)."""
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            worker(i)
+        except BaseException as exc:  # reported to the calling thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(num_threads)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=timeout)
+    assert not any(t.is_alive() for t in threads), f"a worker thread still runs after {timeout} s"
+    if errors:
+        raise errors[0]

@@ -5,7 +5,6 @@ from __future__ import annotations
 import random
 import shutil
 import tempfile
-import threading
 from pathlib import Path
 
 import pytest
@@ -14,7 +13,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from factories import blocks_for, chain, make_store
+from factories import blocks_for, chain, make_store, run_in_threads
 
 
 @pytest.mark.parametrize("locked_copy_bytes", [64 << 20, 0], ids=["host-copy-under-lock", "host-copy-marked-read"])
@@ -25,45 +24,33 @@ def test_threads_put_get_lookup_fetch_concurrently(tmp_path: Path, monkeypatch: 
     monkeypatch.setattr("kvstore.reads.LOCKED_COPY_BYTES", locked_copy_bytes)
     store = make_store(tmp_path, host_blocks=12, disk_blocks=40)
     chains = [chain(store, 1 + s % 4, salt=s) for s in range(30)]
-    errors: list[BaseException] = []
-    stop = threading.Event()
-
     def worker(seed: int) -> None:
         rng = random.Random(seed)
-        try:
-            for _ in range(150):
-                keys = rng.choice(chains)
-                op = rng.random()
-                if op < 0.35:
-                    store.put(keys, blocks_for(keys))
-                elif op < 0.6:
-                    found = store.lookup(keys).num_blocks
-                    if found:
-                        try:
-                            got = store.get(keys[:found])
-                        except KeyError:
-                            continue  # evicted between lookup and get: a miss, never wrong bytes
-                        assert torch.equal(got, blocks_for(keys[:found]))
-                elif op < 0.85:
-                    into = torch.full((len(keys), *store.layout.block_shape), float("nan"))
-                    n = store.fetch(keys, into=into).result(timeout=30).num_blocks
-                    assert torch.equal(into[:n], blocks_for(keys[:n]))
-                else:
+        for _ in range(150):
+            keys = rng.choice(chains)
+            op = rng.random()
+            if op < 0.35:
+                store.put(keys, blocks_for(keys))
+            elif op < 0.6:
+                found = store.lookup(keys).num_blocks
+                if found:
                     try:
-                        store.pin(keys)
+                        got = store.get(keys[:found])
                     except KeyError:
-                        continue
-                    store.unpin(keys)
-        except BaseException as exc:  # reported to the main thread
-            errors.append(exc)
-            stop.set()
+                        continue  # evicted between lookup and get: a miss, never wrong bytes
+                    assert torch.equal(got, blocks_for(keys[:found]))
+            elif op < 0.85:
+                into = torch.full((len(keys), *store.layout.block_shape), float("nan"))
+                n = store.fetch(keys, into=into).result(timeout=30).num_blocks
+                assert torch.equal(into[:n], blocks_for(keys[:n]))
+            else:
+                try:
+                    store.pin(keys)
+                except KeyError:
+                    continue
+                store.unpin(keys)
 
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(6)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
-    assert not errors, errors[0]
+    run_in_threads(worker, 6)
     stats = store.stats()
     assert stats["host"]["used_bytes"] <= stats["host"]["capacity_bytes"]
     assert stats["disk"]["used_bytes"] <= stats["disk"]["capacity_bytes"]

@@ -8,7 +8,6 @@ other bytes. The copy must then never be returned as the block.
 
 from __future__ import annotations
 
-import threading
 import time
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from kvstore.daemon.pool_map import MappedPool
 from kvstore.daemon.protocol import Code, RemoteError
 
 from daemon_helpers import LAYOUT, DaemonProc, blocks, prompt
+from factories import run_in_threads
 
 pytestmark = pytest.mark.skipif(not MappedPool.lock_free(), reason="lock-free reads need x86-64 (leases only)")
 PAYLOAD = LAYOUT.bytes_per_block
@@ -244,26 +244,17 @@ def test_threads_sharing_one_client_put_and_get_through_pipelined_commits(tmp_pa
     """Several threads on one shared-memory client: each put's copy runs outside the client's
     lock while other threads' commits are in flight; every get returns exactly the bytes put."""
     d = DaemonProc(tmp_path / "data", "--max-namespaces", "1", host_mem="2MiB", disk="0")
-    errors: list[BaseException] = []
     try:
         with d.connect(shm=True) as c:
             def worker(t: int) -> None:
-                try:
-                    for r in range(25):
-                        keys = c.block_keys(prompt(1000 + 100 * t + r, 3 + (r + t) % 3))
-                        c.put(keys, blocks(keys))
-                        assert torch.equal(c.get(keys), blocks(keys))  # ordered after the put
-                        if r % 4 == 0:
-                            c.delete(keys)
-                except BaseException as exc:  # reported to the main thread
-                    errors.append(exc)
+                for r in range(25):
+                    keys = c.block_keys(prompt(1000 + 100 * t + r, 3 + (r + t) % 3))
+                    c.put(keys, blocks(keys))
+                    assert torch.equal(c.get(keys), blocks(keys))  # ordered after the put
+                    if r % 4 == 0:
+                        c.delete(keys)
 
-            threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join(timeout=120)
-            assert not errors, errors[0]
+            run_in_threads(worker, 4)
             assert c.num_lost_puts == 0
             c.flush()
             with d.connect(shm=False) as other:  # another client sees every block kept
