@@ -39,10 +39,10 @@ def step(new: Sequence[tuple[str, list[int], int, int]] = (),
         num_scheduled_tokens={r: n for r, *_, n in [*new, *cached]})
 
 
-def make(tmp_path: Path) -> tuple[SchedulerSide, GuardedStore]:
+def make(tmp_path: Path, async_when_idle: bool = False) -> tuple[SchedulerSide, GuardedStore]:
     store = GuardedStore(ConnectorSettings(host_bytes="1MiB", disk_path=str(tmp_path / "kv"), disk_bytes="1MiB"),
                          LAYOUT, "sched-test")
-    return SchedulerSide(store, B, ("disk",)), store
+    return SchedulerSide(store, B, ("disk",), async_when_idle=async_when_idle), store
 
 
 def test_saves_follow_the_blocks_each_step_completes(tmp_path: Path) -> None:
@@ -76,8 +76,18 @@ def test_lookups_count_whole_blocks_beyond_vllms_hit_and_never_the_last_token(tm
     assert [s.block_ids for s in meta.saves] == [[6]]  # the block the step computes
     assert side.get_num_new_matched_tokens(request("c", tokens, salt="other-tenant"), 0) == (0, False)
     store.close()
-    side, store = make(tmp_path)  # reopened: the blocks are on disk only -> an asynchronous load
-    assert side.get_num_new_matched_tokens(request("d", tokens), 0) == (2 * B, True)
+    side, store = make(tmp_path)  # reopened: the blocks are on disk only
+    # no other request in flight: the load runs inside the step, nobody else waits for it
+    d = request("d", tokens)
+    assert side.get_num_new_matched_tokens(d, 0) == (2 * B, False)
+    # while "d" is in flight, another request's disk hit is parked instead
+    assert side.get_num_new_matched_tokens(request("e", tokens), 0) == (2 * B, True)
+    side.request_finished(d)
+    side.request_finished(request("e", tokens))
+    assert side.get_num_new_matched_tokens(request("f", tokens), 0) == (2 * B, False)  # alone again
+    store.close()
+    side, store = make(tmp_path, async_when_idle=True)
+    assert side.get_num_new_matched_tokens(request("g", tokens), 0) == (2 * B, True)
     store.close()
 
 

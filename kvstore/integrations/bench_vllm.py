@@ -212,8 +212,9 @@ def render(r: dict[str, Any], args: argparse.Namespace) -> str:
     lines.append(f"| TTFT, vLLM without any connector (for the record) | {best['plain'] * 1e3:.0f} ms | connector, "
                  f"store down | {best['down'] * 1e3:.0f} ms | {best['plain'] / best['down']:.2f}x | - | - "
                  f"| {spread['plain']:.0%} / {spread['down']:.0%} |")
-    lines += ["", f"Spread: (worst - best) / best over a row's runs. Disk hits loaded asynchronously "
-              f"({r['async_loads']} async loads, {r['load_errors']} load errors). The end-to-end miss rows compare "
+    lines += ["", f"Spread: (worst - best) / best over a row's runs. Disk hits: {r['async_loads']} of "
+              f"{args.repeat} loaded asynchronously (a request with none other in flight loads inside the step; "
+              f"`async_when_idle` parks it anyway), {r['load_errors']} load errors. The end-to-end miss rows compare "
               "different vLLM instances, and on this shared 2-core machine instance-to-instance differences swamp a "
               "few percent (vLLM without any connector has measured 0.6x to 4x the store-down time across runs), so "
               "the target is judged on the critical-path row: the connector's own calls inside vLLM's step, mean "

@@ -40,6 +40,8 @@ def test_settings_validate_and_never_show_the_token() -> None:
         ConnectorSettings(disk_path="/tmp/kv")
     with pytest.raises(ConfigError, match="async_tiers"):
         ConnectorSettings(async_tiers=("tape",))
+    with pytest.raises(ConfigError, match="async_when_idle must be true or false"):
+        ConnectorSettings(async_when_idle="yes")  # type: ignore[arg-type]
 
 
 def test_paged_gather_then_scatter_moves_whole_blocks_per_layer() -> None:

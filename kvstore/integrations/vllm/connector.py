@@ -62,7 +62,8 @@ class KVStoreConnector(KVConnectorBase_V1):
         self.worker_side: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler_side = SchedulerSide(self.store, self.identity.layout.block_size, self.settings.async_tiers,
-                                                load=config.is_kv_consumer, save=config.is_kv_producer)
+                                                load=config.is_kv_consumer, save=config.is_kv_producer,
+                                                async_when_idle=self.settings.async_when_idle)
         else:
             self.worker_side = WorkerSide(self.store, self.identity.layer_names, self.identity.layer_bytes)
         logger.info("kvstore: %s connector on %s, namespace %s (%s)", role.name.lower(), self.settings.describe(),

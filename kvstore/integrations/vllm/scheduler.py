@@ -40,10 +40,11 @@ class SchedulerSide:
     """Lookups and per-step metadata; one per scheduler-side connector."""
 
     def __init__(self, store: GuardedStore, block_size: int, async_tiers: tuple[str, ...],
-                 load: bool = True, save: bool = True) -> None:
+                 load: bool = True, save: bool = True, async_when_idle: bool = False) -> None:
         self.store = store
         self.block_size = block_size
         self.async_tiers = async_tiers
+        self.async_when_idle = async_when_idle
         self.can_load, self.can_save = load, save
         self._tracked: dict[str, _Tracked] = {}
         self._loads: list[LoadSpec] = []
@@ -110,7 +111,10 @@ class SchedulerSide:
         first = num_computed_tokens // self.block_size
         if not self.can_load or t.load_failed or match.num_blocks <= first:
             return 0, False
-        t.is_async = any(tier in self.async_tiers for tier in match.tiers[first:])
+        # parked only while other requests are in flight (tracked until request_finished): with
+        # none, the load runs inside the step, where nothing else waits for it
+        others = len(self._tracked) > 1
+        t.is_async = (others or self.async_when_idle) and any(tier in self.async_tiers for tier in match.tiers[first:])
         return (match.num_blocks - first) * self.block_size, t.is_async
 
     def hit_tiers(self, request_id: str, num_external_tokens: int) -> dict[str, int]:

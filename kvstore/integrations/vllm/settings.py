@@ -36,6 +36,9 @@ class ConnectorSettings:
         hash_algo: the key hash ("sha256"; "xxh3_128" only where one tenant sends prompts).
         async_tiers: loads touching one of these tiers run asynchronously (the request waits
             while others run); loads from faster tiers run inside the step that needs them.
+        async_when_idle: load asynchronously even when no other request is in flight
+            (default: such a load runs inside the step, as nothing else would wait for it,
+            and an asynchronous one costs vLLM's loop extra steps to notice).
         retry_s: after a store failure, seconds before the next connection attempt.
         timeout_s: seconds one daemon request may take before the store counts as down.
     """
@@ -50,6 +53,7 @@ class ConnectorSettings:
     model_id: str | None = None
     hash_algo: str = "sha256"
     async_tiers: tuple[str, ...] = ("disk",)
+    async_when_idle: bool = False
     retry_s: float = 10.0
     timeout_s: float = 10.0
 
@@ -68,6 +72,8 @@ class ConnectorSettings:
         if any(t not in TIERS for t in tiers):
             raise ConfigError(f"async_tiers must name tiers among {list(TIERS)}, got {list(tiers)}")
         object.__setattr__(self, "async_tiers", tiers)
+        if not isinstance(self.async_when_idle, bool):
+            raise ConfigError(f"async_when_idle must be true or false, got {self.async_when_idle!r}")
         for name in ("retry_s", "timeout_s"):
             value = getattr(self, name)
             if not isinstance(value, int | float) or isinstance(value, bool) or value <= 0:
