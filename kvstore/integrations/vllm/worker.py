@@ -3,12 +3,13 @@
 Synchronous loads (the step's forward needs them) start in ``start_load_kv`` and are copied
 in layer by layer as ``wait_for_layer_load`` asks; asynchronous loads are fetched on the
 transfer thread, copied into every layer by ``get_finished`` on vLLM's own thread once the
-fetch is done, and reported in ``finished_recving`` there. (Copying on the transfer thread cost
-a GIL hand-over per torch call while vLLM's loop runs Python: ~0.4 s for 24 layers on the CPU.) Saves gather each layer into a
-staging buffer of their own as ``save_kv_layer`` hands it over (so vLLM's blocks are free to
-be reused once the step ends), and ``wait_for_save`` hands them to a saver thread: the put
-(and a daemon's write-through to disk) never delays the step. At most MAX_PENDING_SAVES wait. A block a load could not
-deliver (corrupt, vanished, store down) is reported by ``load_errors`` and vLLM recomputes it.
+fetch is done, and reported in ``finished_recving`` there. (Copying on the transfer thread
+cost a GIL hand-over per torch call while vLLM's loop runs Python: ~0.4 s for 24 layers on
+the CPU.) Saves gather each layer into a staging buffer of their own as ``save_kv_layer``
+hands it over (so vLLM's blocks are free to be reused once the step ends), and
+``wait_for_save`` hands them to a saver thread: the put (and a daemon's write-through to disk)
+never delays the step. At most MAX_PENDING_SAVES wait. A block a load could not deliver
+(corrupt, vanished, store down) is reported by ``load_errors`` and vLLM recomputes it.
 """
 
 from __future__ import annotations
