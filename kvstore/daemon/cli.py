@@ -31,11 +31,10 @@ def run_serve(args: argparse.Namespace) -> int:
         "remote": args.remote, "remote_writes": args.remote_writes, "remote_timeout_s": args.remote_timeout,
     }
     try:
-        config = load_config(args.config, overrides)
-    except ConfigError as exc:
+        return serve(load_config(args.config, overrides))
+    except ConfigError as exc:  # a bad setting, or an address it cannot listen on
         print(f"kvstore serve: {exc}", file=sys.stderr)
         return 2
-    return serve(config)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -17,11 +17,9 @@ import contextlib
 import itertools
 import logging
 import os
-import signal
 import socket
 import sys
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -31,6 +29,7 @@ from kvstore.daemon.connection import Connection
 from kvstore.daemon.ops import Ops, Session
 from kvstore.daemon.registry import Registry, Tokens
 from kvstore.daemon.shm import Leases
+from kvstore.http_serving import bind, stop_on_signals, uvicorn_server
 
 log = logging.getLogger("kvstore.daemon")
 INTEGRITY_EVERY_S = 60.0
@@ -96,24 +95,11 @@ class Daemon:
         print(f"kvstore serve: kv events on {publisher.endpoint}{replay}", flush=True)
 
     async def _start_http(self, host: str, port: int) -> str:
-        import uvicorn
-
         from kvstore.daemon.rest import create_app
 
-        class _Server(uvicorn.Server):
-            @contextlib.contextmanager
-            def capture_signals(self) -> Iterator[None]:  # the daemon owns the signals
-                yield
-
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        # IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on sockets that name it (else Nagle
-        # can hold a response's last segment until the client's delayed ACK, ~40 ms)
-        sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.bind((host, port))
+        sock = bind(host, port)  # TCP_NODELAY; a taken port is a ConfigError
         app = create_app(self.registry, admin_token=self.config.token, daemon=self)
-        self._http = _Server(uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False))
+        self._http = uvicorn_server(app)  # the daemon owns the signals
         self._http_task = asyncio.create_task(self._http.serve(sockets=[sock]))
         for _ in range(1000):  # "ready" is printed only once REST accepts connections
             if self._http.started or self._http_task.done():
@@ -125,18 +111,7 @@ class Daemon:
 
     async def run(self) -> int:
         """Start, serve until a signal, drain, close. Returns the exit status."""
-        loop = asyncio.get_running_loop()
-        signals = 0
-
-        def on_signal() -> None:
-            nonlocal signals
-            signals += 1
-            if signals > 1:
-                os._exit(1)
-            self._stop.set()
-
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, on_signal)
+        self._stop = stop_on_signals(asyncio.get_running_loop())
         await self.start()
         print(f"kvstore serve: listening on {', '.join(self.addresses)} (pid {os.getpid()}); ready", flush=True)
         tick = asyncio.create_task(self._tick())

@@ -138,3 +138,16 @@ def test_off_loopback_needs_a_token(tmp_path: Path) -> None:
                            "--listen", "0.0.0.0:0", "--http", "", "--socket", "", "--host-mem", "1MiB"],
                           cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "token is required" in proc.stderr
+
+
+def test_a_taken_rest_port_is_a_clear_error(tmp_path: Path) -> None:
+    daemon = DaemonProc(tmp_path / "a")
+    try:
+        taken = daemon.http.removeprefix("http://")
+        proc = subprocess.run([sys.executable, "-m", "kvstore.daemon", "serve", "--data-dir", str(tmp_path / "b"),
+                               "--listen", "", "--http", taken, "--socket", "", "--host-mem", "1MiB", "--disk", "0"],
+                              cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 2, proc.stderr
+        assert f"cannot listen on {taken}" in proc.stderr and "Traceback" not in proc.stderr
+    finally:
+        daemon.stop()
