@@ -16,10 +16,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -30,28 +28,11 @@ from typing import Any
 
 import numpy as np
 
+from kvstore.ports import free_port_pair
+
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = {"num_layers": 4, "hidden_size": 256, "intermediate_size": 512, "num_heads": 4, "num_kv_heads": 2,
          "head_dim": 64, "vocab_size": 512}
-
-
-_TAKEN: set[int] = set()
-
-
-def _free_port_pair() -> int:
-    """A port whose next one is free too (KV events + replay), below the ephemeral range."""
-    while True:
-        port = random.randrange(20000, 32000, 2)
-        if port in _TAKEN:
-            continue
-        try:
-            for candidate in (port, port + 1):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", candidate))
-        except OSError:
-            continue
-        _TAKEN.add(port)
-        return port
 
 
 class _Process:
@@ -126,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"starting {args.replicas} replicas ...", flush=True)
     replicas: list[_Process] = []
     try:
-        ports = [_free_port_pair() for _ in range(args.replicas)]
+        ports = [free_port_pair() for _ in range(args.replicas)]
         with ThreadPoolExecutor(args.replicas) as pool:
             replicas = list(pool.map(lambda port: _Process(
                 ["engine", "--random-model", "--random-config", json.dumps(MODEL), "--port", "0",

@@ -2,16 +2,11 @@
 
 from __future__ import annotations
 
-import random
-import socket
-import threading
 import time
 from collections.abc import Callable
 
+from kvstore import ports
 from kvstore.events import Subscriber
-
-_TAKEN: set[int] = set()
-_PORTS_LOCK = threading.Lock()
 
 
 def until(cond: Callable[[], bool], sub: Subscriber, timeout: float = 30.0) -> None:
@@ -26,17 +21,4 @@ def free_port_pair() -> int:
     """A port p with p + 1 free too (the replay socket's default), not handed out before in this
     process. Drawn below Linux's ephemeral range (32768-60999), and below the route tests'
     range (20000-32000), so that no outgoing connection takes one before the publisher binds."""
-    with _PORTS_LOCK:
-        for _ in range(1000):
-            port = random.randrange(12000, 20000, 2)
-            if port in _TAKEN:
-                continue
-            try:
-                for candidate in (port, port + 1):
-                    with socket.socket() as s:
-                        s.bind(("127.0.0.1", candidate))
-            except OSError:
-                continue
-            _TAKEN.add(port)
-            return port
-    raise RuntimeError("no two adjacent free ports in 12000-20000")
+    return ports.free_port_pair(12000, 20000)

@@ -4,16 +4,15 @@ with KV events on fixed ports so that a restarted replica keeps its URL and endp
 
 from __future__ import annotations
 
-import random
 import signal
-import socket
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import httpx
+
+from kvstore.ports import free_port_pair
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "engine" / "serve"))
@@ -25,29 +24,12 @@ __all__ = ["BLOCK", "ENGINE_ARGS", "MAX_MODEL_LEN", "ROUTER_TOKEN", "EngineServe
            "free_ports"]
 
 
-_TAKEN: set[int] = set()
-_PORTS_LOCK = threading.Lock()
 
 
 def free_ports(count: int) -> list[int]:
     """``count`` TCP ports, each followed by a free one (a KV-events replay port), none handed
-    out before in this process. Drawn below Linux's ephemeral range (32768-60999), so that
-    no outgoing connection takes one between this check and the replica's bind."""
-    ports: list[int] = []
-    with _PORTS_LOCK:
-        while len(ports) < count:
-            port = random.randrange(20000, 32000, 2)
-            if port in _TAKEN or port + 1 in _TAKEN:
-                continue
-            try:
-                for candidate in (port, port + 1):
-                    with socket.socket() as s:
-                        s.bind(("127.0.0.1", candidate))
-            except OSError:
-                continue
-            _TAKEN.update((port, port + 1))
-            ports.append(port)
-    return ports
+    out before in this process, below Linux's ephemeral range (kvstore.ports)."""
+    return [free_port_pair() for _ in range(count)]
 
 
 class Replica:
