@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from kvstore.cascade import Cascade
 from kvstore.errors import KVStoreError
-from kvstore.index import BlockEntry
+from kvstore.index import BlockEntry, PrefixMatch
 from kvstore.reads import ReadPath
 from kvstore.writes import WritePath
 
@@ -31,12 +31,13 @@ class HostLeases:
             raise KVStoreError(f"host slots hold {coding.codec.name}-encoded blocks; leases hand out raw "
                                "slots and need host_codec='none'")
 
-    def acquire(self, keys: list[bytes]) -> list[int]:
+    def acquire(self, keys: list[bytes], *, host_only: bool = False) -> list[int]:
         """Hold the leading run of ``keys`` in host RAM and return its host slot ids.
 
         Blocks of the run held only in lower levels are promoted first (as by get). The run
         stops at the first block that is missing or could not be brought to host. Counted
-        like a get.
+        like a get. With ``host_only``, nothing is promoted: every key is held if host RAM
+        holds them all, else none is (and nothing is counted).
 
         Returns:
             Host slot ids of blocks ``keys[:n]``; each is held (never evicted, deleted or
@@ -44,6 +45,8 @@ class HostLeases:
         """
         cascade = self.cascade
         self._check_raw()
+        if host_only:
+            return self._acquire_on_host(keys)
         with cascade.lock:
             cascade.check_open()
             match = cascade.index.match(keys)
@@ -68,38 +71,83 @@ class HostLeases:
             host.counters.bytes_read += len(held) * host.tier.payload_bytes
             return [e.slots[0] for e in held]  # type: ignore[misc]
 
-    def release(self, keys: Sequence[bytes]) -> None:
-        """End a read lease: undo one ``acquire`` of each of ``keys``."""
+    def _acquire_on_host(self, keys: list[bytes]) -> list[int]:
         cascade = self.cascade
+        host = cascade.host
         with cascade.lock:
+            cascade.check_open()
+            entries = [cascade.index.get(key) for key in keys]
+            if not keys or any(entry is None or entry.slots[0] is None for entry in entries):
+                return []
+            cascade.count_lookup(PrefixMatch(len(keys), (host.name,) * len(keys)), len(keys))
+            for entry in entries:
+                assert entry is not None
+                entry.readers += 1
+                cascade.note_use(entry)
+            host.policy.access(keys)
+            host.counters.bytes_read += len(keys) * host.tier.payload_bytes
+            return [entry.slots[0] for entry in entries]  # type: ignore[misc,union-attr]
+
+    def release(self, keys: Sequence[bytes], *, blocking: bool = True) -> bool:
+        """End a read lease: undo one ``acquire`` of each of ``keys``. Without ``blocking``:
+        only if the store lock is free; returns whether it was done."""
+        cascade = self.cascade
+        if not cascade.lock.acquire(blocking=blocking):
+            return False
+        try:
             for key in keys:
                 entry = cascade.index.entries[key]
                 assert entry.readers > 0, f"block {key.hex()} released but not held"
                 entry.readers -= 1
                 cascade.forget_if_unheld(entry)
+        finally:
+            cascade.lock.release()
+        return True
 
-    def reserve(self, n: int, evict: bool = True) -> list[int]:
+    def reserve(self, n: int, evict: bool = True, *, blocking: bool = True) -> list[int] | None:
         """Take ``n`` free host slots (evicting as a put would, unless ``evict`` is False) for a
-        writer outside the store.
+        writer outside the store. Without ``blocking``: only slots already free, and None
+        (nothing taken) when fewer are free or the store lock is busy.
 
         Raises:
             CapacityError: fewer than ``n`` slots can be freed (the rest pinned or in flight),
                 or with ``evict=False`` fewer than ``n`` are free.
         """
         self._check_raw()
-        with self.cascade.lock:
-            self.cascade.check_open()
-            return self.cascade.reserve_host_exactly(n, evict)
+        cascade = self.cascade
+        if blocking:
+            with cascade.lock:
+                cascade.check_open()
+                return cascade.reserve_host_exactly(n, evict)
+        if not cascade.lock.acquire(blocking=False):
+            return None
+        try:
+            cascade.check_open()
+            if cascade.host.num_free < n:
+                return None
+            return cascade.reserve_host_exactly(n, evict=False)
+        finally:
+            cascade.lock.release()
 
     def cancel(self, slots: Sequence[int]) -> None:
         """Give reserved slots back unpublished."""
         with self.cascade.lock:
             self.cascade.end_reservation(len(slots), slots)
 
-    def commit(self, keys: list[bytes], slots: Sequence[int], tenant: str) -> None:
-        """Publish ``keys[i]`` as the bytes just written into reserved ``slots[i]`` (like put)."""
+    def commit(self, keys: list[bytes], slots: Sequence[int], tenant: str, *, blocking: bool = True) -> bool:
+        """Publish ``keys[i]`` as the bytes just written into reserved ``slots[i]`` (like put).
+        Without ``blocking``: only if that waits on nothing (see WritePath.commits_in_memory
+        and a free store lock); returns whether it was done."""
         if len(keys) != len(slots):
             raise ValueError(f"{len(keys)} keys for {len(slots)} slots")
-        with self.cascade.lock:
+        lock = self.cascade.lock
+        if not blocking and not self.writes.commits_in_memory:
+            return False
+        if not lock.acquire(blocking=blocking):
+            return False
+        try:
             self.cascade.check_open()
             self.writes.commit(keys, slots, tenant)
+        finally:
+            lock.release()
+        return True

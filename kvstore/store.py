@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 import torch
@@ -187,13 +187,23 @@ class TieredStore:
 
         return FetchHandle(self._executor.submit(to_device), len(keys))
 
-    def contains(self, keys: Sequence[bytes]) -> list[bool]:
+    @overload
+    def contains(self, keys: Sequence[bytes]) -> list[bool]: ...
+    @overload
+    def contains(self, keys: Sequence[bytes], *, blocking: bool) -> list[bool] | None: ...
+
+    def contains(self, keys: Sequence[bytes], *, blocking: bool = True) -> list[bool] | None:
         """Pure query, per key (not only the leading run): does a local tier hold it? The
-        remote tier is not asked (``lookup`` does that for a chain)."""
+        remote tier is not asked (``lookup`` does that for a chain). With ``blocking=False``,
+        None when the store lock is busy."""
         keys = self._check_keys(keys)
-        with self._lock:
+        if not self._lock.acquire(blocking=blocking):
+            return None
+        try:
             entries = self._index.entries
             return [k in entries for k in keys]
+        finally:
+            self._lock.release()
 
     def delete(self, keys: Sequence[bytes]) -> int:
         """Remove blocks from every tier; returns how many were held. Absent keys are skipped.
@@ -249,26 +259,39 @@ class TieredStore:
         """``(path, slot_bytes, num_slots)`` of the shared host pool, or None if not shared."""
         return self._cascade.host.shared_pool
 
-    def acquire_host(self, keys: Sequence[bytes]) -> list[int]:
-        """Hold the leading run of ``keys`` in host RAM; their slot ids (see HostLeases.acquire)."""
-        return self._leases.acquire(self._check_keys(keys))
+    def acquire_host(self, keys: Sequence[bytes], *, host_only: bool = False) -> list[int]:
+        """Hold the leading run of ``keys`` in host RAM; their slot ids (see HostLeases.acquire).
+        ``host_only``: all of ``keys`` if host RAM holds every one now, else none."""
+        return self._leases.acquire(self._check_keys(keys), host_only=host_only)
 
-    def release_host(self, keys: Sequence[bytes]) -> None:
-        """End a read lease: undo one ``acquire_host`` of each of ``keys``."""
-        self._leases.release(self._check_keys(keys))
+    def release_host(self, keys: Sequence[bytes], *, blocking: bool = True) -> bool:
+        """End a read lease: undo one ``acquire_host`` of each of ``keys``. With
+        ``blocking=False``, nothing is done (False) when the store lock is busy."""
+        return self._leases.release(self._check_keys(keys), blocking=blocking)
 
-    def reserve_host(self, n: int, *, evict: bool = True) -> list[int]:
+    @overload
+    def reserve_host(self, n: int, *, evict: bool = True) -> list[int]: ...
+    @overload
+    def reserve_host(self, n: int, *, evict: bool = True, blocking: bool) -> list[int] | None: ...
+
+    def reserve_host(self, n: int, *, evict: bool = True, blocking: bool = True) -> list[int] | None:
         """Take ``n`` free host slots for a writer outside the store (see HostLeases.reserve);
-        ``evict=False`` takes only slots already free."""
-        return self._leases.reserve(n, evict)
+        ``evict=False`` takes only slots already free. ``blocking=False`` also takes only
+        free slots, and returns None (nothing taken) when fewer are free or the lock is busy."""
+        return self._leases.reserve(n, evict, blocking=blocking)
 
     def cancel_host(self, slots: Sequence[int]) -> None:
         """Give reserved slots back unpublished."""
         self._leases.cancel(slots)
 
-    def commit_host(self, keys: Sequence[bytes], slots: Sequence[int], *, tenant: str = "") -> None:
-        """Publish ``keys[i]`` as the bytes written into reserved ``slots[i]`` (like put)."""
-        self._leases.commit(self._check_keys(keys), slots, tenant)
+    def commit_host(self, keys: Sequence[bytes], slots: Sequence[int], *, tenant: str = "",
+                    blocking: bool = True) -> bool:
+        """Publish ``keys[i]`` as the bytes written into reserved ``slots[i]`` (like put).
+
+        With ``blocking=False`` the commit happens only if it waits on nothing (it stays in
+        memory: no write-through, no shared level taking puts; and the store lock is free);
+        otherwise nothing is done (the slots stay reserved) and it returns False."""
+        return self._leases.commit(self._check_keys(keys), slots, tenant, blocking=blocking)
 
     # ----------------------------------------------------------------------------- events
 

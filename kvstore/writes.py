@@ -25,6 +25,12 @@ class WritePath:
         self.cascade = cascade
         self.write_through = write_through and len(cascade.levels) > 1
 
+    @property
+    def commits_in_memory(self) -> bool:
+        """A commit only publishes in host RAM: nothing written below, no copy encoded for
+        a shared level (listeners are told, as always)."""
+        return not self.write_through and not any(level.takes_puts for level in self.cascade.shared)
+
     def put(self, keys: list[bytes], start: int, stop: int, src: torch.Tensor, tenant: str) -> None:
         """Store rows ``src[start:stop]`` ([n, payload] uint8) under ``keys[start:stop]``.
 

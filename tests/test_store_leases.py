@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -93,5 +94,121 @@ def test_reserved_slots_are_not_blocks_and_reserving_ahead_never_evicts(tmp_path
         store.reserve_host(1, evict=False)  # none free: it would have to evict
     assert store.lookup(keys).num_blocks == 2
     store.cancel_host(slots)
+    store.check_integrity()
+    store.close()
+
+
+def _write_rows(store, keys: list[bytes], slots: list[int]) -> None:  # type: ignore[no-untyped-def]
+    payload = store.layout.bytes_per_block
+    rows = blocks_for(keys).view(torch.uint8).reshape(len(keys), payload)
+    for slot, row in zip(slots, rows, strict=True):
+        store.level("host").tier.pool[slot, :payload].copy_(row)
+
+
+class _LockHolder:
+    """A listener that, once armed, waits inside ``blocks_stored``: listeners run with the
+    store lock held, so the put that calls it holds the lock until ``release`` is set."""
+
+    def __init__(self) -> None:
+        self.armed = False
+        self.inside, self.release = threading.Event(), threading.Event()
+
+    def blocks_stored(self, tier: str, keys: list[bytes], parents: list[bytes | None]) -> None:
+        if self.armed:
+            self.inside.set()
+            self.release.wait(10)
+
+    def blocks_removed(self, tier: str, keys: list[bytes]) -> None:
+        pass
+
+
+def test_non_blocking_lease_calls_never_wait_for_the_store_lock(tmp_path: Path) -> None:
+    store = make_store(tmp_path, host_blocks=8)
+    keys = chain(store, 2)
+    slots = store.reserve_host(2)
+    _write_rows(store, keys, slots)
+    holder = _LockHolder()
+    store.add_listener(holder)
+    holder.armed = True
+    other = chain(store, 1, salt=1)
+    putter = threading.Thread(target=store.put, args=(other, blocks_for(other)))
+    putter.start()
+    try:
+        assert holder.inside.wait(10)
+        assert store.contains(keys, blocking=False) is None
+        assert store.reserve_host(1, blocking=False) is None
+        assert store.commit_host(keys, slots, tenant="t", blocking=False) is False
+    finally:
+        holder.armed = False
+        holder.release.set()
+        putter.join(10)
+    assert store.contains(keys, blocking=False) == [False, False]  # the refused commit did nothing
+    assert store.commit_host(keys, slots, tenant="t", blocking=False) is True
+    assert torch.equal(store.get(keys), blocks_for(keys))
+    store.check_integrity()
+    store.close()
+
+
+def test_a_non_blocking_reserve_takes_only_free_slots(tmp_path: Path) -> None:
+    store = make_store(tmp_path, host_blocks=4)
+    keys = chain(store, 3)
+    store.put(keys, blocks_for(keys))
+    assert store.reserve_host(2, blocking=False) is None  # one slot free: nothing taken, nothing evicted
+    assert store.lookup(keys).num_blocks == 3 and store.stats()["host"]["num_blocks"] == 3
+    slot = store.reserve_host(1, blocking=False)
+    assert slot is not None and len(slot) == 1
+    store.cancel_host(slot)
+    store.check_integrity()
+    store.close()
+
+
+def test_a_non_blocking_commit_refuses_what_must_write_below_host(tmp_path: Path) -> None:
+    store = make_store(tmp_path, host_blocks=4, disk_blocks=8, write_policy="write_through")
+    keys = chain(store, 2)
+    slots = store.reserve_host(2)
+    _write_rows(store, keys, slots)
+    assert store.commit_host(keys, slots, blocking=False) is False  # write-through: disk I/O
+    assert store.lookup(keys).num_blocks == 0
+    store.commit_host(keys, slots)
+    assert store.lookup(keys).tiers == ("host", "host")
+    assert all("disk" in store.block_info(k)["tiers"] for k in keys)  # type: ignore[index]
+    assert torch.equal(store.get(keys), blocks_for(keys))
+    store.check_integrity()
+    store.close()
+
+
+def test_a_host_only_acquire_holds_all_or_nothing_and_promotes_nothing(tmp_path: Path) -> None:
+    store = make_store(tmp_path, host_blocks=4, disk_blocks=8)
+    keys = chain(store, 6)  # the head overflows to disk: host holds 4
+    store.put(keys, blocks_for(keys))
+    tiers = store.lookup(keys).tiers
+    assert "disk" in tiers and "host" in tiers
+    hits = store.stats()["host"]["hits"]
+    assert store.acquire_host(keys, host_only=True) == []  # not all in host RAM: nothing held
+    assert store.stats()["host"]["hits"] == hits  # nor counted
+    assert store.lookup(keys).tiers == tiers  # nor promoted
+    on_host = [k for k, t in zip(keys, tiers, strict=True) if t == "host"]
+    hits = store.stats()["host"]["hits"]
+    slots = store.acquire_host(on_host, host_only=True)
+    assert len(slots) == len(on_host) and store.stats()["host"]["hits"] == hits + len(on_host)
+    with pytest.raises(CapacityError):
+        store.delete(on_host[:1])  # held
+    holder = _LockHolder()
+    store.add_listener(holder)
+    holder.armed = True
+    other = chain(store, 1, salt=3)
+    putter = threading.Thread(target=store.put, args=(other, blocks_for(other)))
+    putter.start()
+    try:
+        assert holder.inside.wait(10)
+        assert store.release_host(on_host, blocking=False) is False  # the lock is busy: still held
+    finally:
+        holder.armed = False
+        holder.release.set()
+        putter.join(10)
+    with pytest.raises(CapacityError):
+        store.delete(on_host[:1])
+    assert store.release_host(on_host, blocking=False) is True
+    assert store.delete(on_host[:1]) == 1
     store.check_integrity()
     store.close()
