@@ -148,6 +148,7 @@ class StoreClient:
         self._settle()
         self._next_id += 1
         meta["id"] = self._next_id
+        # the header alone first: the daemon reserves the put's slots while the data follows
         self._sock.sendall(self._touch_frame() + encode(meta, len(data)))
         if len(data):
             self._sock.sendall(data)

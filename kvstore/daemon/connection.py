@@ -3,15 +3,22 @@
 Headers and metas up to 64 KiB land in a small staging buffer. A frame's data section is
 received straight into its final home: for a put, the host-pool slots the store reserved for
 its blocks (the op then only publishes them); otherwise one buffer of exactly ``data_len``
-bytes. So a socket put's block bytes are copied once, by the kernel, into the host tier.
+bytes. So a socket put's block bytes are copied once, by the kernel, into the host tier; a
+get of blocks all in host RAM is written straight from their slots (``HeldBlocks``).
+
+Large data sections skip the event loop's one-read-per-wakeup pace: once BULK_MIN bytes or
+more are left to receive (or to send), the connection reads (writes) them itself in a tight
+readv/poll (writev/poll) loop on the loop's thread while the bytes keep flowing, and hands
+what is left back to the transport when the peer stalls for BULK_WAIT_MS, falls behind
+BULK_RATE, or after BULK_MAX_S: a slow or trickling peer holds the loop a millisecond or two.
 
     staging:  [ consumed | unparsed: start..end | free: end..STAGING ]
     a frame:  header (8) -> meta (meta_len) -> data (data_len, into its target) -> dispatch
 
 Back-pressure: a frame takes one of ``max_inflight`` slots when its header is parsed and
 gives it back once the transport took its reply below the write high-water mark; no header
-is parsed while all slots are taken (nor while a hello runs, nor while a put's slots are
-being reserved), and reading pauses then. So one connection buffers the staging area plus at
+is parsed while all slots are taken (nor while a hello runs, a put's slots are being
+reserved, or a get's held blocks are being released on a worker), and reading pauses then. So one connection buffers the staging area plus at
 most ``max_inflight`` frames and replies, each at most ``max_frame`` bytes.
 """
 
@@ -19,10 +26,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import select
 import socket
+import time
 from typing import TYPE_CHECKING, Any
 
-from kvstore.daemon.ops import ReservedPut, Session
+from kvstore.daemon.ops import HeldBlocks, ReservedPut, Session
 from kvstore.daemon.protocol import HEADER, Code, ProtocolError, check_lengths, decode, encode
 
 if TYPE_CHECKING:
@@ -32,6 +42,12 @@ STAGING = 64 << 10  # bytes of headers and metas buffered ahead of parsing
 WRITE_HIGH = 1 << 20  # unsent reply bytes above which a reply's slot waits
 SOCKET_BUFFER = 4 << 20
 HEAD, META, DATA = "head", "meta", "data"
+BULK_MIN = 256 << 10  # bytes left in a data section from which it is moved in a tight loop
+BULK_WAIT_MS = 1  # a peer silent this long gets its bytes moved by the transport again
+BULK_RATE = 100e6  # bytes/s a peer must keep up (after BULK_GRACE bytes) for the loop to wait on it
+BULK_GRACE = 64 << 10
+BULK_MAX_S = 0.05  # the longest one tight loop holds the event loop
+IOV_MAX = 1024
 
 
 class Connection(asyncio.BufferedProtocol):
@@ -50,9 +66,12 @@ class Connection(asyncio.BufferedProtocol):
         self._meta: dict[str, Any] | ProtocolError = {}
         self._body: bytearray | ReservedPut | None = None  # the part being filled: meta, then data
         self._pieces: list[memoryview] = []  # the rest of it, in order, when it is received in place
+        self._left = 0  # bytes in _pieces
+        self._fd = -1  # the socket's descriptor, for the tight loops
         self._num_slots = 0  # frames parsed whose replies have not drained yet
         self._exclusive = False  # a hello runs: nothing runs beside it
         self._reserving = False  # a put's slots are being reserved
+        self._releasing = 0  # gets' held blocks being released on a worker: no new frames
         self._stopped = False  # the daemon drains, or the stream is out of step: no new frames
         self._eof = False  # the peer sent everything; staged frames are still served
         self._reading = True
@@ -80,6 +99,7 @@ class Connection(asyncio.BufferedProtocol):
             with contextlib.suppress(OSError):
                 sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER)
         transport.set_write_buffer_limits(high=WRITE_HIGH)
+        self._fd = sock.fileno()
         self._counted = True
         self.session = Session(d.next_conn_id(), self.kind)
         d.connection_opened(self)
@@ -98,17 +118,47 @@ class Connection(asyncio.BufferedProtocol):
 
     def buffer_updated(self, nbytes: int) -> None:
         if self._pieces:
-            piece = self._pieces[0]
-            if nbytes == len(piece):
-                self._pieces.pop(0)
-            else:
-                self._pieces[0] = piece[nbytes:]
+            self._consume(nbytes)
+            self._receive_bulk()
             if self._pieces:
                 return
             self._part_done()
         else:
             self._end += nbytes
         self._advance()
+
+    def _consume(self, nbytes: int) -> None:
+        """``nbytes`` more of the part being received arrived in its pieces."""
+        pieces = self._pieces
+        self._left -= nbytes
+        done = 0
+        while nbytes and nbytes >= len(pieces[done]):
+            nbytes -= len(pieces[done])
+            done += 1
+        del pieces[:done]
+        if nbytes:
+            pieces[0] = pieces[0][nbytes:]
+
+    def _receive_bulk(self) -> None:
+        """Read the rest of a large part straight into its pieces while its bytes flow."""
+        if self.closed or self._fd < 0 or self._left < BULK_MIN:
+            return
+        poller = select.poll()
+        poller.register(self._fd, select.POLLIN)
+        pace = BulkPace()
+        while self._pieces:
+            try:
+                n = os.readv(self._fd, self._pieces[:IOV_MAX])
+            except BlockingIOError:
+                if not pace.keeps_up() or not poller.poll(BULK_WAIT_MS):
+                    return
+                continue
+            except OSError:  # the transport's next read meets the error and closes
+                return
+            if n == 0:  # end of stream: so will the transport's next read
+                return
+            pace.moved += n
+            self._consume(n)
 
     def eof_received(self) -> bool:
         # Frames already received are still served and answered; then the connection closes.
@@ -132,7 +182,7 @@ class Connection(asyncio.BufferedProtocol):
         if isinstance(self._body, ReservedPut):  # its data never finished arriving
             self._release_reserved(self._body)
             self._body = None
-        self._pieces = []
+        self._pieces, self._left = [], 0
         asyncio.get_running_loop().create_task(self.daemon.connection_closed(self))
 
     # ------------------------------------------------------------------ framing
@@ -142,7 +192,8 @@ class Connection(asyncio.BufferedProtocol):
         while not self.closed and not self._pieces and not self._reserving:
             avail = self._end - self._start
             if self._state == HEAD:
-                if self._stopped or self._exclusive or self._num_slots >= self.daemon.config.max_inflight:
+                if (self._stopped or self._exclusive or self._releasing
+                        or self._num_slots >= self.daemon.config.max_inflight):
                     break
                 if avail < HEADER.size:
                     break
@@ -171,8 +222,14 @@ class Connection(asyncio.BufferedProtocol):
                 if self._data_len == 0:
                     self._dispatch(b"")
                 elif self._may_reserve():
-                    self._reserving = True
-                    self._spawn(self._reserve())
+                    assert isinstance(self._meta, dict)
+                    # free slots and a free store lock: taken here, with no hop to a worker
+                    reserved = self.daemon.ops.reserve_put(self.session, self._meta, self._data_len, blocking=False)
+                    if reserved is not None:
+                        self._fill(reserved)
+                    else:
+                        self._reserving = True
+                        self._spawn(self._reserve())
                 else:
                     self._fill(bytearray(self._data_len))
         self._sync_reading()
@@ -189,7 +246,9 @@ class Connection(asyncio.BufferedProtocol):
             if not len(pieces[0]):
                 pieces.pop(0)
         self._pieces = pieces
-        if not pieces:
+        self._left = sum(len(p) for p in pieces)
+        self._receive_bulk()
+        if not self._pieces:
             self._part_done()
 
     def _part_done(self) -> None:
@@ -234,7 +293,7 @@ class Connection(asyncio.BufferedProtocol):
     def _sync_reading(self) -> None:
         want = not (self.closed or self._eof or self._reserving
                     or (self._state == HEAD and not self._pieces and (self._stopped or self._exclusive
-                        or self._num_slots >= self.daemon.config.max_inflight)))
+                        or self._releasing or self._num_slots >= self.daemon.config.max_inflight)))
         if want == self._reading or self.transport is None or self.transport.is_closing():
             return
         self._reading = want
@@ -249,10 +308,18 @@ class Connection(asyncio.BufferedProtocol):
         d = self.daemon
         d.num_inflight += 1
         try:
-            loop = asyncio.get_running_loop()
-            out, payload = await loop.run_in_executor(d.pool, d.ops.handle, self.session, meta, data)
-            if meta.get("noreply") is not True:  # a hint (touch): no reply, not even an error
-                await self._send(out, payload)
+            # a commit that waits on nothing runs here: no two thread hops
+            reply = d.ops.handle_now(self.session, meta, data)
+            if reply is None:
+                reply = await asyncio.get_running_loop().run_in_executor(d.pool, d.ops.handle, self.session,
+                                                                         meta, data)
+            out, payload = reply
+            try:
+                if meta.get("noreply") is not True:  # a hint (touch): no reply, not even an error
+                    await self._send(out, payload)
+            finally:
+                if isinstance(payload, HeldBlocks) and not payload.let_go:  # no reply was written
+                    self._let_go(payload)
         except (ConnectionError, RuntimeError):
             self.close()
         finally:
@@ -276,15 +343,47 @@ class Connection(asyncio.BufferedProtocol):
         assert len(head) - HEADER.size + len(payload) <= self.daemon.config.max_frame
         if self.closed or self.transport is None or self.transport.is_closing():
             raise ConnectionError("the connection closed")
-        self.transport.write(head)
-        if len(payload):
-            self.transport.write(payload)
+        held = isinstance(payload, HeldBlocks)  # views of host slots, released once written
+        parts = [memoryview(head)]
+        if held:
+            parts += payload.views
+        elif len(payload):
+            parts.append(memoryview(payload).cast("B"))
+        if (held or len(payload) >= BULK_MIN) and not self.transport.get_write_buffer_size():
+            parts = self._send_bulk(parts)
+        for part in parts:  # the transport sends (and buffers) the rest; held slots are copied
+            self.transport.write(bytes(part) if held else part)
+        if held:  # before any await: no later frame of this connection is parsed before it
+            self._let_go(payload)
         while self._write_paused:  # the reply's slot frees only once the transport took it
             if self.closed:
                 raise ConnectionError("the connection closed")
             waiter = asyncio.get_running_loop().create_future()
             self._drain_waiters.append(waiter)
             await waiter
+
+    def _send_bulk(self, parts: list[memoryview]) -> list[memoryview]:
+        """Write ``parts`` straight from their buffers while the peer reads (nothing else is
+        queued on the transport); returns what is left when it stalls."""
+        poller = select.poll()
+        poller.register(self._fd, select.POLLOUT)
+        pace = BulkPace()
+        while parts:
+            try:
+                n = os.writev(self._fd, parts[:IOV_MAX])
+            except BlockingIOError:
+                if not pace.keeps_up() or not poller.poll(BULK_WAIT_MS):
+                    break
+                continue
+            except OSError:  # the transport's next write or read meets the error
+                break
+            pace.moved += n
+            while n and n >= len(parts[0]):
+                n -= len(parts[0])
+                parts.pop(0)
+            if n:
+                parts[0] = parts[0][n:]
+        return parts
 
     def _slot_done(self) -> None:
         self._num_slots -= 1
@@ -299,6 +398,26 @@ class Connection(asyncio.BufferedProtocol):
                     waiter.set_result(None)
                 else:
                     waiter.set_exception(exc)
+
+    def _let_go(self, held: HeldBlocks) -> None:
+        """Release a get's blocks once its reply is written (or copied for the transport):
+        here when the store lock is free, else on a worker, and this connection parses no
+        further frame until then (the client's next request, say a delete of those blocks,
+        must find them released)."""
+        held.let_go = True
+        if not held.release(blocking=False):
+            self._releasing += 1
+            self._spawn(self._release_on_worker(held))
+
+    async def _release_on_worker(self, held: HeldBlocks) -> None:
+        try:
+            await asyncio.get_running_loop().run_in_executor(self.daemon.pool, held.release)
+        except RuntimeError:  # the pool is shut down: so are the stores
+            pass
+        finally:
+            self._releasing -= 1
+            if not self.closed:
+                self._advance()
 
     def _release_reserved(self, reserved: ReservedPut) -> None:
         loop = asyncio.get_running_loop()
@@ -324,6 +443,18 @@ class Connection(asyncio.BufferedProtocol):
     def close(self) -> None:
         if self.transport is not None:
             self.transport.close()
+
+
+class BulkPace:
+    """One tight loop's clock: whether to keep waiting on its peer."""
+
+    def __init__(self) -> None:
+        self.start = time.monotonic()
+        self.moved = 0  # bytes moved so far
+
+    def keeps_up(self) -> bool:
+        elapsed = time.monotonic() - self.start
+        return elapsed < BULK_MAX_S and self.moved + BULK_GRACE >= BULK_RATE * elapsed
 
 
 def _decode(meta: bytes | bytearray, max_frame: int) -> dict[str, Any] | ProtocolError:

@@ -1,4 +1,5 @@
-"""The block protocol's operations: one synchronous handler per op, run on a worker thread.
+"""The block protocol's operations: one synchronous handler per op, run on a worker thread
+(``handle``), or by the event loop itself for a commit that waits on nothing (``handle_now``).
 
 Each handler takes the session (who is asking, in which namespace), the request's meta map
 and its raw data, and returns the response's meta map and raw data. Every failure becomes a
@@ -8,6 +9,7 @@ ProtocolError with a code; the server turns it into an error frame.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import threading
@@ -25,7 +27,6 @@ from kvstore.daemon.protocol import VERSION, Code, ProtocolError, field_of, spli
 from kvstore.daemon.registry import AuthError, NamespaceState, Principal, Registry, layout_from_dict
 from kvstore.daemon.shm import Lease, Leases
 from kvstore.errors import CapacityError, ConfigError, KVStoreError, LayoutMismatchError
-from kvstore.transfer import FetchResult
 
 MAX_KEYS = 1 << 16  # keys in one request
 META_ROOM = 1 << 16  # bytes of a frame kept for its meta when sizing block batches
@@ -48,6 +49,21 @@ class ReservedPut:
     slots: list[int]
     views: list[memoryview]
     num_bytes: int
+
+
+@dataclass
+class HeldBlocks:
+    """A socket get's reply data, not copied: ``views`` of the host slots of its blocks, in
+    block order, held in host RAM (as read leases are) until ``release`` runs. The
+    connection writes them straight from the pool, then releases them."""
+
+    views: list[memoryview]
+    num_bytes: int
+    release: Callable[..., bool]  # release(blocking=True): see TieredStore.release_host
+    let_go: bool = False  # release was called (or handed to a worker)
+
+    def __len__(self) -> int:
+        return self.num_bytes
 
 
 @dataclass
@@ -84,6 +100,22 @@ class Ops:
 
     def handle(self, session: Session, meta: dict[str, Any], data: bytes | bytearray | ReservedPut) -> Reply:
         """Run one request; returns (meta, data) of the response or of an error frame."""
+        reply = self._run(session, meta, data, blocking=True)
+        assert reply is not None
+        return reply
+
+    def handle_now(self, session: Session, meta: dict[str, Any], data: bytes | bytearray | ReservedPut) -> Reply | None:
+        """Run a request on the caller's thread (the event loop's) only if it waits on
+        nothing: the commit of a put received into reserved slots, or of a shared-memory
+        write lease, when it stays in memory (no write-through, no shared level taking puts)
+        and finds the store lock free. None: nothing was done; run ``handle`` on a worker."""
+        op = meta.get("op")
+        if session.principal is None or not (op == "commit" or (op == "put" and isinstance(data, ReservedPut))):
+            return None
+        return self._run(session, meta, data, blocking=False)
+
+    def _run(self, session: Session, meta: dict[str, Any], data: bytes | bytearray | ReservedPut, *,
+             blocking: bool) -> Reply | None:
         rid = meta.get("id")
         op = meta.get("op")
         try:
@@ -96,8 +128,16 @@ class Ops:
                 raise ProtocolError(Code.STATE, "hello was already sent on this connection")
             if op != "hello" and session.principal is None:
                 raise ProtocolError(Code.STATE, f"op {op!r} before hello")
-            self.requests[op] += 1
-            out, payload = handler(session, meta, data)
+            if blocking:
+                self.requests[op] += 1
+                out, payload = handler(session, meta, data)
+            else:
+                reply = (self._commit_put(session, data, blocking=False) if isinstance(data, ReservedPut)
+                         else self._commit_lease(session, meta, blocking=False))
+                if reply is None:
+                    return None
+                self.requests[op] += 1
+                out, payload = reply
             out["id"] = rid
             return out, payload
         except ProtocolError as exc:
@@ -115,6 +155,8 @@ class Ops:
         except Exception as exc:  # a bug: report it, keep serving
             log.exception("op %r failed", op)
             code, message = Code.INTERNAL, f"{type(exc).__name__}: {exc}"
+        if not blocking and isinstance(op, str):
+            self.requests[op] += 1  # a failed commit is a request all the same
         self.errors[code.name] += 1
         if session.state is not None and session.principal is not None:
             session.state.count(session.principal.tenant, errors=1)
@@ -192,20 +234,56 @@ class Ops:
             return {"num_blocks": n, "lease": lease.id, "slots": lease.slots, "gens": gens,
                     "lease_s": self.leases.lease_s}, b""
         layout = state.layout
+        held = self._hold_on_host(state, keys)
+        if held is not None:  # all in host RAM: sent straight from the slots, no copy here
+            state.count(tenant, requests=1, get_blocks=len(keys), bytes_out=held.num_bytes)
+            return {"num_blocks": len(keys), "tiers": "h" * len(keys)}, held
         out = torch.empty((len(keys), *layout.block_shape), dtype=layout.dtype)
-        try:  # the common case, all found: no hop to the store's transfer thread
-            state.store.get(keys, out=out)
-            result = FetchResult(len(keys), ("h",) * len(keys))
-        except KeyError:
-            result = state.store.fetch(keys, into=out).result()
+        result = state.store.fetch(keys, into=out).result()  # the tier of each block, as read
         n = result.num_blocks
         size = n * layout.bytes_per_block
         state.count(tenant, requests=1, get_blocks=n, bytes_out=size)
         return {"num_blocks": n, "tiers": "".join(t[0] for t in result.tiers)}, out.view(torch.uint8).numpy().data.cast("B")[:size]
 
-    def reserve_put(self, session: Session, meta: dict[str, Any], data_len: int) -> ReservedPut | None:
+    def _hold_on_host(self, state: NamespaceState, keys: list[bytes]) -> HeldBlocks | None:
+        """Hold ``keys`` in host RAM for a reply written straight from their slots, if host
+        RAM holds every one (raw) and its pool is mapped here too; else None."""
+        pool = state.store.shared_pool
+        if pool is None or not keys:
+            return None
+        try:
+            slots = state.store.acquire_host(keys, host_only=True)
+        except KVStoreError:  # a host codec: slots hold encoded blocks
+            return None
+        if not slots:
+            return None
+        try:
+            views = self._slot_views(state, pool, slots)
+        except BaseException:
+            state.store.release_host(keys)
+            raise
+        return HeldBlocks(views, len(keys) * state.layout.bytes_per_block,
+                          functools.partial(state.store.release_host, keys))
+
+    def _slot_views(self, state: NamespaceState, pool: tuple[str, int, int], slots: list[int]) -> list[memoryview]:
+        """The payloads of host ``slots`` in order, in this process's mapping of the pool:
+        one view per run of adjacent slots when a slot holds exactly one payload."""
+        mapped = self._mapped_pool(state.id, pool).view
+        slot_bytes, payload = pool[1], state.layout.bytes_per_block
+        views = []
+        for start, count in _runs(slots):
+            if slot_bytes == payload:
+                views.append(mapped[start * slot_bytes : (start + count) * slot_bytes])
+            else:
+                views += [mapped[s * slot_bytes : s * slot_bytes + payload] for s in range(start, start + count)]
+        return views
+
+    def reserve_put(self, session: Session, meta: dict[str, Any], data_len: int, *,
+                    blocking: bool = True) -> ReservedPut | None:
         """Host slots to receive a put's blocks in, before its data is read; or None: the
-        data then goes to a buffer and ``store.put`` (which also reports any error).
+        data then goes to a buffer and ``store.put`` (which also reports any error). Without
+        ``blocking`` (the event loop asks) only slots already free are taken, and None also
+        means the store lock was busy: ask again with ``blocking`` on a worker.
 
         Only a put of blocks the store holds nowhere (the common case: an engine stores what
         it just computed) takes this path, so it has ``put``'s semantics exactly: a held key
@@ -220,21 +298,18 @@ class Ops:
             keys = self._keys(session, meta)[2]
             pool = state.store.shared_pool
             n, payload = len(keys), state.layout.bytes_per_block
-            if (pool is None or n == 0 or data_len != n * payload or n > pool[2] // 2
-                    or any(state.store.contains(keys))):
+            if pool is None or n == 0 or data_len != n * payload or n > pool[2] // 2:
                 return None
-            mapped = self._mapped_pool(state.id, pool).view
-            slots = state.store.reserve_host(n)
+            held = state.store.contains(keys, blocking=blocking)
+            if held is None or any(held):
+                return None
+            self._mapped_pool(state.id, pool)  # mapped before any slot is taken
+            slots = state.store.reserve_host(n, blocking=blocking)
+            if slots is None:
+                return None
         except (ProtocolError, KVStoreError, OSError, ValueError):
             return None
-        slot_bytes = pool[1]
-        views = []
-        for start, count in _runs(slots):
-            if slot_bytes == payload:
-                views.append(mapped[start * slot_bytes : (start + count) * slot_bytes])
-            else:
-                views += [mapped[s * slot_bytes : s * slot_bytes + payload] for s in range(start, start + count)]
-        return ReservedPut(state, keys, slots, views, data_len)
+        return ReservedPut(state, keys, slots, self._slot_views(state, pool, slots), data_len)
 
     def cancel_put(self, reserved: ReservedPut) -> None:
         """Give a reserved put's slots back (its connection closed before the data came)."""
@@ -254,15 +329,9 @@ class Ops:
 
     def op_put(self, session: Session, meta: dict[str, Any], data: bytes | bytearray | ReservedPut) -> Reply:
         if isinstance(data, ReservedPut):
-            store, principal = data.state.store, session.principal
-            assert principal is not None
-            try:
-                store.commit_host(data.keys, data.slots, tenant=principal.tenant)
-            except BaseException:
-                store.cancel_host(data.slots)
-                raise
-            data.state.count(principal.tenant, requests=1, put_blocks=len(data.keys), bytes_in=data.num_bytes)
-            return {"num_blocks": len(data.keys)}, b""
+            reply = self._commit_put(session, data, blocking=True)
+            assert reply is not None
+            return reply
         state, tenant, keys = self._keys(session, meta)
         layout = state.layout
         if len(data) != len(keys) * layout.bytes_per_block:
@@ -273,6 +342,19 @@ class Ops:
             state.store.put(keys, blocks, tenant=tenant)
         state.count(tenant, requests=1, put_blocks=len(keys), bytes_in=len(data))
         return {"num_blocks": len(keys)}, b""
+
+    def _commit_put(self, session: Session, data: ReservedPut, *, blocking: bool) -> Reply | None:
+        """Publish a received put's slots; without ``blocking``, None when that would wait."""
+        store, principal = data.state.store, session.principal
+        assert principal is not None
+        try:
+            if not store.commit_host(data.keys, data.slots, tenant=principal.tenant, blocking=blocking):
+                return None  # nothing was done: the slots stay reserved for the worker's try
+        except BaseException:
+            store.cancel_host(data.slots)
+            raise
+        data.state.count(principal.tenant, requests=1, put_blocks=len(data.keys), bytes_in=data.num_bytes)
+        return {"num_blocks": len(data.keys)}, b""
 
     def op_reserve(self, session: Session, meta: dict[str, Any], data: bytes) -> Reply:
         state, tenant, keys = self._keys(session, meta)
@@ -287,36 +369,50 @@ class Ops:
     def op_commit(self, session: Session, meta: dict[str, Any], data: bytes) -> Reply:
         """Publish a write lease's slots (under the lease's keys, or the ``keys`` sent now),
         and with ``reserve: n`` take the next put's n slots in the same round trip."""
+        reply = self._commit_lease(session, meta, blocking=True)
+        assert reply is not None
+        return reply
+
+    def _commit_lease(self, session: Session, meta: dict[str, Any], *, blocking: bool) -> Reply | None:
+        """``op_commit``; without ``blocking``, None (the lease untouched) when the commit
+        would wait, and no slots reserved ahead when that would."""
         keys = self._keys(session, meta)[2] if "keys" in meta else None
         lease = self.leases.take(session.conn_id, field_of(meta, "lease", int), "write")
         if lease is None:
             raise ProtocolError(Code.LEASE, "unknown or expired write lease; put the blocks again")
         if keys is not None:
             if len(keys) != len(lease.slots):
+                if not blocking:  # giving the slots back waits for the store lock: a worker does
+                    self.leases.put_back(lease)
+                    return None
                 lease.state.store.cancel_host(lease.slots)
                 raise ProtocolError(Code.BAD_REQUEST, f"{len(keys)} keys for a lease of {len(lease.slots)} slots")
             lease.keys = keys
         gens = self._generations(lease.state, lease.slots)  # before the commit: still reserved
         try:
-            lease.state.store.commit_host(lease.keys, lease.slots, tenant=lease.tenant)
+            if not lease.state.store.commit_host(lease.keys, lease.slots, tenant=lease.tenant, blocking=blocking):
+                self.leases.put_back(lease)  # for the worker's try
+                return None
         except BaseException:
             lease.state.store.cancel_host(lease.slots)
             raise
         lease.state.count(lease.tenant, requests=1, put_blocks=len(lease.keys))
         out: dict[str, Any] = {"num_blocks": len(lease.keys), "slots": lease.slots, "gens": gens}
-        self._reserve_next(session, lease, field_of(meta, "reserve", int, 0), out)
+        self._reserve_next(session, lease, field_of(meta, "reserve", int, 0), out, blocking=blocking)
         return out, b""
 
-    def _reserve_next(self, session: Session, lease: Lease, reserve: int, out: dict[str, Any]) -> None:
+    def _reserve_next(self, session: Session, lease: Lease, reserve: int, out: dict[str, Any], *,
+                      blocking: bool = True) -> None:
         """With ``reserve: n`` (a reserve or a commit), also take ``n`` free slots for the
         client's next put, as ``out["next"]``. Only from free slots: reserving ahead must never
         evict (it could evict what was just committed); in a full pool the next put reserves
-        (and evicts) itself."""
+        (and evicts) itself, as it does when, without ``blocking``, the store lock is busy."""
         if 0 < reserve <= self.max_blocks(lease.state):
             with contextlib.suppress(CapacityError, ProtocolError):
                 nxt = self.leases.grant_write(session.conn_id, lease.state, [b""] * reserve, lease.tenant,
-                                              evict=False)
-                out["next"] = {"lease": nxt.id, "slots": nxt.slots, "lease_s": self.leases.lease_s}
+                                              evict=False, blocking=blocking)
+                if nxt is not None:
+                    out["next"] = {"lease": nxt.id, "slots": nxt.slots, "lease_s": self.leases.lease_s}
 
     def op_release(self, session: Session, meta: dict[str, Any], data: bytes) -> Reply:
         """End a read lease (``valid``: it had not expired), or give an unused write lease's

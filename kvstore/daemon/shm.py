@@ -16,6 +16,7 @@ import itertools
 import threading
 import time
 from dataclasses import dataclass
+from typing import overload
 
 from kvstore.daemon.protocol import Code, ProtocolError
 from kvstore.daemon.registry import NamespaceState
@@ -64,14 +65,28 @@ class Leases:
                       time.monotonic() + self.lease_s)
         return self._add(lease)
 
+    @overload
     def grant_write(self, conn: int, state: NamespaceState, keys: list[bytes], tenant: str,
-                    evict: bool = True) -> Lease:
+                    evict: bool = True) -> Lease: ...
+    @overload
+    def grant_write(self, conn: int, state: NamespaceState, keys: list[bytes], tenant: str,
+                    evict: bool = True, *, blocking: bool) -> Lease | None: ...
+
+    def grant_write(self, conn: int, state: NamespaceState, keys: list[bytes], tenant: str,
+                    evict: bool = True, *, blocking: bool = True) -> Lease | None:
         """Reserve one free host slot per key (CapacityError when none can be freed; with
-        ``evict=False``, when fewer are free)."""
+        ``evict=False``, when fewer are free). Without ``blocking``: None instead of waiting
+        for the store lock (see TieredStore.reserve_host)."""
         self._check_room(conn)
-        slots = state.store.reserve_host(len(keys), evict=evict)
+        slots = state.store.reserve_host(len(keys), evict=evict, blocking=blocking)
+        if slots is None:
+            return None
         lease = Lease(next(self._ids), "write", conn, state, keys, slots, tenant, time.monotonic() + self.lease_s)
         return self._add(lease)
+
+    def put_back(self, lease: Lease) -> None:
+        """Make a lease ``take`` returned live again (nothing was done with it)."""
+        self._add(lease)
 
     def take(self, conn: int, lease_id: int, kind: str) -> Lease | None:
         """Remove and return a live lease of this connection; None if unknown or expired."""
