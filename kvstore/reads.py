@@ -99,7 +99,7 @@ class ReadPath:
                 # all in host RAM (and no shared tier to ask for the rest): one copy per run
                 # of slots, made under the lock, so no block needs marking as being read
                 if dst is not None and num_host:
-                    cascade.host.read_rows(host_slots, dst[:num_host])
+                    cascade.host.read_rows(host_slots, dst if num_host == len(dst) else dst[:num_host])
                     cascade.host.counters.bytes_read += num_host * cascade.host.payload_bytes
                 return FetchResult(num_host, (names[0],) * num_host)
             if not plan:

@@ -133,12 +133,19 @@ class HostTier:
     def write(self, slots: Sequence[int], src: torch.Tensor) -> None:
         """Copy ``src`` ([n, payload_bytes] uint8, any device) into the slots, one copy per run."""
         for start, stop, first in _runs(slots):
-            self.pool[first : first + stop - start, : self.payload_bytes].copy_(src[start:stop])
+            self._rows(first, stop - start).copy_(src if (start, stop) == (0, len(src)) else src[start:stop])
 
     def read(self, slots: Sequence[int], dst: torch.Tensor, non_blocking: bool = False) -> None:
         """Copy the slots' payloads into ``dst`` ([n, payload_bytes] uint8), one copy per run."""
         for start, stop, first in _runs(slots):
-            dst[start:stop].copy_(self.pool[first : first + stop - start, : self.payload_bytes], non_blocking)
+            (dst if (start, stop) == (0, len(dst)) else dst[start:stop]).copy_(self._rows(first, stop - start),
+                                                                               non_blocking)
+
+    def _rows(self, first: int, n: int) -> torch.Tensor:
+        """Slots ``first .. first + n - 1`` as ``[n, payload_bytes]`` rows (one view, fewest
+        tensor ops: a get's copy is a few of them beside the memcpy)."""
+        rows = self.pool.narrow(0, first, n)
+        return rows if self.slot_bytes == self.payload_bytes else rows[:, : self.payload_bytes]
 
     def check_integrity(self, used_slots: Sequence[int]) -> None:
         """Assert that ``used_slots`` (the owner's view) and the free heap partition the pool."""
