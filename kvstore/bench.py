@@ -55,13 +55,18 @@ class Row:
 
 class CacheFlush:
     """Writes a buffer of twice the last-level cache, evicting what the caches held (call it
-    before a timed section, untimed)."""
+    before a timed section, untimed).
+
+    The write is numpy's, on this thread alone: a torch op would leave torch's OpenMP worker
+    spinning on the other core for milliseconds afterwards (libgomp's spin-wait), so the
+    timed call would start on a machine with one core busy, and a process it wakes (the
+    daemon, redis-server) would land on the caller's core."""
 
     def __init__(self, nbytes: int = 64 << 20) -> None:
-        self.buffer = torch.zeros(nbytes, dtype=torch.uint8)
+        self.buffer = np.zeros(nbytes, dtype=np.uint8)
 
     def __call__(self) -> None:
-        self.buffer.add_(1)
+        np.add(self.buffer, 1, out=self.buffer)
 
 
 def best_of(fn: Callable[[], object], repeat: int, before: Callable[[], object] | None = None) -> float:
