@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -122,26 +124,34 @@ class _LockHolder:
         pass
 
 
+@contextlib.contextmanager
+def _lock_held(store) -> Iterator[None]:  # type: ignore[no-untyped-def]
+    """Another thread holds the store lock for the body: its put waits in a listener."""
+    holder = _LockHolder()
+    store.add_listener(holder)
+    holder.armed = True
+    other = chain(store, 1, salt=99)
+    putter = threading.Thread(target=store.put, args=(other, blocks_for(other)))
+    putter.start()
+    try:
+        assert holder.inside.wait(10)
+        yield
+    finally:
+        holder.armed = False
+        holder.release.set()
+        putter.join(10)
+        store.remove_listener(holder)
+
+
 def test_non_blocking_lease_calls_never_wait_for_the_store_lock(tmp_path: Path) -> None:
     store = make_store(tmp_path, host_blocks=8)
     keys = chain(store, 2)
     slots = store.reserve_host(2)
     _write_rows(store, keys, slots)
-    holder = _LockHolder()
-    store.add_listener(holder)
-    holder.armed = True
-    other = chain(store, 1, salt=1)
-    putter = threading.Thread(target=store.put, args=(other, blocks_for(other)))
-    putter.start()
-    try:
-        assert holder.inside.wait(10)
+    with _lock_held(store):
         assert store.contains(keys, blocking=False) is None
         assert store.reserve_host(1, blocking=False) is None
         assert store.commit_host(keys, slots, tenant="t", blocking=False) is False
-    finally:
-        holder.armed = False
-        holder.release.set()
-        putter.join(10)
     assert store.contains(keys, blocking=False) == [False, False]  # the refused commit did nothing
     assert store.commit_host(keys, slots, tenant="t", blocking=False) is True
     assert torch.equal(store.get(keys), blocks_for(keys))
@@ -193,19 +203,8 @@ def test_a_host_only_acquire_holds_all_or_nothing_and_promotes_nothing(tmp_path:
     assert len(slots) == len(on_host) and store.stats()["host"]["hits"] == hits + len(on_host)
     with pytest.raises(CapacityError):
         store.delete(on_host[:1])  # held
-    holder = _LockHolder()
-    store.add_listener(holder)
-    holder.armed = True
-    other = chain(store, 1, salt=3)
-    putter = threading.Thread(target=store.put, args=(other, blocks_for(other)))
-    putter.start()
-    try:
-        assert holder.inside.wait(10)
+    with _lock_held(store):
         assert store.release_host(on_host, blocking=False) is False  # the lock is busy: still held
-    finally:
-        holder.armed = False
-        holder.release.set()
-        putter.join(10)
     with pytest.raises(CapacityError):
         store.delete(on_host[:1])
     assert store.release_host(on_host, blocking=False) is True

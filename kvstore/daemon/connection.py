@@ -129,36 +129,13 @@ class Connection(asyncio.BufferedProtocol):
 
     def _consume(self, nbytes: int) -> None:
         """``nbytes`` more of the part being received arrived in its pieces."""
-        pieces = self._pieces
         self._left -= nbytes
-        done = 0
-        while nbytes and nbytes >= len(pieces[done]):
-            nbytes -= len(pieces[done])
-            done += 1
-        del pieces[:done]
-        if nbytes:
-            pieces[0] = pieces[0][nbytes:]
+        _trim(self._pieces, nbytes)
 
     def _receive_bulk(self) -> None:
         """Read the rest of a large part straight into its pieces while its bytes flow."""
-        if self.closed or self._fd < 0 or self._left < BULK_MIN:
-            return
-        poller = select.poll()
-        poller.register(self._fd, select.POLLIN)
-        pace = BulkPace()
-        while self._pieces:
-            try:
-                n = os.readv(self._fd, self._pieces[:IOV_MAX])
-            except BlockingIOError:
-                if not pace.keeps_up() or not poller.poll(BULK_WAIT_MS):
-                    return
-                continue
-            except OSError:  # the transport's next read meets the error and closes
-                return
-            if n == 0:  # end of stream: so will the transport's next read
-                return
-            pace.moved += n
-            self._consume(n)
+        if not self.closed and self._fd >= 0 and self._left >= BULK_MIN:
+            self._left -= _move_while_flowing(self._fd, self._pieces, write=False)
 
     def eof_received(self) -> bool:
         # Frames already received are still served and answered; then the connection closes.
@@ -350,7 +327,7 @@ class Connection(asyncio.BufferedProtocol):
         elif len(payload):
             parts.append(memoryview(payload).cast("B"))
         if (held or len(payload) >= BULK_MIN) and not self.transport.get_write_buffer_size():
-            parts = self._send_bulk(parts)
+            _move_while_flowing(self._fd, parts, write=True)  # straight from the buffers
         for part in parts:  # the transport sends (and buffers) the rest; held slots are copied
             self.transport.write(bytes(part) if held else part)
         if held:  # before any await: no later frame of this connection is parsed before it
@@ -361,29 +338,6 @@ class Connection(asyncio.BufferedProtocol):
             waiter = asyncio.get_running_loop().create_future()
             self._drain_waiters.append(waiter)
             await waiter
-
-    def _send_bulk(self, parts: list[memoryview]) -> list[memoryview]:
-        """Write ``parts`` straight from their buffers while the peer reads (nothing else is
-        queued on the transport); returns what is left when it stalls."""
-        poller = select.poll()
-        poller.register(self._fd, select.POLLOUT)
-        pace = BulkPace()
-        while parts:
-            try:
-                n = os.writev(self._fd, parts[:IOV_MAX])
-            except BlockingIOError:
-                if not pace.keeps_up() or not poller.poll(BULK_WAIT_MS):
-                    break
-                continue
-            except OSError:  # the transport's next write or read meets the error
-                break
-            pace.moved += n
-            while n and n >= len(parts[0]):
-                n -= len(parts[0])
-                parts.pop(0)
-            if n:
-                parts[0] = parts[0][n:]
-        return parts
 
     def _slot_done(self) -> None:
         self._num_slots -= 1
@@ -455,6 +409,42 @@ class BulkPace:
     def keeps_up(self) -> bool:
         elapsed = time.monotonic() - self.start
         return elapsed < BULK_MAX_S and self.moved + BULK_GRACE >= BULK_RATE * elapsed
+
+
+def _move_while_flowing(fd: int, parts: list[memoryview], *, write: bool) -> int:
+    """``readv`` into (``writev`` from) ``parts`` in a tight loop while the peer keeps pace;
+    ``parts`` is trimmed to what is left. Stops when the peer stalls (BulkPace), at the end of
+    the stream, or at an error, which the transport's own next read or write then meets.
+    Returns the bytes moved."""
+    poller = select.poll()
+    poller.register(fd, select.POLLOUT if write else select.POLLIN)
+    move = os.writev if write else os.readv
+    pace = BulkPace()
+    while parts:
+        try:
+            n = move(fd, parts[:IOV_MAX])
+        except BlockingIOError:
+            if not pace.keeps_up() or not poller.poll(BULK_WAIT_MS):
+                break
+            continue
+        except OSError:
+            break
+        if n == 0:  # end of stream
+            break
+        pace.moved += n
+        _trim(parts, n)
+    return pace.moved
+
+
+def _trim(parts: list[memoryview], nbytes: int) -> None:
+    """Drop the first ``nbytes`` of ``parts`` (whole parts, then the front of one)."""
+    done = 0
+    while nbytes and nbytes >= len(parts[done]):
+        nbytes -= len(parts[done])
+        done += 1
+    del parts[:done]
+    if nbytes:
+        parts[0] = parts[0][nbytes:]
 
 
 def _decode(meta: bytes | bytearray, max_frame: int) -> dict[str, Any] | ProtocolError:
