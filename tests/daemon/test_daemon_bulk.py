@@ -7,8 +7,10 @@ which are held until then and released before the connection's next request runs
 from __future__ import annotations
 
 import itertools
+import random
 import socket
 import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,12 +18,13 @@ import pytest
 import torch
 from test_daemon_frames import reply
 
-from kvstore import KVLayout
+from kvstore import CapacityError, KVLayout
 from kvstore.daemon.connection import BULK_MAX_S, BULK_MIN, BulkPace
 from kvstore.daemon.protocol import HEADER, VERSION, encode
 from kvstore.daemon.registry import layout_to_dict
 
 from daemon_helpers import LAYOUT, DaemonProc, blocks, prompt
+from factories import run_in_threads
 
 # 64 KiB blocks: a 200-block reply (12.5 MiB) outgrows the daemon's socket buffer (8 MiB),
 # so a reader that pauses makes the writer stall; 8 blocks (512 KiB) already take the loops.
@@ -197,3 +200,42 @@ def test_a_get_reaching_disk_names_each_blocks_tier(tmp_path: Path) -> None:
             assert result.tiers == ("host",) * 8 and torch.equal(into[:8], blocks(on_host, BIG))
     finally:
         assert d.stop() == 0
+
+
+def test_concurrent_puts_gets_and_deletes_never_return_other_bytes(big_daemon: DaemonProc) -> None:
+    """Socket and shared-memory clients race on the same chains (received into slots,
+    committed on the loop, gets written from held slots): every get returns the bytes put
+    under its keys, or a miss; a delete meeting a get in flight is refused, never wrong."""
+    with big_daemon.connect(shm=False, layout=BIG) as c:
+        chains = [c.block_keys(prompt(900 + s, 12, BIG.block_size)) for s in range(4)]
+    expected = [blocks(keys, BIG) for keys in chains]
+    counts: Counter[str] = Counter()
+    wrong: list[str] = []
+    stop = time.monotonic() + 3.0
+
+    def worker(i: int) -> None:
+        rnd = random.Random(i)
+        with big_daemon.connect(shm=i % 2 == 0, layout=BIG) as client:
+            while time.monotonic() < stop:
+                s = rnd.randrange(len(chains))
+                op = rnd.random()
+                try:
+                    if op < 0.4:
+                        client.put(chains[s], expected[s])
+                        counts["put"] += 1
+                    elif op < 0.85:
+                        n = rnd.randrange(1, 13)
+                        if not torch.equal(client.get(chains[s][:n]), expected[s][:n]):
+                            wrong.append(f"chain {s}, {n} blocks")
+                        counts["get"] += 1
+                    else:
+                        client.delete(chains[s])
+                        counts["delete"] += 1
+                except KeyError:
+                    counts["miss"] += 1
+                except CapacityError:
+                    counts["busy"] += 1
+
+    run_in_threads(worker, 4)
+    assert wrong == []
+    assert counts["get"] > 20 and counts["put"] > 20 and counts["delete"] > 5, counts
