@@ -62,31 +62,30 @@ class HostLeases:
                 entry = cascade.index.get(key)
                 if entry is None or entry.slots[0] is None:
                     break
-                entry.readers += 1
-                cascade.note_use(entry)
                 held.append(entry)
-            host = cascade.host
-            if held:
-                host.policy.access([e.key for e in held])
-            host.counters.bytes_read += len(held) * host.tier.payload_bytes
-            return [e.slots[0] for e in held]  # type: ignore[misc]
+            return self._hold(held)
 
     def _acquire_on_host(self, keys: list[bytes]) -> list[int]:
         cascade = self.cascade
-        host = cascade.host
         with cascade.lock:
             cascade.check_open()
-            entries = [cascade.index.get(key) for key in keys]
-            if not keys or any(entry is None or entry.slots[0] is None for entry in entries):
+            found = [cascade.index.get(key) for key in keys]
+            held = [entry for entry in found if entry is not None and entry.slots[0] is not None]
+            if not keys or len(held) < len(keys):
                 return []
-            cascade.count_lookup(PrefixMatch(len(keys), (host.name,) * len(keys)), len(keys))
-            for entry in entries:
-                assert entry is not None
-                entry.readers += 1
-                cascade.note_use(entry)
-            host.policy.access(keys)
-            host.counters.bytes_read += len(keys) * host.tier.payload_bytes
-            return [entry.slots[0] for entry in entries]  # type: ignore[misc,union-attr]
+            cascade.count_lookup(PrefixMatch(len(keys), (cascade.host.name,) * len(keys)), len(keys))
+            return self._hold(held)
+
+    def _hold(self, held: list[BlockEntry]) -> list[int]:
+        """Mark host blocks as being read, counted as read (store lock held); their slots."""
+        cascade, host = self.cascade, self.cascade.host
+        for entry in held:
+            entry.readers += 1
+            cascade.note_use(entry)
+        if held:
+            host.policy.access([e.key for e in held])
+        host.counters.bytes_read += len(held) * host.tier.payload_bytes
+        return [e.slots[0] for e in held]  # type: ignore[misc]
 
     def release(self, keys: Sequence[bytes], *, blocking: bool = True) -> bool:
         """End a read lease: undo one ``acquire`` of each of ``keys``. Without ``blocking``:
@@ -115,17 +114,13 @@ class HostLeases:
         """
         self._check_raw()
         cascade = self.cascade
-        if blocking:
-            with cascade.lock:
-                cascade.check_open()
-                return cascade.reserve_host_exactly(n, evict)
-        if not cascade.lock.acquire(blocking=False):
+        if not cascade.lock.acquire(blocking=blocking):
             return None
         try:
             cascade.check_open()
-            if cascade.host.num_free < n:
+            if not blocking and cascade.host.num_free < n:
                 return None
-            return cascade.reserve_host_exactly(n, evict=False)
+            return cascade.reserve_host_exactly(n, evict and blocking)
         finally:
             cascade.lock.release()
 

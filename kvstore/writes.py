@@ -18,6 +18,7 @@ import torch
 from kvstore.cascade import Cascade
 from kvstore.errors import CapacityError, KVStoreError
 from kvstore.index import BlockEntry
+from kvstore.levels.shared import SharedLevel
 
 
 class WritePath:
@@ -26,10 +27,15 @@ class WritePath:
         self.write_through = write_through and len(cascade.levels) > 1
 
     @property
+    def takers(self) -> list[SharedLevel]:
+        """The shared levels offered every block new to host."""
+        return [level for level in self.cascade.shared if level.takes_puts]
+
+    @property
     def commits_in_memory(self) -> bool:
         """A commit only publishes in host RAM: nothing written below, no copy encoded for
         a shared level (listeners are told, as always)."""
-        return not self.write_through and not any(level.takes_puts for level in self.cascade.shared)
+        return not self.write_through and not self.takers
 
     def put(self, keys: list[bytes], start: int, stop: int, src: torch.Tensor, tenant: str) -> None:
         """Store rows ``src[start:stop]`` ([n, payload] uint8) under ``keys[start:stop]``.
@@ -90,7 +96,7 @@ class WritePath:
                     cascade.index.discard(entry.key)
             raise KVStoreError(f"host RAM's codec could not store {n_host} blocks")
         # the rows put, for the shared levels that take puts (made only when one does)
-        raw = [src[i] for i in rows] if any(level.takes_puts for level in cascade.shared) else None
+        raw = [src[i] for i in rows] if self.takers else None
         self.publish_on_host(entries[:n_host], slots, refreshed, raw)
         overflow = entries[n_host:]
         if not overflow:
@@ -126,7 +132,7 @@ class WritePath:
             on_host = [e for e in placed if e.slots[1] is None]
             payloads = host.export([e.key for e in on_host], [e.slots[0] for e in on_host])  # type: ignore[misc]
             cascade.store(1, on_host, payloads, source_rank=0)  # type: ignore[arg-type]
-        takers = [level for level in cascade.shared if level.takes_puts]
+        takers = self.takers
         if takers and placed:
             # the bytes put: the caller's rows, or (commit) the raw host slots it wrote
             if raw is None:

@@ -214,16 +214,13 @@ class Connection(asyncio.BufferedProtocol):
     def _fill(self, body: bytearray | ReservedPut) -> None:
         """Make ``body`` the part being received: staged bytes first, then the socket's."""
         self._body = body
-        pieces = [memoryview(body)] if isinstance(body, bytearray) else list(body.views)
-        while pieces and self._start < self._end:
-            n = min(len(pieces[0]), self._end - self._start)
-            pieces[0][:n] = self._view[self._start : self._start + n]
+        self._pieces = [memoryview(body)] if isinstance(body, bytearray) else list(body.views)
+        self._left = sum(len(p) for p in self._pieces)
+        while self._pieces and self._start < self._end:  # the staged bytes first
+            n = min(len(self._pieces[0]), self._end - self._start)
+            self._pieces[0][:n] = self._view[self._start : self._start + n]
             self._start += n
-            pieces[0] = pieces[0][n:]
-            if not len(pieces[0]):
-                pieces.pop(0)
-        self._pieces = pieces
-        self._left = sum(len(p) for p in pieces)
+            self._consume(n)
         self._receive_bulk()
         if not self._pieces:
             self._part_done()

@@ -118,6 +118,7 @@ class Ops:
              blocking: bool) -> Reply | None:
         rid = meta.get("id")
         op = meta.get("op")
+        ran: str | None = None  # the op, once it runs: a request, whether it succeeds or fails
         try:
             if not isinstance(op, str):
                 raise ProtocolError(Code.BAD_REQUEST, "field 'op' must be a string")
@@ -128,16 +129,16 @@ class Ops:
                 raise ProtocolError(Code.STATE, "hello was already sent on this connection")
             if op != "hello" and session.principal is None:
                 raise ProtocolError(Code.STATE, f"op {op!r} before hello")
+            ran = op
             if blocking:
-                self.requests[op] += 1
-                out, payload = handler(session, meta, data)
+                reply: Reply | None = handler(session, meta, data)
             else:
                 reply = (self._commit_put(session, data, blocking=False) if isinstance(data, ReservedPut)
                          else self._commit_lease(session, meta, blocking=False))
-                if reply is None:
-                    return None
-                self.requests[op] += 1
-                out, payload = reply
+            if reply is None:
+                ran = None  # nothing was done: the worker's run is the request
+                return None
+            out, payload = reply
             out["id"] = rid
             return out, payload
         except ProtocolError as exc:
@@ -155,8 +156,9 @@ class Ops:
         except Exception as exc:  # a bug: report it, keep serving
             log.exception("op %r failed", op)
             code, message = Code.INTERNAL, f"{type(exc).__name__}: {exc}"
-        if not blocking and isinstance(op, str):
-            self.requests[op] += 1  # a failed commit is a request all the same
+        finally:
+            if ran is not None:
+                self.requests[ran] += 1
         self.errors[code.name] += 1
         if session.state is not None and session.principal is not None:
             session.state.count(session.principal.tenant, errors=1)
