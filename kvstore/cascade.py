@@ -32,7 +32,7 @@ import torch
 
 from kvstore.errors import CapacityError, KVStoreError
 from kvstore.eviction import EvictionPolicy
-from kvstore.index import BlockEntry, BlockIndex, PrefixMatch
+from kvstore.index import BlockEntry, BlockIndex
 from kvstore.levels.base import Level
 from kvstore.levels.host import HostLevel
 from kvstore.levels.shared import SharedLevel
@@ -273,13 +273,14 @@ class Cascade:
 
     # ----------------------------------------------------------------------------- queries
 
-    def count_lookup(self, match: PrefixMatch, num_keys: int) -> None:
-        """Count a lookup: a level hits the blocks it is the best holder of, and misses those
-        found only below it plus one for a run that ends short."""
-        short = 1 if match.num_blocks < num_keys else 0
-        below = match.num_blocks
+    def count_lookup(self, tiers: Sequence[str], num_keys: int) -> None:
+        """Count a lookup that found the leading run ``tiers`` (each block's best tier) of
+        ``num_keys``: a level hits the blocks it is the best holder of, and misses those found
+        only below it plus one for a run that ends short."""
+        short = 1 if len(tiers) < num_keys else 0
+        below = len(tiers)
         for level in self.levels:
-            hits = match.count(level.name)
+            hits = tiers.count(level.name)
             below -= hits
             level.counters.hits += hits
             level.counters.misses += below + short

@@ -164,11 +164,9 @@ class ReusePolicy(EvictionPolicy):
         for i in range(len(keys) - 1, -1, -1):  # tail first: the head gets the newest stamp
             key = keys[i]
             clock += 1
-            stamp = once.pop(key, None)
-            if stamp is None:
-                stamp = reused.pop(key, None)
-            if stamp is not None:
-                count = uses[key]
+            count = uses.get(key)
+            if count is not None:  # tracked: it sits in the queue its count names
+                stamp = (reused if count >= 2 else once).pop(key)
             else:  # new to this tier (access of an unknown key is treated the same, as LRU does)
                 count, stamp = ghost.pop(key, (0, 0))
                 if parents is not None and parents[i] is not None:

@@ -26,7 +26,7 @@ class BlockEntry:
     slots: list[int | None]
     pins: int = 0  # pin() calls not yet matched by unpin(); never evicted while > 0
     readers: int = 0  # copies in flight outside the store lock; never evicted while > 0
-    num_uses: int = 0  # puts and reads, for "seen twice" admission
+    num_uses: int = 0  # puts and reads, for "seen twice" admission (a read counts only up to 2)
     last_access: float = 0.0  # time.time() of the last put or read (0.0: not since loaded)
     inexact: int = 0  # bit r: the copy at rank r differs from the bytes put (lossy codec)
 
@@ -75,7 +75,7 @@ class PrefixMatch:
     lossy: tuple[bool, ...] = field(default=(), compare=False)
 
     def count(self, tier: str) -> int:
-        return sum(1 for t in self.tiers if t == tier)
+        return self.tiers.count(tier)
 
 
 class BlockIndex:

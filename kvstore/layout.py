@@ -90,7 +90,17 @@ class KVLayout:
         new ``[num_blocks, *block_shape]`` tensor."""
         if out is None:
             return torch.empty((num_blocks, *self.block_shape), dtype=self.dtype)
+        # the common case in a few attribute reads (a get's checks cost more than its lookups)
+        if type(out) is torch.Tensor and out.dtype is self.dtype and out.is_cpu and out.is_contiguous() \
+                and out.shape == (num_blocks, *self.block_shape):
+            return out
         self.check_blocks(out, num_blocks)
         if out.device.type != "cpu" or not out.is_contiguous():
             raise ValueError("get(out=...) needs a contiguous CPU tensor; use fetch() for devices")
         return out
+
+
+def raw_rows(blocks: torch.Tensor) -> torch.Tensor:
+    """Contiguous blocks ``[n, ...]`` of any dtype viewed as ``[n, bytes per block]`` uint8 rows
+    (no copy; uint8 rows come back as they are)."""
+    return blocks if blocks.dtype == torch.uint8 and blocks.dim() == 2 else blocks.view(torch.uint8).flatten(1)

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from kvstore.cascade import Cascade
 from kvstore.errors import KVStoreError
-from kvstore.index import BlockEntry, PrefixMatch
+from kvstore.index import BlockEntry
 from kvstore.reads import ReadPath
 from kvstore.writes import WritePath
 
@@ -50,7 +50,7 @@ class HostLeases:
         with cascade.lock:
             cascade.check_open()
             match = cascade.index.match(keys)
-            cascade.count_lookup(match, len(keys))
+            cascade.count_lookup(match.tiers, len(keys))
         if cascade.shared and match.num_blocks < len(keys):
             self.reads.read_into(keys, None)  # continues into the shared levels, promoting
         elif any(tier != cascade.host.name for tier in match.tiers):
@@ -73,7 +73,7 @@ class HostLeases:
             held = [entry for entry in found if entry is not None and entry.slots[0] is not None]
             if not keys or len(held) < len(keys):
                 return []
-            cascade.count_lookup(PrefixMatch(len(keys), (cascade.host.name,) * len(keys)), len(keys))
+            cascade.count_lookup((cascade.host.name,) * len(keys), len(keys))
             return self._hold(held)
 
     def _hold(self, held: list[BlockEntry]) -> list[int]:

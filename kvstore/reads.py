@@ -34,6 +34,7 @@ import torch
 
 from kvstore.cascade import Cascade
 from kvstore.index import BlockEntry, PrefixMatch
+from kvstore.layout import raw_rows
 from kvstore.transfer import FetchResult
 
 # A host-only read up to this size copies under the store lock (a put copies under it too):
@@ -48,9 +49,10 @@ class ReadPath:
 
     def read_into(self, keys: Sequence[bytes], dst: torch.Tensor | None, *, count: bool = False,
                   exact: bool = False) -> FetchResult:
-        """Copy the leading run of found blocks into ``dst`` rows ([n, raw block] uint8, CPU);
-        with ``dst=None``, only promote lower-level blocks to host (a prefetch). With
-        ``exact``, a block held only as a lossy copy ends the run (a miss)."""
+        """Copy the leading run of found blocks into ``dst``'s rows (CPU, contiguous: raw
+        ``[n, raw block]`` uint8, or the layout's typed ``[n, *block_shape]``); with
+        ``dst=None``, only promote lower-level blocks to host (a prefetch). With ``exact``, a
+        block held only as a lossy copy ends the run (a miss)."""
         cascade = self.cascade
         names = cascade.index.level_names
         with cascade.lock:
@@ -67,9 +69,8 @@ class ReadPath:
                 slot = entry.slots[0]
                 if slot is None or (exact and entry.inexact & 1):
                     break
-                if entry.num_uses:
+                if entry.num_uses > 1:  # seen twice already: more uses change nothing
                     entry.last_access = now
-                    entry.num_uses += 1
                 else:
                     cascade.note_use(entry, now)
                 host_entries.append(entry)
@@ -88,10 +89,11 @@ class ReadPath:
                         break
                     cascade.note_use(entry, now)
                     plan.append((entry, found))
-            host_keys = [entry.key for entry, rank in plan if rank == 0] if plan else keys[:num_host]
+            host_keys = [entry.key for entry, rank in plan if rank == 0] if plan else \
+                keys if num_host == len(keys) else keys[:num_host]
             if count:
                 found_tiers = (names[0],) * num_host if not plan else tuple(names[r] for _, r in plan)
-                cascade.count_lookup(PrefixMatch(len(found_tiers), found_tiers), len(keys))
+                cascade.count_lookup(found_tiers, len(keys))
             if host_keys:
                 cascade.host.policy.access(host_keys)
             if not plan and (num_host == len(keys) or not cascade.shared) \
@@ -120,6 +122,8 @@ class ReadPath:
                         if entry.readers == 0 and entry.slots[0] is None:  # deleted or evicted meanwhile
                             cascade.forget_if_unheld(entry)
             return FetchResult(len(plan), (names[0],) * len(plan))
+        if dst is not None:
+            dst = raw_rows(dst)  # lower levels read raw rows
         ok: dict[bytes, bool] = {}
         unplaced: set[bytes] = set()
         try:

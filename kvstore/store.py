@@ -123,7 +123,7 @@ class TieredStore:
         with self._lock:
             self._cascade.check_open()
             match = self._index.match(keys, exact=exact)
-            self._cascade.count_lookup(match, len(keys))
+            self._cascade.count_lookup(match.tiers, len(keys))
         if self._cascade.shared and match.num_blocks < len(keys):
             match = self._reads.extend(keys, match, exact)
         host = self._cascade.host.name
@@ -150,7 +150,7 @@ class TieredStore:
         """
         keys = self._check_keys(keys)
         out = self.layout.output_blocks(len(keys), out)
-        result = self._reads.read_into(keys, _as_bytes(out, len(keys), self._payload), count=True, exact=exact)
+        result = self._reads.read_into(keys, out, count=True, exact=exact)
         if result.num_blocks < len(keys):
             raise KeyError(f"block {keys[result.num_blocks].hex()} (#{result.num_blocks}) is not in the store")
         return out
@@ -173,8 +173,7 @@ class TieredStore:
             raise ValueError("fetch(into=...) needs a contiguous tensor")
         self._cascade.check_open()
         if into.device.type == "cpu":
-            dst = _as_bytes(into, len(keys), self._payload)
-            return FetchHandle(self._executor.submit(self._reads.read_into, keys, dst, exact=exact), len(keys))
+            return FetchHandle(self._executor.submit(self._reads.read_into, keys, into, exact=exact), len(keys))
 
         def to_device() -> FetchResult:
             staging = torch.empty((len(keys), self._payload), dtype=torch.uint8,
@@ -389,4 +388,4 @@ class TieredStore:
 
 def _as_bytes(blocks: torch.Tensor, n: int, payload: int) -> torch.Tensor:
     """A contiguous ``[n, *block_shape]`` tensor viewed as ``[n, payload]`` uint8 (no copy)."""
-    return blocks.view(torch.uint8).reshape(n, payload) if n else blocks.new_empty((0, payload), dtype=torch.uint8)
+    return blocks.view(torch.uint8).view(n, payload) if n else blocks.new_empty((0, payload), dtype=torch.uint8)

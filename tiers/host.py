@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import heapq
+import math
 import mmap
 import os
 from collections.abc import Sequence
@@ -80,6 +81,9 @@ class HostTier:
             self._mmap = mmap.mmap(-1, self.capacity_bytes, flags=flags)
             self.pool = torch.frombuffer(self._mmap, dtype=torch.uint8).view(self.num_slots, self.slot_bytes)
         self._free: list[int] = list(range(self.num_slots))  # a heap; sorted is a valid heap
+        # the payloads, viewed once per (dtype, row shape) that reads and writes use
+        self._payloads = self.pool if self.slot_bytes == payload_bytes else self.pool[:, :payload_bytes]
+        self._views: dict[tuple[torch.dtype, torch.Size], torch.Tensor] = {}
 
     @property
     def generations_offset(self) -> int:
@@ -131,21 +135,34 @@ class HostTier:
         return self.pool[slot]
 
     def write(self, slots: Sequence[int], src: torch.Tensor) -> None:
-        """Copy ``src`` ([n, payload_bytes] uint8, any device) into the slots, one copy per run."""
+        """Copy ``src``'s rows (one payload each: ``[n, payload_bytes]`` uint8, or any dtype
+        and row shape of that many bytes; any device) into the slots, one copy per run."""
+        pool = self._pool_as(src)
         for start, stop, first in _runs(slots):
-            self._rows(first, stop - start).copy_(src if (start, stop) == (0, len(src)) else src[start:stop])
+            pool.narrow(0, first, stop - start).copy_(src if (start, stop) == (0, len(src)) else src[start:stop])
 
     def read(self, slots: Sequence[int], dst: torch.Tensor, non_blocking: bool = False) -> None:
-        """Copy the slots' payloads into ``dst`` ([n, payload_bytes] uint8), one copy per run."""
+        """Copy the slots' payloads into ``dst``'s rows (as ``write`` takes them), one copy
+        per run: a typed ``dst`` needs no byte view of its own."""
+        pool = self._pool_as(dst)
         for start, stop, first in _runs(slots):
-            (dst if (start, stop) == (0, len(dst)) else dst[start:stop]).copy_(self._rows(first, stop - start),
+            (dst if (start, stop) == (0, len(dst)) else dst[start:stop]).copy_(pool.narrow(0, first, stop - start),
                                                                                non_blocking)
 
-    def _rows(self, first: int, n: int) -> torch.Tensor:
-        """Slots ``first .. first + n - 1`` as ``[n, payload_bytes]`` rows (one view, fewest
-        tensor ops: a get's copy is a few of them beside the memcpy)."""
-        rows = self.pool.narrow(0, first, n)
-        return rows if self.slot_bytes == self.payload_bytes else rows[:, : self.payload_bytes]
+    def _pool_as(self, rows: torch.Tensor) -> torch.Tensor:
+        """The payloads as ``[num_slots, *rows.shape[1:]]`` of ``rows.dtype``: made once per
+        dtype and row shape (a get's copy is a few tensor calls beside the memcpy, and each
+        cold one costs microseconds)."""
+        key = (rows.dtype, rows.shape[1:])
+        view = self._views.get(key)
+        if view is None:
+            if rows.dim() < 2 or math.prod(rows.shape[1:]) * rows.element_size() != self.payload_bytes:
+                raise ValueError(f"rows of {tuple(rows.shape[1:])} {rows.dtype} are not one payload "
+                                 f"({self.payload_bytes} bytes) each")
+            if len(self._views) >= 16:
+                self._views.clear()
+            view = self._views[key] = self._payloads.view(rows.dtype).view(self.num_slots, *rows.shape[1:])
+        return view
 
     def check_integrity(self, used_slots: Sequence[int]) -> None:
         """Assert that ``used_slots`` (the owner's view) and the free heap partition the pool."""

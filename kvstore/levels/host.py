@@ -14,6 +14,7 @@ import torch
 from kvstore.errors import CodecError
 from kvstore.eviction import EvictionPolicy
 from kvstore.index import HOST, BlockEntry
+from kvstore.layout import raw_rows
 from kvstore.levels.base import SlotLevel
 from kvstore.levels.coding import LevelCodec
 from tiers.host import HostTier
@@ -64,9 +65,10 @@ class HostLevel(SlotLevel):
         return [True] * len(slots)
 
     def read_rows(self, slots: Sequence[int], dst: torch.Tensor) -> None:
-        """Copy the slots' blocks into consecutive raw rows ``dst`` ([n, raw_bytes] uint8)."""
+        """Copy the slots' blocks into ``dst``'s consecutive rows: raw ``[n, raw_bytes]``
+        uint8, or typed blocks ``[n, *block_shape]`` (a get's ``out``)."""
         if self.coding is not None:
-            self.coding.decode(self.views(slots), list(dst))
+            self.coding.decode(self.views(slots), list(raw_rows(dst)))
         else:
             self.tier.read(slots, dst)
 
