@@ -324,7 +324,7 @@ def test_get_into_a_given_tensor(tmp_path: Path) -> None:
         store.get(keys, out=torch.empty((2, *store.layout.block_shape[::-1])).permute(0, 5, 4, 3, 2, 1))
     with pytest.raises(LayoutMismatchError, match="dtype"):
         store.get(keys, out=out.to(torch.float64))
-    with pytest.raises(LayoutMismatchError, match="must be a torch.Tensor"):
+    with pytest.raises(LayoutMismatchError, match=r"must be a torch\.Tensor"):
         store.get(keys, out=out.numpy())  # type: ignore[arg-type]
     # a tensor subclass takes the full checks, and is filled all the same
     param = torch.nn.Parameter(torch.zeros_like(out), requires_grad=False)
