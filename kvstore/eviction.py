@@ -161,6 +161,7 @@ class ReusePolicy(EvictionPolicy):
     def _touch(self, keys: Sequence[Key], parents: Sequence[Key | None] | None) -> None:
         once, reused, uses, ghost = self._once, self._reused, self._uses, self._ghost
         clock, floor = self._clock, 0
+        intervals: list[int] = []  # reuse intervals of the reused blocks, observed after the loop
         for i in range(len(keys) - 1, -1, -1):  # tail first: the head gets the newest stamp
             key = keys[i]
             clock += 1
@@ -172,7 +173,7 @@ class ReusePolicy(EvictionPolicy):
                 if parents is not None and parents[i] is not None:
                     self._parents[key] = parents[i]
             if count >= 2:
-                self._observe(clock - stamp)
+                intervals.append(clock - stamp)
             if count < 255:
                 count += 1
             if count < floor:  # a parent never sits below its child
@@ -180,6 +181,8 @@ class ReusePolicy(EvictionPolicy):
             floor = uses[key] = count
             (reused if count >= 2 else once)[key] = clock
         self._clock = clock
+        if intervals:
+            self._observe(intervals)
 
     def _restamp_ancestors(self, parent: Key | None, floor: int) -> None:
         # The new blocks' tracked prefix counts as touched with them, after them: O(depth).
@@ -195,18 +198,23 @@ class ReusePolicy(EvictionPolicy):
             (self._reused if floor >= 2 else self._once)[parent] = self._clock
             parent = self._parents.get(parent)
 
-    def _observe(self, interval: int) -> None:
-        self._histogram[_bucket(interval)] += 1.0
-        self._num_samples += 1
-        if self._num_samples % 256 == 0 and self._num_samples >= self.min_samples:
+    def _observe(self, intervals: list[int]) -> None:
+        histogram = self._histogram
+        for interval in intervals:
+            histogram[_bucket(interval)] += 1.0
+        before = self._num_samples
+        self._num_samples += len(intervals)
+        passed = self._num_samples // 256 - before // 256  # multiples of 256 samples passed
+        if passed and self._num_samples >= self.min_samples:
             # Recompute the quantile, then decay: recent reuse behaviour dominates.
-            target, seen = self.quantile * sum(self._histogram), 0.0
-            for bucket, weight in enumerate(self._histogram):
+            target, seen = self.quantile * sum(histogram), 0.0
+            for bucket, weight in enumerate(histogram):
                 seen += weight
                 if seen >= target:
                     self.horizon = _bucket_top(bucket)
                     break
-            self._histogram = [w * 0.9 for w in self._histogram]
+            decay = 0.9**passed
+            self._histogram = [w * decay for w in histogram]
 
     def remove(self, key: Key) -> None:
         if self._once.pop(key, None) is None:

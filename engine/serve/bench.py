@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from engine.sampling import SamplingParams
+from kvstore.bench import ratio_text
 
 NUM_CONCURRENT = 32
 SHORT_PROMPT, SHORT_TOKENS = 8, 16
@@ -160,6 +161,6 @@ def rows(s: dict[str, Any]) -> list[tuple[str, str, str, str, str, bool]]:
         (f"served: {short} at once", f"{s['conc_rps']:.1f} req/s",
          f"one at a time {s['seq_rps']:.1f} req/s", f"{x:.1f}x", ">= 3x", x >= 3),
         (f"served: {short} at once", f"{s['conc_rps']:.1f} req/s",
-         f"in-process generate of all {NUM_CONCURRENT} {s['batch_rps']:.1f} req/s", f"{kept:.2f}x", ">= 0.9x",
+         f"in-process generate of all {NUM_CONCURRENT} {s['batch_rps']:.1f} req/s", f"{ratio_text(kept, 0.9)}x", ">= 0.9x",
          kept >= 0.9),
     ]

@@ -20,7 +20,7 @@ from typing import Any
 import msgpack
 import zmq
 
-from kvstore.bench import Row, machine, write_section
+from kvstore.bench import Row, machine, ratio_text, write_section
 from kvstore.events.config import EventsConfig
 from kvstore.events.publisher import EventPublisher
 from kvstore.events.subscriber import Subscriber
@@ -159,7 +159,7 @@ def render(rows: list[Row], spread: float) -> str:
         want = float(r.target.split()[1].rstrip("x"))
         unit, scale = ("us", 1e6) if r.ours_s < 1e-3 else ("ms", 1e3)
         lines.append(f"| {r.name} | {r.ours_s * scale:.2f} {unit} | {r.baseline} | {r.base_s * scale:.2f} {unit} "
-                     f"| {r.ratio:.2f}x | {r.target} | {'yes' if r.ratio >= want else 'NO'} |")
+                     f"| {ratio_text(r.ratio, want)}x | {r.target} | {'yes' if r.ratio >= want else 'NO'} |")
     lines += ["", f"Spread of the engine rows (median over best, kv_events on): {spread:.0f}%."]
     return "\n".join(lines)
 
