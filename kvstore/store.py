@@ -23,6 +23,7 @@ from kvstore.errors import CapacityError
 from kvstore.index import PrefixMatch
 from kvstore.inspection import StoreView
 from kvstore.keys import BlockHasher, ExtraKey, Namespace
+from kvstore.layout import raw_rows
 from kvstore.leases import HostLeases
 from kvstore.levels import Level, SharedLevel
 from kvstore.levels.build import build_levels, build_shared
@@ -98,7 +99,7 @@ class TieredStore:
         self.layout.check_blocks(blocks, len(keys))
         for coding in self._codings:  # refused now, not at a later demotion
             coding.check_encodable(blocks)
-        src = _as_bytes(blocks.detach().to("cpu").contiguous(), len(keys), self._payload)
+        src = raw_rows(blocks.detach().to("cpu").contiguous())
         # A put bigger than host RAM goes in chunks, tails first: the head chunk is stored last,
         # so it ends up the most recent and a prefix's tail is what gets demoted.
         chunk = max(1, self._cascade.host.num_slots // 2)
@@ -180,7 +181,7 @@ class TieredStore:
                                   pin_memory=self._cascade.host.pinned)
             result = self._reads.read_into(keys, staging, exact=exact)
             n = result.num_blocks
-            _as_bytes(into, len(keys), self._payload)[:n].copy_(staging[:n], non_blocking=True)
+            raw_rows(into)[:n].copy_(staging[:n], non_blocking=True)
             torch.cuda.current_stream(into.device).synchronize()
             return result
 
@@ -385,7 +386,3 @@ class TieredStore:
                     raise TypeError(f"keys must be {n}-byte strings from block_keys(), got {key!r:.60}")
         return keys
 
-
-def _as_bytes(blocks: torch.Tensor, n: int, payload: int) -> torch.Tensor:
-    """A contiguous ``[n, *block_shape]`` tensor viewed as ``[n, payload]`` uint8 (no copy)."""
-    return blocks.view(torch.uint8).view(n, payload) if n else blocks.new_empty((0, payload), dtype=torch.uint8)
