@@ -22,10 +22,11 @@ the levels' policies and the listeners' events.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import cast
 
 import torch
@@ -63,6 +64,18 @@ class Cascade:
     def check_open(self) -> None:
         if self.closed:
             raise KVStoreError("the store is closed")
+
+    @contextlib.contextmanager
+    def locked(self, blocking: bool = True) -> Iterator[bool]:
+        """The store lock, held for the block; without ``blocking``, only if it is free now:
+        yields whether it is held (a caller that must not wait skips its work on False)."""
+        if not self.lock.acquire(blocking=blocking):
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            self.lock.release()
 
     def level(self, name: str) -> Level | SharedLevel | None:
         found: list[Level | SharedLevel] = [*self.levels, *self.shared]

@@ -91,16 +91,14 @@ class HostLeases:
         """End a read lease: undo one ``acquire`` of each of ``keys``. Without ``blocking``:
         only if the store lock is free; returns whether it was done."""
         cascade = self.cascade
-        if not cascade.lock.acquire(blocking=blocking):
-            return False
-        try:
+        with cascade.locked(blocking) as held:
+            if not held:
+                return False
             for key in keys:
                 entry = cascade.index.entries[key]
                 assert entry.readers > 0, f"block {key.hex()} released but not held"
                 entry.readers -= 1
                 cascade.forget_if_unheld(entry)
-        finally:
-            cascade.lock.release()
         return True
 
     def reserve(self, n: int, evict: bool = True, *, blocking: bool = True) -> list[int] | None:
@@ -114,15 +112,13 @@ class HostLeases:
         """
         self._check_raw()
         cascade = self.cascade
-        if not cascade.lock.acquire(blocking=blocking):
-            return None
-        try:
+        with cascade.locked(blocking) as held:
+            if not held:
+                return None
             cascade.check_open()
             if not blocking and cascade.host.num_free < n:
                 return None
             return cascade.reserve_host_exactly(n, evict and blocking)
-        finally:
-            cascade.lock.release()
 
     def cancel(self, slots: Sequence[int]) -> None:
         """Give reserved slots back unpublished."""
@@ -135,14 +131,11 @@ class HostLeases:
         and a free store lock); returns whether it was done."""
         if len(keys) != len(slots):
             raise ValueError(f"{len(keys)} keys for {len(slots)} slots")
-        lock = self.cascade.lock
         if not blocking and not self.writes.commits_in_memory:
             return False
-        if not lock.acquire(blocking=blocking):
-            return False
-        try:
+        with self.cascade.locked(blocking) as held:
+            if not held:
+                return False
             self.cascade.check_open()
             self.writes.commit(keys, slots, tenant)
-        finally:
-            lock.release()
         return True

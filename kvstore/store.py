@@ -197,13 +197,11 @@ class TieredStore:
         remote tier is not asked (``lookup`` does that for a chain). With ``blocking=False``,
         None when the store lock is busy."""
         keys = self._check_keys(keys)
-        if not self._lock.acquire(blocking=blocking):
-            return None
-        try:
+        with self._cascade.locked(blocking) as held:
+            if not held:
+                return None
             entries = self._index.entries
             return [k in entries for k in keys]
-        finally:
-            self._lock.release()
 
     def delete(self, keys: Sequence[bytes]) -> int:
         """Remove blocks from every tier; returns how many were held. Absent keys are skipped.

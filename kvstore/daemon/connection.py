@@ -18,8 +18,9 @@ BULK_RATE, or after BULK_MAX_S: a slow or trickling peer holds the loop a millis
 Back-pressure: a frame takes one of ``max_inflight`` slots when its header is parsed and
 gives it back once the transport took its reply below the write high-water mark; no header
 is parsed while all slots are taken (nor while a hello runs, a put's slots are being
-reserved, or a get's held blocks are being released on a worker), and reading pauses then. So one connection buffers the staging area plus at
-most ``max_inflight`` frames and replies, each at most ``max_frame`` bytes.
+reserved, or a get's held blocks are being released on a worker), and reading pauses then.
+So one connection buffers the staging area plus at most ``max_inflight`` frames and replies,
+each at most ``max_frame`` bytes.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvstore.daemon.ops import HeldBlocks, ReservedPut, Session
 from kvstore.daemon.protocol import HEADER, Code, ProtocolError, check_lengths, decode, encode
+from tiers.slab import IOV_MAX
 
 if TYPE_CHECKING:
     from kvstore.daemon.server import Daemon
@@ -47,7 +49,6 @@ BULK_WAIT_MS = 1  # a peer silent this long gets its bytes moved by the transpor
 BULK_RATE = 100e6  # bytes/s a peer must keep up (after BULK_GRACE bytes) for the loop to wait on it
 BULK_GRACE = 64 << 10
 BULK_MAX_S = 0.05  # the longest one tight loop holds the event loop
-IOV_MAX = 1024
 
 
 class Connection(asyncio.BufferedProtocol):
