@@ -94,6 +94,18 @@ class Cascade:
         if entry.num_uses == 1 and entry.key in self._seen_once:
             entry.num_uses = 2  # put again after it was dropped: the second sighting
 
+    def new_entries(self, keys: Sequence[bytes], parents: Sequence[bytes | None], tenant: str,
+                    now: float) -> list[BlockEntry]:
+        """Index ``keys`` (distinct, none indexed yet) as used once now: ``note_use`` of a new
+        entry for each, in one pass."""
+        entries = self.index.new_entries(keys, parents, tenant, now, num_uses=1)
+        seen = self._seen_once
+        if seen and not seen.keys().isdisjoint(keys):
+            for entry in entries:
+                if entry.key in seen:
+                    entry.num_uses = 2  # put again after it was dropped: the second sighting
+        return entries
+
     def forget(self, entry: BlockEntry) -> None:
         """Drop an entry no level holds; remember it for 'seen twice' admission."""
         self.index.discard(entry.key)
@@ -200,17 +212,43 @@ class Cascade:
         """Make ``entries`` (their bytes already in ``slots`` of level ``rank``) visible there.
         ``exact[i]``: the bytes written were the bytes put (default: all were); a lossy
         level's copies are never exact."""
+        self.place(rank, entries, slots, exact)
+        self.announce(rank, entries)
+
+    def place(self, rank: int, entries: list[BlockEntry], slots: Sequence[int],
+              exact: Sequence[bool] | None = None) -> None:
+        """The first half of ``publish``: ``entries`` point at their ``slots`` of level
+        ``rank`` and its policy tracks them. No reader sees them before the store lock is let
+        go, so a writer may place before it writes the bytes (while the entries are still in
+        the CPU caches), provided it writes, or ``unplace``s, before it lets go; then it
+        ``announce``s them."""
         level = self.levels[rank]
         bit = 1 << rank
-        for i, (entry, slot) in enumerate(zip(entries, slots, strict=True)):
-            entry.slots[rank] = slot
-            if level.lossy or (exact is not None and not exact[i]):
-                entry.inexact |= bit
-            else:
-                entry.inexact &= ~bit
-        keys, parents = [e.key for e in entries], [e.parent for e in entries]
-        level.policy.insert(keys, parents)
-        self.listeners.stored(level.name, keys, parents)
+        if level.lossy or exact is not None:
+            for i, (entry, slot) in enumerate(zip(entries, slots, strict=True)):
+                entry.slots[rank] = slot
+                if level.lossy or (exact is not None and not exact[i]):
+                    entry.inexact |= bit
+                else:
+                    entry.inexact &= ~bit
+        else:  # the bytes put (the common case): one bit to clear
+            keep = ~bit
+            for entry, slot in zip(entries, slots, strict=True):
+                entry.slots[rank] = slot
+                entry.inexact &= keep
+        level.policy.insert([e.key for e in entries], [e.parent for e in entries])
+
+    def announce(self, rank: int, entries: list[BlockEntry]) -> None:
+        """The second half of ``publish``: tell the listeners level ``rank`` holds ``entries``."""
+        if self.listeners:
+            self.listeners.stored(self.levels[rank].name, [e.key for e in entries], [e.parent for e in entries])
+
+    def unplace(self, rank: int, entries: list[BlockEntry]) -> None:
+        """Undo ``place`` (the bytes could not be written); the caller frees the slots."""
+        level = self.levels[rank]
+        for entry in entries:
+            entry.slots[rank] = None
+            level.policy.remove(entry.key)
 
     def discard_copy(self, rank: int, entry: BlockEntry) -> None:
         """Level ``rank`` gives up ``entry``'s copy (e.g. a decoded copy making way for the

@@ -7,7 +7,7 @@ decides what happens to a victim (demote or drop). The same objects drive ``kvst
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from typing import ClassVar
 
@@ -200,8 +200,9 @@ class ReusePolicy(EvictionPolicy):
 
     def _observe(self, intervals: list[int]) -> None:
         histogram = self._histogram
-        for interval in intervals:
-            histogram[_bucket(interval)] += 1.0
+        # a chain read together has one interval for all its blocks: bucket each value once
+        for interval, times in Counter(intervals).items():
+            histogram[_bucket(interval)] += times
         before = self._num_samples
         self._num_samples += len(intervals)
         passed = self._num_samples // 256 - before // 256  # multiples of 256 samples passed

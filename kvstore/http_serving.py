@@ -1,12 +1,14 @@
-"""What kvstore's uvicorn-served processes share (``kvstore engine``, ``kvstore route``): the
-listening socket, a uvicorn server that leaves signals to its owner, and the signal rule
-(the first SIGTERM/SIGINT starts the drain, a second one exits at once).
+"""What kvstore's long-running servers share (``kvstore serve``, ``kvstore engine``,
+``kvstore route``): the listening socket, a uvicorn server that leaves signals to its owner,
+the signal rule (the first SIGTERM/SIGINT starts the drain, a second one exits at once), and
+the heap freeze once started.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import os
 import signal
 import socket
@@ -30,6 +32,16 @@ def bind(host: str, port: int) -> socket.socket:
         sock.close()
         raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
     return sock
+
+
+def freeze_start_heap() -> None:
+    """Exempt what the process built to start (modules, torch, a model, a store) from the
+    cyclic garbage collector's later full passes. A full pass walks every tracked object: some
+    170,000 in a daemon just started, 88 ms on a 2-core VM, during which the event loop serves
+    no one; with them frozen it walks only what was made since (index entries, leases).
+    Call it once, when the server is ready."""
+    gc.collect()
+    gc.freeze()
 
 
 def stop_on_signals(loop: asyncio.AbstractEventLoop) -> asyncio.Event:

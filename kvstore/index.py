@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 HOST = "host"
@@ -100,6 +101,18 @@ class BlockIndex:
         entry = BlockEntry(key, parent, tenant, created, [None] * len(self.level_names))
         self.add(entry)
         return entry
+
+    def new_entries(self, keys: Sequence[bytes], parents: Sequence[bytes | None], tenant: str, created: float,
+                    num_uses: int = 0) -> list[BlockEntry]:
+        """``new_entry`` for each of ``keys`` (distinct, none indexed), with ``num_uses`` uses
+        and ``created`` as their last access: a put's chain in one pass."""
+        width = len(self.level_names)
+        made = [BlockEntry(key, parent, tenant, created, [None] * width, 0, 0, num_uses, created)
+                for key, parent in zip(keys, parents, strict=True)]
+        before = len(self.entries)
+        self.entries.update(zip(keys, made, strict=True))
+        assert len(self.entries) == before + len(made), "a block indexed twice"
+        return made
 
     def get(self, key: bytes) -> BlockEntry | None:
         return self.entries.get(key)

@@ -85,6 +85,17 @@ class KVLayout:
         if num_blocks is not None and blocks.shape[0] != num_blocks:
             raise LayoutMismatchError(f"got {blocks.shape[0]} blocks for {num_blocks} keys")
 
+    def input_blocks(self, blocks: torch.Tensor, num_blocks: int) -> torch.Tensor:
+        """``blocks`` checked (``[num_blocks, *block_shape]`` of this dtype, on any device) as
+        the blocks a put stores: contiguous, on the CPU, with no autograd history; ``blocks``
+        itself when it is that already (the common case, in a few attribute reads, as
+        ``output_blocks``), else a copy."""
+        if type(blocks) is torch.Tensor and blocks.dtype is self.dtype and blocks.is_cpu and not blocks.requires_grad \
+                and blocks.is_contiguous() and blocks.shape == (num_blocks, *self.block_shape):
+            return blocks
+        self.check_blocks(blocks, num_blocks)
+        return blocks.detach().to("cpu").contiguous()
+
     def output_blocks(self, num_blocks: int, out: torch.Tensor | None = None) -> torch.Tensor:
         """The CPU tensor a ``get`` fills: ``out`` checked (this layout, contiguous, CPU), or a
         new ``[num_blocks, *block_shape]`` tensor."""

@@ -96,10 +96,9 @@ class TieredStore:
             CapacityError: host RAM has no evictable slot left (everything pinned or in flight).
         """
         keys = self._check_keys(keys)
-        self.layout.check_blocks(blocks, len(keys))
+        src = self.layout.input_blocks(blocks, len(keys))
         for coding in self._codings:  # refused now, not at a later demotion
             coding.check_encodable(blocks)
-        src = raw_rows(blocks.detach().to("cpu").contiguous())
         # A put bigger than host RAM goes in chunks, tails first: the head chunk is stored last,
         # so it ends up the most recent and a prefix's tail is what gets demoted.
         chunk = max(1, self._cascade.host.num_slots // 2)

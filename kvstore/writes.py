@@ -18,6 +18,7 @@ import torch
 from kvstore.cascade import Cascade
 from kvstore.errors import CapacityError, KVStoreError
 from kvstore.index import BlockEntry
+from kvstore.layout import raw_rows
 from kvstore.levels.shared import SharedLevel
 
 
@@ -38,18 +39,51 @@ class WritePath:
         return not self.write_through and not self.takers
 
     def put(self, keys: list[bytes], start: int, stop: int, src: torch.Tensor, tenant: str) -> None:
-        """Store rows ``src[start:stop]`` ([n, payload] uint8) under ``keys[start:stop]``.
+        """Store blocks ``src[start:stop]`` (the layout's ``[n, *block_shape]``, contiguous,
+        CPU) under ``keys[start:stop]``.
 
         Raises:
             CapacityError: some blocks found no slot in any level (nothing of them is kept).
         """
         cascade = self.cascade
-        index = cascade.index
         now = time.time()
-        fresh: list[int] = []  # indices whose bytes must be copied into new host slots
-        entries: list[BlockEntry] = []  # their entries
+        span = keys[start:stop]
         refreshed: list[bytes] = []  # keys host already holds: only touched
+        if span and cascade.index.entries.keys().isdisjoint(span) and len(set(span)) == len(span):
+            # a chain new to the store (the common case): its entries made in one pass
+            parents = [keys[start - 1] if start > 0 else None, *span[:-1]]
+            entries = cascade.new_entries(span, parents, tenant, now)
+            fresh = list(range(start, stop))  # indices whose bytes go into new host slots
+        else:
+            entries, fresh = self._sort_out(keys, start, stop, tenant, now, refreshed)
+        if cascade.host.num_free >= len(fresh) and not self.write_through:  # nothing evicts: nothing to protect
+            busy: list[BlockEntry] = []
+        else:  # in flight: making room must not evict what is being put
+            busy = entries + [cascade.index.entries[k] for k in refreshed]
+            for entry in busy:
+                entry.readers += 1
+        try:
+            if fresh:
+                self._store_fresh(entries, fresh, src, refreshed)
+            elif refreshed:
+                cascade.host.policy.access(refreshed)
+        finally:
+            for entry in busy:
+                entry.readers -= 1
+
+    def _sort_out(self, keys: list[bytes], start: int, stop: int, tenant: str, now: float,
+                  refreshed: list[bytes]) -> tuple[list[BlockEntry], list[int]]:
+        """A put's blocks one by one: (entries, indices) of those whose bytes host needs, and
+        into ``refreshed`` the keys host already holds as put."""
+        cascade = self.cascade
+        index = cascade.index
+        fresh: list[int] = []
+        entries: list[BlockEntry] = []
+        taken: set[bytes] = set()
         for i in range(start, stop):
+            if keys[i] in taken:  # twice in one put: equal keys are equal bytes, stored once
+                continue
+            taken.add(keys[i])
             entry = index.get(keys[i])
             if entry is None:
                 entry = index.new_entry(keys[i], keys[i - 1] if i > 0 else None, tenant, now)
@@ -63,17 +97,7 @@ class WritePath:
             else:
                 refreshed.append(keys[i])
             cascade.note_use(entry, now)
-        busy = entries + [index.entries[k] for k in refreshed]
-        for entry in busy:  # in flight: making room must not evict what is being put
-            entry.readers += 1
-        try:
-            if fresh:
-                self._store_fresh(entries, fresh, src, refreshed)
-            elif refreshed:
-                cascade.host.policy.access(refreshed)
-        finally:
-            for entry in busy:
-                entry.readers -= 1
+        return entries, fresh
 
     def _store_fresh(self, entries: list[BlockEntry], fresh: list[int], src: torch.Tensor,
                      refreshed: list[bytes]) -> None:
@@ -84,27 +108,37 @@ class WritePath:
         n_host = min(len(fresh), host.num_free)
         slots = host.allocate(n_host)
         rows = fresh[:n_host]
-        written = True
-        if rows and rows[-1] - rows[0] == n_host - 1:  # consecutive rows: no gather copy
-            written = host.write(entries[:n_host], slots, src[rows[0] : rows[-1] + 1])
-        elif rows:
-            written = host.write(entries[:n_host], slots, src.index_select(0, torch.tensor(rows, dtype=torch.long)))
+        placed = entries[:n_host]
+        # Placed before the copy, which evicts the entries from the CPU caches: no reader
+        # sees them before the store lock is let go (see Cascade.place).
+        cascade.place(0, placed, slots)
+        try:
+            if not rows:
+                written = True
+            elif rows[-1] - rows[0] == n_host - 1:  # consecutive rows: no gather copy
+                written = host.write(placed, slots, src[rows[0] : rows[-1] + 1])
+            else:
+                written = host.write(placed, slots, src.index_select(0, torch.tensor(rows, dtype=torch.long)))
+        except BaseException:
+            self._unstore(entries, placed, slots)
+            raise
         if not written:  # only a host codec refuses, and put checked the blocks first
-            host.release(slots)
-            for entry in entries:
-                if not entry.is_held:
-                    cascade.index.discard(entry.key)
+            self._unstore(entries, placed, slots)
             raise KVStoreError(f"host RAM's codec could not store {n_host} blocks")
-        # the rows put, for the shared levels that take puts (made only when one does)
-        raw = [src[i] for i in rows] if self.takers else None
-        self.publish_on_host(entries[:n_host], slots, refreshed, raw)
+        # the bytes put, for the shared levels that take puts (made only when one does)
+        raw: list[torch.Tensor] | None = None
+        if self.takers:
+            raw_src = raw_rows(src)
+            raw = [raw_src[i] for i in rows]
+        self.finish_on_host(placed, refreshed, raw)
         overflow = entries[n_host:]
         if not overflow:
             return
         if len(cascade.levels) > 1:
             below = cascade.levels[1].rank
             pending = [(e, i) for e, i in zip(overflow, fresh[n_host:], strict=True) if e.slots[below] is None]
-            cascade.store(below, [e for e, _ in pending], [src[i] for _, i in pending])
+            raw_src = raw_rows(src)  # lower levels store bytes
+            cascade.store(below, [e for e, _ in pending], [raw_src[i] for _, i in pending])
         lost = [e for e in overflow if not e.is_held]
         for entry in lost:
             cascade.index.discard(entry.key)
@@ -114,16 +148,26 @@ class WritePath:
                 f"(the rest pinned or being read); {len(lost)} blocks found no room below either"
             )
 
-    def publish_on_host(self, placed: list[BlockEntry], slots: Sequence[int], refreshed: list[bytes],
-                        raw: Sequence[torch.Tensor] | None = None) -> None:
-        """Make ``placed`` (chain order; their bytes already in host ``slots``) visible, then
+    def _unstore(self, entries: list[BlockEntry], placed: list[BlockEntry], slots: list[int]) -> None:
+        """A host write failed: its blocks leave host again (and the index, where no level
+        holds them), and the slots are free."""
+        cascade = self.cascade
+        cascade.unplace(0, placed)
+        cascade.host.release(slots)
+        for entry in entries:
+            if not entry.is_held:
+                cascade.index.discard(entry.key)
+
+    def finish_on_host(self, placed: list[BlockEntry], refreshed: list[bytes],
+                       raw: Sequence[torch.Tensor] | None = None) -> None:
+        """Announce ``placed`` (chain order; placed in host and their bytes written), then
         touch ``refreshed``, the keys of the same chain host already held. ``raw``: the bytes
         put, row per placed block, for the shared levels that take puts (None: host's copies,
         raw where leases and commits apply)."""
         cascade = self.cascade
         host = cascade.host
         host.counters.bytes_written += len(placed) * host.payload_bytes
-        cascade.publish(0, placed, slots)
+        cascade.announce(0, placed)
         # Touched after the insert: a found head must stay more recent than the new tail
         # behind it, or LRU would cut the prefix at its head.
         if refreshed:
@@ -147,22 +191,31 @@ class WritePath:
         freed); under write-through the new blocks reach the level below before this returns.
         """
         cascade = self.cascade
-        index = cascade.index
         now = time.time()
         placed: list[BlockEntry] = []
         placed_slots: list[int] = []
-        unused: list[int] = []
+        unused: list[int] = []  # reserved slots of keys host already holds: given back
         refreshed: list[bytes] = []
-        for i, (key, slot) in enumerate(zip(keys, slots, strict=True)):
-            entry = index.get(key)
-            if entry is None:
-                entry = index.new_entry(key, keys[i - 1] if i > 0 else None, tenant, now)
-            cascade.note_use(entry, now)
-            if entry.slots[0] is not None:
-                unused.append(slot)
-                refreshed.append(key)
-                continue
-            placed.append(entry)
-            placed_slots.append(slot)
+        if keys and cascade.index.entries.keys().isdisjoint(keys) and len(set(keys)) == len(keys):
+            placed = cascade.new_entries(keys, [None, *keys[:-1]], tenant, now)  # a new chain: one pass
+            placed_slots = list(slots)
+        else:
+            taken: set[bytes] = set()
+            for i, (key, slot) in enumerate(zip(keys, slots, strict=True)):
+                if key in taken:  # twice in one commit: its first slot holds it
+                    unused.append(slot)
+                    continue
+                taken.add(key)
+                entry = cascade.index.get(key)
+                if entry is None:
+                    entry = cascade.index.new_entry(key, keys[i - 1] if i > 0 else None, tenant, now)
+                cascade.note_use(entry, now)
+                if entry.slots[0] is not None:
+                    unused.append(slot)
+                    refreshed.append(key)
+                    continue
+                placed.append(entry)
+                placed_slots.append(slot)
         cascade.end_reservation(len(slots), unused)
-        self.publish_on_host(placed, placed_slots, refreshed)
+        cascade.place(0, placed, placed_slots)
+        self.finish_on_host(placed, refreshed)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from kvstore import CapacityError, ConfigError, KVStoreError, LayoutMismatchError, StoreConfig
+from kvstore.errors import CodecError
 
 from factories import SLOT, SMALL_LAYOUT, blocks_for, chain, make_store
 
@@ -256,6 +257,56 @@ def test_bad_tensors_are_rejected(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="contiguous"):
         store.fetch(keys, into=torch.empty((2, *store.layout.block_shape[::-1])).permute(0, 5, 4, 3, 2, 1))
     assert len(store) == 0
+    store.check_integrity()
+
+
+def test_put_copies_what_is_not_plain_cpu_rows_and_keeps_no_autograd_history(tmp_path: Path) -> None:
+    store = make_store(tmp_path)
+    a, b, c = chain(store, 2, salt=1), chain(store, 2, salt=2), chain(store, 2, salt=3)
+    wanted = blocks_for(a)
+    store.put(a, wanted.clone().requires_grad_(True))  # a tensor in an autograd graph
+    got = store.get(a)
+    assert torch.equal(got, wanted) and not got.requires_grad
+    wide = torch.cat([blocks_for(b), torch.zeros_like(blocks_for(b))], dim=-1)
+    store.put(b, wide[..., : store.layout.head_dim])  # a strided view of the right shape
+    assert torch.equal(store.get(b), blocks_for(b))
+    store.put(c, torch.nn.Parameter(blocks_for(c), requires_grad=False))  # a subclass: full checks
+    assert torch.equal(store.get(c), blocks_for(c))
+    store.check_integrity()
+
+
+def test_a_key_twice_in_one_put_is_stored_once(tmp_path: Path) -> None:
+    store = make_store(tmp_path, host_blocks=8)
+    keys = chain(store, 3)
+    twice = [keys[0], keys[1], keys[0], keys[2]]
+    store.put(twice, blocks_for(twice))
+    assert len(store) == 3 and store.stats()["host"]["num_blocks"] == 3
+    assert torch.equal(store.get(keys), blocks_for(keys))
+    store.check_integrity()  # no slot leaked to the second copy
+
+
+def test_a_host_write_that_fails_leaves_nothing_behind(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Blocks are placed in host before their bytes are copied (Cascade.place): a write that
+    # fails after that (a codec refusing what check_encodable let through, here injected)
+    # must take them out again.
+    store = make_store(tmp_path, host_blocks=8, host_codec="int8")
+    held = chain(store, 2, salt=1)
+    store.put(held, blocks_for(held))
+    keys = chain(store, 3, salt=2)
+    coding = store.level("host").coding  # type: ignore[union-attr]
+
+    def refuse(payloads: object, dst: object) -> None:
+        raise CodecError("injected: the codec refuses this block")
+
+    monkeypatch.setattr(coding, "encode", refuse)
+    with pytest.raises(KVStoreError, match="codec could not store 3 blocks"):
+        store.put(keys, blocks_for(keys))
+    assert store.lookup(keys).num_blocks == 0 and len(store) == 2
+    assert store.stats()["host"]["num_blocks"] == 2
+    store.check_integrity()
+    monkeypatch.undo()
+    store.put(keys, blocks_for(keys))  # the freed slots take the same blocks now
+    assert store.lookup(keys).num_blocks == 3
     store.check_integrity()
 
 

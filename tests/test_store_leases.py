@@ -85,6 +85,20 @@ def test_write_lease_publishes_only_on_commit(tmp_path: Path) -> None:
     store.close()
 
 
+def test_a_key_twice_in_one_commit_keeps_its_first_slot(tmp_path: Path) -> None:
+    store = make_store(tmp_path, host_blocks=4)
+    keys = chain(store, 2)
+    twice = [keys[0], keys[1], keys[0]]
+    slots = store.reserve_host(3)
+    payload = store.layout.bytes_per_block
+    for slot, row in zip(slots, blocks_for(twice).view(torch.uint8).reshape(3, payload), strict=True):
+        store.level("host").tier.pool[slot, :payload].copy_(row)  # type: ignore[union-attr]
+    store.commit_host(twice, slots)
+    assert store.stats()["host"]["num_blocks"] == 2 and torch.equal(store.get(keys), blocks_for(keys))
+    store.check_integrity()  # the third slot went back to the free list
+    assert len(store.reserve_host(2, evict=False)) == 2
+
+
 def test_reserved_slots_are_not_blocks_and_reserving_ahead_never_evicts(tmp_path: Path) -> None:
     store = make_store(tmp_path, host_blocks=4, shared_host=True)
     keys = chain(store, 2)

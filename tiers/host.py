@@ -120,7 +120,8 @@ class HostTier:
         """Take ``n`` free slots, lowest first. Raises TierFullError when fewer are free."""
         if n > len(self._free):
             raise TierFullError(f"need {n} host slots, {len(self._free)} free of {self.num_slots}")
-        return [heapq.heappop(self._free) for _ in range(n)]
+        free, pop = self._free, heapq.heappop
+        return [pop(free) for _ in range(n)]
 
     def release(self, slots: Sequence[int]) -> None:
         """Return slots to the free pool. The caller guarantees nobody reads them any more

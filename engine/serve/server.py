@@ -23,7 +23,7 @@ from engine.serve.config import ServeConfig
 from engine.serve.loop import EngineLoop
 from engine.serve.state import ServerState
 from engine.serve.tokenizer import load_tokenizer
-from kvstore.http_serving import bind, stop_on_signals, uvicorn_server, where
+from kvstore.http_serving import bind, freeze_start_heap, stop_on_signals, uvicorn_server, where
 
 log = logging.getLogger("kvstore.engine.serve")
 
@@ -65,6 +65,7 @@ async def run(config: ServeConfig) -> int:
         await aloop.run_in_executor(None, state.loop.stop)
         await task  # raises what stopped it
         return 1
+    freeze_start_heap()
     print(f"kvstore engine: serving {state.model_name!r} on http://{where(sock)} (pid {os.getpid()}); ready",
           flush=True)
     await stop.wait()

@@ -38,7 +38,7 @@ from kvstore.daemon.registry import layout_to_dict
 from kvstore.errors import CapacityError, LayoutMismatchError
 from kvstore.index import HOST, PrefixMatch
 from kvstore.keys import BlockHasher, ExtraKey, Namespace
-from kvstore.layout import KVLayout
+from kvstore.layout import KVLayout, raw_rows
 from kvstore.transfer import FetchHandle, FetchResult
 
 TIER_NAMES = {"h": "host", "d": "disk", "r": "remote"}
@@ -253,8 +253,7 @@ class StoreClient:
         commit is sent: this client's next request is ordered after it (and reports its
         failure, if any); other clients see the blocks once the daemon has read the commit,
         or once ``flush()`` returns."""
-        self.layout.check_blocks(blocks, len(keys))
-        src = blocks.detach().to("cpu").contiguous().view(torch.uint8).reshape(len(keys), self._payload)
+        src = raw_rows(self.layout.input_blocks(blocks, len(keys)))
         for start in range(0, len(keys), self.max_blocks):
             stop = min(len(keys), start + self.max_blocks)
             if self._pool is None or not self._put_shm(keys[start:stop], src[start:stop]):

@@ -29,7 +29,7 @@ from kvstore.daemon.connection import Connection
 from kvstore.daemon.ops import Ops, Session
 from kvstore.daemon.registry import Registry, Tokens
 from kvstore.daemon.shm import Leases
-from kvstore.http_serving import bind, stop_on_signals, uvicorn_server
+from kvstore.http_serving import bind, freeze_start_heap, stop_on_signals, uvicorn_server
 
 log = logging.getLogger("kvstore.daemon")
 INTEGRITY_EVERY_S = 60.0
@@ -113,6 +113,7 @@ class Daemon:
         """Start, serve until a signal, drain, close. Returns the exit status."""
         self._stop = stop_on_signals(asyncio.get_running_loop())
         await self.start()
+        freeze_start_heap()
         print(f"kvstore serve: listening on {', '.join(self.addresses)} (pid {os.getpid()}); ready", flush=True)
         tick = asyncio.create_task(self._tick())
         await self._stop.wait()

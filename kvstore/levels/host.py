@@ -41,14 +41,17 @@ class HostLevel(SlotLevel):
 
     def write(self, entries: Sequence[BlockEntry], slots: Sequence[int],
               payloads: torch.Tensor | Sequence[torch.Tensor]) -> bool:
+        """As Level.write; a tensor of payloads may also be typed blocks ``[n, *block_shape]``
+        (a put's), copied in with no byte view of their own."""
         if self.coding is not None:
             try:
-                self.coding.encode(payloads, self.views(slots))
+                self.coding.encode(raw_rows(payloads) if isinstance(payloads, torch.Tensor) else payloads,
+                                   self.views(slots))
             except CodecError:
                 self.counters.errors += 1
                 return False
             return True
-        if isinstance(payloads, torch.Tensor):  # [n, payload] rows: one copy per run of slots
+        if isinstance(payloads, torch.Tensor):  # raw or typed rows: one copy per run of slots
             self.tier.write(slots, payloads)
         else:
             size = self.tier.payload_bytes

@@ -16,7 +16,7 @@ import logging
 import os
 import time
 
-from kvstore.http_serving import bind, stop_on_signals, uvicorn_server, where
+from kvstore.http_serving import bind, freeze_start_heap, stop_on_signals, uvicorn_server, where
 from kvstore.route.app import RouteState, create_app
 from kvstore.route.config import RouteConfig
 
@@ -44,6 +44,7 @@ async def run(config: RouteConfig) -> int:
     if not server.started:
         await task
         return 1
+    freeze_start_heap()
     print(f"kvstore route: routing {len(state.links)} replicas ({len(state.healthy_urls())} healthy) with "
           f"{config.routing.policy} on http://{where(sock)} (pid {os.getpid()}); ready", flush=True)
     await stop.wait()
