@@ -102,6 +102,10 @@ class BlockIndex:
         self.add(entry)
         return entry
 
+    def all_new(self, keys: Sequence[bytes]) -> bool:
+        """Whether ``keys`` are some, distinct, and none indexed: a chain ``new_entries`` takes."""
+        return bool(keys) and self.entries.keys().isdisjoint(keys) and len(set(keys)) == len(keys)
+
     def new_entries(self, keys: Sequence[bytes], parents: Sequence[bytes | None], tenant: str, created: float,
                     num_uses: int = 0) -> list[BlockEntry]:
         """``new_entry`` for each of ``keys`` (distinct, none indexed), with ``num_uses`` uses

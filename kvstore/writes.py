@@ -49,7 +49,7 @@ class WritePath:
         now = time.time()
         span = keys[start:stop]
         refreshed: list[bytes] = []  # keys host already holds: only touched
-        if span and cascade.index.entries.keys().isdisjoint(span) and len(set(span)) == len(span):
+        if cascade.index.all_new(span):
             # a chain new to the store (the common case): its entries made in one pass
             parents = [keys[start - 1] if start > 0 else None, *span[:-1]]
             entries = cascade.new_entries(span, parents, tenant, now)
@@ -196,7 +196,7 @@ class WritePath:
         placed_slots: list[int] = []
         unused: list[int] = []  # reserved slots of keys host already holds: given back
         refreshed: list[bytes] = []
-        if keys and cascade.index.entries.keys().isdisjoint(keys) and len(set(keys)) == len(keys):
+        if cascade.index.all_new(keys):
             placed = cascade.new_entries(keys, [None, *keys[:-1]], tenant, now)  # a new chain: one pass
             placed_slots = list(slots)
         else:
