@@ -224,18 +224,12 @@ class Cascade:
         ``announce``s them."""
         level = self.levels[rank]
         bit = 1 << rank
-        if level.lossy or exact is not None:
-            for i, (entry, slot) in enumerate(zip(entries, slots, strict=True)):
-                entry.slots[rank] = slot
-                if level.lossy or (exact is not None and not exact[i]):
-                    entry.inexact |= bit
-                else:
-                    entry.inexact &= ~bit
-        else:  # the bytes put (the common case): one bit to clear
-            keep = ~bit
-            for entry, slot in zip(entries, slots, strict=True):
-                entry.slots[rank] = slot
-                entry.inexact &= keep
+        for i, (entry, slot) in enumerate(zip(entries, slots, strict=True)):
+            entry.slots[rank] = slot
+            if level.lossy or (exact is not None and not exact[i]):
+                entry.inexact |= bit
+            else:
+                entry.inexact &= ~bit
         level.policy.insert([e.key for e in entries], [e.parent for e in entries])
 
     def announce(self, rank: int, entries: list[BlockEntry]) -> None:

@@ -85,13 +85,18 @@ class KVLayout:
         if num_blocks is not None and blocks.shape[0] != num_blocks:
             raise LayoutMismatchError(f"got {blocks.shape[0]} blocks for {num_blocks} keys")
 
+    def _plain(self, blocks: object, num_blocks: int) -> bool:
+        """Whether ``blocks`` is a contiguous CPU ``torch.Tensor`` (no subclass) of
+        ``num_blocks`` of this layout's blocks: the common case, told in a few attribute reads
+        (the full checks cost more than a get's index lookups); anything else takes them."""
+        return type(blocks) is torch.Tensor and blocks.dtype is self.dtype and blocks.is_cpu \
+            and blocks.is_contiguous() and blocks.shape == (num_blocks, *self.block_shape)
+
     def input_blocks(self, blocks: torch.Tensor, num_blocks: int) -> torch.Tensor:
         """``blocks`` checked (``[num_blocks, *block_shape]`` of this dtype, on any device) as
         the blocks a put stores: contiguous, on the CPU, with no autograd history; ``blocks``
-        itself when it is that already (the common case, in a few attribute reads, as
-        ``output_blocks``), else a copy."""
-        if type(blocks) is torch.Tensor and blocks.dtype is self.dtype and blocks.is_cpu and not blocks.requires_grad \
-                and blocks.is_contiguous() and blocks.shape == (num_blocks, *self.block_shape):
+        itself when it is that already, else a copy."""
+        if self._plain(blocks, num_blocks) and not blocks.requires_grad:
             return blocks
         self.check_blocks(blocks, num_blocks)
         return blocks.detach().to("cpu").contiguous()
@@ -101,9 +106,7 @@ class KVLayout:
         new ``[num_blocks, *block_shape]`` tensor."""
         if out is None:
             return torch.empty((num_blocks, *self.block_shape), dtype=self.dtype)
-        # the common case in a few attribute reads (a get's checks cost more than its lookups)
-        if type(out) is torch.Tensor and out.dtype is self.dtype and out.is_cpu and out.is_contiguous() \
-                and out.shape == (num_blocks, *self.block_shape):
+        if self._plain(out, num_blocks):
             return out
         self.check_blocks(out, num_blocks)
         if out.device.type != "cpu" or not out.is_contiguous():
