@@ -187,35 +187,22 @@ class WritePath:
     def commit(self, keys: list[bytes], slots: Sequence[int], tenant: str) -> None:
         """Publish ``keys[i]`` as the bytes just written into reserved host ``slots[i]``.
 
-        Same semantics as put: a key already in host RAM keeps its copy (the reserved slot is
-        freed); under write-through the new blocks reach the level below before this returns.
+        Same semantics as put: a key host already holds as put keeps its copy (the reserved
+        slot is freed), a copy decoded from a lossy level is replaced, a key given twice is
+        stored once; under write-through the new blocks reach the level below before this
+        returns.
         """
         cascade = self.cascade
         now = time.time()
-        placed: list[BlockEntry] = []
-        placed_slots: list[int] = []
-        unused: list[int] = []  # reserved slots of keys host already holds: given back
         refreshed: list[bytes] = []
         if cascade.index.all_new(keys):
             placed = cascade.new_entries(keys, [None, *keys[:-1]], tenant, now)  # a new chain: one pass
-            placed_slots = list(slots)
-        else:
-            taken: set[bytes] = set()
-            for i, (key, slot) in enumerate(zip(keys, slots, strict=True)):
-                if key in taken:  # twice in one commit: its first slot holds it
-                    unused.append(slot)
-                    continue
-                taken.add(key)
-                entry = cascade.index.get(key)
-                if entry is None:
-                    entry = cascade.index.new_entry(key, keys[i - 1] if i > 0 else None, tenant, now)
-                cascade.note_use(entry, now)
-                if entry.slots[0] is not None:
-                    unused.append(slot)
-                    refreshed.append(key)
-                    continue
-                placed.append(entry)
-                placed_slots.append(slot)
+            placed_slots, unused = list(slots), []
+        else:  # sorted out as a put's blocks are; the slots of the rest are given back
+            placed, fresh = self._sort_out(keys, 0, len(keys), tenant, now, refreshed)
+            placed_slots = [slots[i] for i in fresh]
+            taken = set(fresh)
+            unused = [slot for i, slot in enumerate(slots) if i not in taken]
         cascade.end_reservation(len(slots), unused)
         cascade.place(0, placed, placed_slots)
         self.finish_on_host(placed, refreshed)

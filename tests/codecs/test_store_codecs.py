@@ -287,3 +287,25 @@ def test_a_long_prefix_reads_in_pipelined_batches(tmp_path: Path) -> None:
     assert torch.equal(whole, one_by_one)
     assert bool(((whole.float() - blocks.float()).abs() <= int8_bound(blocks, LAYOUT.dtype)).all())
     store.close()
+
+
+def test_a_commit_replaces_a_decoded_host_copy_with_the_bytes_written(tmp_path: Path) -> None:
+    # As a put does: a host copy decoded from the int8 disk is not the bytes put, so the
+    # exact bytes committed into reserved slots take its place (the old copy's slot is freed).
+    store = _store(tmp_path, host_blocks=4, disk_blocks=16, disk_codec="int8", write_policy="write_through")
+    keys = _keys(store, 2)
+    blocks = random_kv(LAYOUT, 2, seed=9)
+    store.put(keys, blocks)
+    store.close()
+    store = _store(tmp_path, host_blocks=4, disk_blocks=16, disk_codec="int8")
+    store.get(keys)  # promoted: host now holds the decoded copies
+    assert store.lookup(keys).tiers == ("host", "host") and store.lookup(keys).lossy == (True, True)
+    slots = store.reserve_host(2)
+    for slot, row in zip(slots, blocks.view(torch.uint8).reshape(2, RAW), strict=True):
+        store.level("host").tier.pool[slot, :RAW].copy_(row)  # type: ignore[union-attr]
+    store.commit_host(keys, slots)
+    assert store.lookup(keys, exact=True).tiers == ("host", "host")
+    assert torch.equal(store.get(keys, exact=True).view(torch.int16), blocks.view(torch.int16))
+    assert store.stats()["host"]["num_blocks"] == 2
+    store.check_integrity()
+    store.close()
