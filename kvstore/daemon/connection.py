@@ -15,6 +15,10 @@ BULK_RATE, or after BULK_MAX_S: a slow or trickling peer holds the loop a millis
     staging:  [ consumed | unparsed: start..end | free: end..STAGING ]
     a frame:  header (8) -> meta (meta_len) -> data (data_len, into its target) -> dispatch
 
+Dispatch: a request that waits on nothing (a put's or a write lease's commit that stays in
+memory and finds the store lock free, ``Ops.handle_now``) is served and answered right
+there, on the loop, with no task; every other request gets a task, which runs it on a worker.
+
 Back-pressure: a frame takes one of ``max_inflight`` slots when its header is parsed and
 gives it back once the transport took its reply below the write high-water mark; no header
 is parsed while all slots are taken (nor while a hello runs, a put's slots are being
@@ -261,9 +265,40 @@ class Connection(asyncio.BufferedProtocol):
         meta, self._meta, self._state = self._meta, {}, HEAD
         if isinstance(meta, ProtocolError):
             self._spawn(self._reply_error(meta, close=False))
-        else:
+        elif not self._serve_now(meta, data):
             self._exclusive = self.session.principal is None  # hello runs alone
             self._spawn(self._serve(meta, data))
+
+    def _serve_now(self, meta: dict[str, Any], data: bytes | bytearray | ReservedPut) -> bool:
+        """Serve a request that waits on nothing (a commit: ``Ops.handle_now``) right here,
+        reply included, with no task and no hop through the event loop. False: it was not
+        run (it would wait, or its reply's slot would wait for the transport); a task serves it.
+        The caller goes on parsing: the frame's slot is given back without ``_advance``."""
+        if self._write_paused:
+            return False
+        reply = self.daemon.ops.handle_now(self.session, meta, data)
+        if reply is None:
+            return False
+        out, payload = reply
+        transport = self.transport
+        if meta.get("noreply") is not True and not self.closed and transport is not None and not transport.is_closing():
+            transport.write(encode(out, len(payload)) + bytes(payload))
+        if self._write_paused:  # that reply crossed the high-water mark: its slot waits for it
+            self._spawn(self._slot_after_drain())
+        else:
+            self._num_slots -= 1
+        return True
+
+    async def _slot_after_drain(self) -> None:
+        try:
+            while self._write_paused and not self.closed:
+                waiter = asyncio.get_running_loop().create_future()
+                self._drain_waiters.append(waiter)
+                await waiter
+        except ConnectionError:
+            pass
+        finally:
+            self._slot_done()
 
     def _sync_reading(self) -> None:
         want = not (self.closed or self._eof or self._reserving

@@ -162,6 +162,44 @@ def test_a_client_that_never_reads_cannot_grow_the_daemon(shared_daemon: DaemonP
     s.close()
 
 
+def test_commits_answered_on_the_event_loop_still_stop_a_client_that_never_reads(shared_daemon: DaemonProc) -> None:
+    # A commit is served and answered as soon as its frame is parsed (no task). Its replies
+    # must still count against the write bound: a client pipelining commits without reading
+    # a reply gets the daemon to stop reading it, and the daemon's memory stays bounded.
+    d = shared_daemon
+    s = raw(d)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.sendall(encode(HELLO))
+    reply(s)
+    before = rss_kib(d.proc.pid)
+    request = encode({"op": "commit", "lease": 123456789})  # an unknown lease: an error reply each
+    s.setblocking(False)
+    pending = request * 2_000_000  # ~60 MB of requests, ~150 MB of error replies if all were served
+    sent = stalled_since = 0.0
+    stalled = False
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:  # pipeline, never read a reply, until the daemon stops reading
+        try:
+            sent += s.send(pending[int(sent) : int(sent) + (1 << 16)])
+            stalled_since = 0.0
+        except BlockingIOError:
+            now = time.monotonic()
+            stalled_since = stalled_since or now
+            if now - stalled_since > 1.0:
+                stalled = True
+                break
+            time.sleep(0.02)
+    assert stalled, f"the daemon kept reading a client that reads nothing ({sent / 1e6:.0f} MB sent)"
+    assert sent < 12e6  # socket buffers and ~1 MiB of unsent replies' worth of frames
+    assert rss_kib(d.proc.pid) - before < 64 * 1024
+    assert_serving(d)
+    s.setblocking(True)
+    s.settimeout(10)
+    first = reply(s)  # what was answered is answered in order, with the lease error
+    assert code_of(first) == Code.LEASE
+    s.close()
+
+
 @pytest.mark.parametrize("depth", [200, 5000])
 def test_deeply_nested_frames(shared_daemon: DaemonProc, depth: int) -> None:
     s = raw(shared_daemon)
