@@ -18,7 +18,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(
         prog="kvstore",
-        description="kvstore: a tiered KV-cache store for LLM inference (device, host RAM, NVMe).",
+        description="kvstore: a tiered KV-cache store for LLM inference (device, host RAM, NVMe, and a Redis Cluster shared by nodes).",
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     subparsers.required = True
