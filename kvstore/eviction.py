@@ -166,14 +166,24 @@ class ReusePolicy(EvictionPolicy):
             key = keys[i]
             clock += 1
             count = uses.get(key)
-            if count is not None:  # tracked: it sits in the queue its count names
-                stamp = (reused if count >= 2 else once).pop(key)
+            if count is not None and count >= 2:  # reused, and stays so: restamped in place
+                intervals.append(clock - reused[key])
+                reused[key] = clock
+                reused.move_to_end(key)
+                if count < 255:
+                    count += 1
+                if count < floor:  # a parent never sits below its child
+                    count = floor
+                floor = uses[key] = count
+                continue
+            if count is not None:  # seen once: it leaves ``once``
+                del once[key]
             else:  # new to this tier (access of an unknown key is treated the same, as LRU does)
                 count, stamp = ghost.pop(key, (0, 0))
                 if parents is not None and parents[i] is not None:
                     self._parents[key] = parents[i]
-            if count >= 2:
-                intervals.append(clock - stamp)
+                if count >= 2:
+                    intervals.append(clock - stamp)
             if count < 255:
                 count += 1
             if count < floor:  # a parent never sits below its child
