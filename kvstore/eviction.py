@@ -166,30 +166,29 @@ class ReusePolicy(EvictionPolicy):
             key = keys[i]
             clock += 1
             count = uses.get(key)
-            if count is not None and count >= 2:  # reused, and stays so: restamped in place
-                intervals.append(clock - reused[key])
-                reused[key] = clock
-                reused.move_to_end(key)
-                if count < 255:
-                    count += 1
-                if count < floor:  # a parent never sits below its child
-                    count = floor
-                floor = uses[key] = count
-                continue
-            if count is not None:  # seen once: it leaves ``once``
-                del once[key]
-            else:  # new to this tier (access of an unknown key is treated the same, as LRU does)
+            if count is None:  # new to this tier (access of an unknown key is treated the same, as LRU does)
                 count, stamp = ghost.pop(key, (0, 0))
                 if parents is not None and parents[i] is not None:
                     self._parents[key] = parents[i]
                 if count >= 2:
                     intervals.append(clock - stamp)
+                stays = False
+            elif count >= 2:  # reused, and stays so: restamped in place below
+                intervals.append(clock - reused[key])
+                stays = True
+            else:  # seen once: it leaves ``once``
+                del once[key]
+                stays = False
             if count < 255:
                 count += 1
             if count < floor:  # a parent never sits below its child
                 count = floor
             floor = uses[key] = count
-            (reused if count >= 2 else once)[key] = clock
+            if stays:
+                reused[key] = clock
+                reused.move_to_end(key)
+            else:
+                (reused if count >= 2 else once)[key] = clock
         self._clock = clock
         if intervals:
             self._observe(intervals)
