@@ -224,18 +224,13 @@ class Cascade:
         ``announce``s them."""
         level = self.levels[rank]
         bit = 1 << rank
-        if exact is None and not level.lossy:  # the common case: every copy is the bytes put
-            for entry, slot in zip(entries, slots, strict=True):
-                entry.slots[rank] = slot
+        lossy = level.lossy  # a property: read once, not per block
+        for i, (entry, slot) in enumerate(zip(entries, slots, strict=True)):
+            entry.slots[rank] = slot
+            if lossy or (exact is not None and not exact[i]):
+                entry.inexact |= bit
+            else:
                 entry.inexact &= ~bit
-        else:
-            lossy = level.lossy
-            for i, (entry, slot) in enumerate(zip(entries, slots, strict=True)):
-                entry.slots[rank] = slot
-                if lossy or (exact is not None and not exact[i]):
-                    entry.inexact |= bit
-                else:
-                    entry.inexact &= ~bit
         level.policy.insert([e.key for e in entries], [e.parent for e in entries])
 
     def announce(self, rank: int, entries: list[BlockEntry]) -> None:

@@ -47,15 +47,8 @@ class WritePath:
         """
         cascade = self.cascade
         now = time.time()
-        span = keys[start:stop]
         refreshed: list[bytes] = []  # keys host already holds: only touched
-        if cascade.index.all_new(span):
-            # a chain new to the store (the common case): its entries made in one pass
-            parents = [keys[start - 1] if start > 0 else None, *span[:-1]]
-            entries = cascade.new_entries(span, parents, tenant, now)
-            fresh = list(range(start, stop))  # indices whose bytes go into new host slots
-        else:
-            entries, fresh = self._sort_out(keys, start, stop, tenant, now, refreshed)
+        entries, fresh = self._entries_for(keys, start, stop, tenant, now, refreshed)
         if cascade.host.num_free >= len(fresh) and not self.write_through:  # nothing evicts: nothing to protect
             busy: list[BlockEntry] = []
         else:  # in flight: making room must not evict what is being put
@@ -71,10 +64,21 @@ class WritePath:
             for entry in busy:
                 entry.readers -= 1
 
+    def _entries_for(self, keys: list[bytes], start: int, stop: int, tenant: str, now: float,
+                     refreshed: list[bytes]) -> tuple[list[BlockEntry], list[int]]:
+        """The entries of ``keys[start:stop]`` whose bytes host needs, and their indices in
+        ``keys``; into ``refreshed``, the keys host already holds as put. A chain new to the
+        store (the common case: an engine stores what it just computed) takes one pass."""
+        span = keys[start:stop]
+        if self.cascade.index.all_new(span):
+            parents = [keys[start - 1] if start > 0 else None, *span[:-1]]
+            return self.cascade.new_entries(span, parents, tenant, now), list(range(start, stop))
+        return self._sort_out(keys, start, stop, tenant, now, refreshed)
+
     def _sort_out(self, keys: list[bytes], start: int, stop: int, tenant: str, now: float,
                   refreshed: list[bytes]) -> tuple[list[BlockEntry], list[int]]:
-        """A put's blocks one by one: (entries, indices) of those whose bytes host needs, and
-        into ``refreshed`` the keys host already holds as put."""
+        """``_entries_for`` block by block: keys held already, held as a lossy copy, or given
+        twice."""
         cascade = self.cascade
         index = cascade.index
         fresh: list[int] = []
@@ -195,11 +199,10 @@ class WritePath:
         cascade = self.cascade
         now = time.time()
         refreshed: list[bytes] = []
-        if cascade.index.all_new(keys):
-            placed = cascade.new_entries(keys, [None, *keys[:-1]], tenant, now)  # a new chain: one pass
+        placed, fresh = self._entries_for(keys, 0, len(keys), tenant, now, refreshed)
+        if len(fresh) == len(slots):  # every slot is used (a new chain, say)
             placed_slots, unused = list(slots), []
-        else:  # sorted out as a put's blocks are; the slots of the rest are given back
-            placed, fresh = self._sort_out(keys, 0, len(keys), tenant, now, refreshed)
+        else:  # the slots of the blocks host holds already are given back
             placed_slots = [slots[i] for i in fresh]
             taken = set(fresh)
             unused = [slot for i, slot in enumerate(slots) if i not in taken]

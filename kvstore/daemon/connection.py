@@ -280,9 +280,10 @@ class Connection(asyncio.BufferedProtocol):
         if reply is None:
             return False
         out, payload = reply
+        assert not len(payload), "a commit's reply carries no data"
         transport = self.transport
         if meta.get("noreply") is not True and not self.closed and transport is not None and not transport.is_closing():
-            transport.write(encode(out, len(payload)) + bytes(payload))
+            transport.write(encode(out))
         if self._write_paused:  # that reply crossed the high-water mark: its slot waits for it
             self._spawn(self._slot_after_drain())
         else:
@@ -291,10 +292,7 @@ class Connection(asyncio.BufferedProtocol):
 
     async def _slot_after_drain(self) -> None:
         try:
-            while self._write_paused and not self.closed:
-                waiter = asyncio.get_running_loop().create_future()
-                self._drain_waiters.append(waiter)
-                await waiter
+            await self._drained()
         except ConnectionError:
             pass
         finally:
@@ -365,7 +363,12 @@ class Connection(asyncio.BufferedProtocol):
             self.transport.write(bytes(part) if held else part)
         if held:  # before any await: no later frame of this connection is parsed before it
             self._let_go(payload)
-        while self._write_paused:  # the reply's slot frees only once the transport took it
+        await self._drained()  # the reply's slot frees only once the transport took it
+
+    async def _drained(self) -> None:
+        """Wait until the transport's buffer is below the high-water mark; ConnectionError
+        if the connection closes first."""
+        while self._write_paused:
             if self.closed:
                 raise ConnectionError("the connection closed")
             waiter = asyncio.get_running_loop().create_future()

@@ -194,7 +194,7 @@ def test_commits_answered_on_the_event_loop_still_stop_a_client_that_never_reads
     assert_serving(d)
     s.setblocking(True)
     s.settimeout(10)
-    assert code_of(reply(s)) == Code.LEASE  # the replies held back are all still there to read
+    assert code_of(reply(s)) == Code.LEASE  # the replies held back are still there, in order
     s.close()
 
 
