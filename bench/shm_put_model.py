@@ -37,7 +37,8 @@ STOP = 1 << 32  # rung on the eventfd: the client is done
 
 
 def serve(conn: socket.socket, doorbell: int, wake: str, work_s: float) -> None:
-    """The server: for every commit, spin ``work_s`` then answer; exits when the client closes."""
+    """The server: for every commit, spin ``work_s`` then answer; returns when the client
+    closes the socket (or, woken by the eventfd, rings ``STOP`` on it)."""
     poller = select.epoll()
     poller.register(conn.fileno() if wake == "socket" else doorbell, select.EPOLLIN)
     received = 0
