@@ -4,17 +4,23 @@ On loopback, 64 blocks of 192 KiB per batch: get/put over the Unix socket vs red
 (GET/SET of the same bytes through redis-py, pipelined, over redis's own Unix socket); get/put
 over the shared-memory path vs a plain memcpy of the same bytes; the round trip of a lookup of
 a 2,000-block chain. The daemon runs host-only (as redis does, in memory, no persistence).
+
+With ``--pin`` the servers (the daemon and redis-server) get a CPU of their own and this
+process (the clients and the memcpy baselines) the others: what the daemon costs where it
+need not share a core with its client. Without it the kernel places every process.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -68,7 +74,41 @@ def _start_redis(tmp: Path) -> tuple[subprocess.Popen[bytes], str]:
     raise RuntimeError("redis-server did not start")
 
 
-def run(repeat: int) -> list[Row]:
+def split_cpus() -> tuple[set[int], set[int]]:
+    """``--pin``'s CPUs: (the servers' one, the last this process may use; this process's, the
+    rest). ValueError when this process may use only one."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        raise ValueError(f"--pin needs two CPUs or more; this process may use only CPU {cpus[0]}")
+    return {cpus[-1]}, set(cpus[:-1])
+
+
+def _set_affinity(cpus: set[int]) -> None:
+    """Move every thread of this process (torch's workers too) onto ``cpus``; processes
+    started afterwards inherit the calling thread's set."""
+    for tid in os.listdir("/proc/self/task"):
+        with contextlib.suppress(ProcessLookupError):  # a thread that just ended
+            os.sched_setaffinity(int(tid), cpus)
+
+
+@contextlib.contextmanager
+def on_cpus(cpus: set[int] | None) -> Iterator[None]:
+    """This process (every thread of it, torch's workers too, and one torch thread per CPU)
+    on ``cpus`` until the block ends; processes started meanwhile inherit them. None: as is."""
+    if cpus is None:
+        yield
+        return
+    before, threads = os.sched_getaffinity(0), torch.get_num_threads()
+    try:
+        _set_affinity(cpus)
+        torch.set_num_threads(len(cpus))
+        yield
+    finally:
+        _set_affinity(before)
+        torch.set_num_threads(threads)
+
+
+def run(repeat: int, pin: tuple[set[int], set[int]] | None = None) -> list[Row]:
     import redis
 
     from kvstore.daemon.client import connect
@@ -79,10 +119,12 @@ def run(repeat: int) -> list[Row]:
     raw = blocks.view(torch.uint8).reshape(n, payload)
     size = f"{n} x {payload // 1024} KiB"
     rows: list[Row] = []
-    with tempfile.TemporaryDirectory(prefix="kvstore-bench-daemon-") as tmp_name:
+    with tempfile.TemporaryDirectory(prefix="kvstore-bench-daemon-") as tmp_name, contextlib.ExitStack() as stack:
         tmp = Path(tmp_name)
-        daemon, url = _start_daemon(tmp, (RUN + 8) * n * 4096 * -(-payload // 4096))
-        rserver, rsock = _start_redis(tmp)
+        with on_cpus(pin[0] if pin else None):  # the servers run where they start
+            daemon, url = _start_daemon(tmp, (RUN + 8) * n * 4096 * -(-payload // 4096))
+            rserver, rsock = _start_redis(tmp)
+        stack.enter_context(on_cpus(pin[1] if pin else None))
         try:
             sock_client = connect(url, layout=layout, model_id="bench", shm=False)
             shm_client = connect(url, layout=layout, model_id="bench", shm=True)
@@ -171,11 +213,17 @@ def run(repeat: int) -> list[Row]:
     return rows
 
 
-def render(rows: list[Row], where: str) -> str:
+def render(rows: list[Row], where: str, pin: tuple[set[int], set[int]] | None = None) -> str:
     from kvstore.bench import render as render_rows
 
     text = render_rows(rows, where)
-    return text.replace("## Tiers (`kvstore bench tiers`)", "## Daemon (`kvstore bench daemon`)", 1).replace(
+    title = "## Daemon (`kvstore bench daemon`)"
+    if pin is not None:
+        title = "## Daemon, servers on a CPU of their own (`kvstore bench daemon --pin`)"
+        text = text.replace("Layout: 24 layers", f"The daemon and redis-server run on CPU {_cpu_list(pin[0])}, the "
+                            f"clients and the memcpy baselines on CPU {_cpu_list(pin[1])} (torch with "
+                            f"{len(pin[1])} thread{'s' if len(pin[1]) > 1 else ''}). Layout: 24 layers", 1)
+    return text.replace("## Tiers (`kvstore bench tiers`)", title, 1).replace(
         "Layout: 24 layers", "Loopback, one process per side. Durability is equal and none on both sides: the "
         "daemon runs host-only (`--disk 0`: no disk tier, so no write-through fsync or LMDB commit per put; "
         "the daemon's default with a disk is write-through), redis with `--save \"\" --appendonly no` (no "
@@ -188,16 +236,26 @@ def render(rows: list[Row], where: str) -> str:
         "layers", 1)
 
 
+def _cpu_list(cpus: set[int]) -> str:
+    return ",".join(str(c) for c in sorted(cpus))
+
+
 def run_daemon_bench(args: argparse.Namespace) -> int:
+    try:
+        pin = split_cpus() if args.pin else None
+    except ValueError as exc:
+        print(f"kvstore bench daemon: {exc}")
+        return 2
     if shutil.which("redis-server") is None:
         print("kvstore bench daemon: needs redis-server (Debian package redis-server) for the baseline")
         return 2
-    rows = run(args.repeat)
-    text = render(rows, machine())
+    rows = run(args.repeat, pin)
+    text = render(rows, machine(), pin)
     print(text)
     if not args.no_write:
-        write_section("daemon", text)
-        print("wrote docs/benchmarks.md (daemon section)")
+        section = "daemon-pinned" if pin else "daemon"
+        write_section(section, text)
+        print(f"wrote docs/benchmarks.md ({section} section)")
     return 0
 
 
@@ -206,4 +264,7 @@ def register_target(targets: argparse._SubParsersAction) -> None:
     p = targets.add_parser("daemon", help="daemon get/put/lookup vs redis-server and memcpy")
     p.add_argument("--repeat", type=int, default=25, help="repetitions; the best is kept (default 25)")
     p.add_argument("--no-write", action="store_true", help="print only; leave docs/ untouched")
+    p.add_argument("--pin", action="store_true",
+                   help="run the daemon and redis-server on the last CPU, the clients and baselines on the "
+                        "others (what the daemon costs with a core of its own)")
     p.set_defaults(func=run_daemon_bench)

@@ -101,13 +101,15 @@ class StoreClient:
         self._next_id = 0
         self._posted: set[int] = set()  # ids of _post() requests whose replies are not read yet
         self._max_frame = DEFAULT_MAX_FRAME
+        self._mapped: MappedPool | None = None
         self._pool: torch.Tensor | None = None
         self._generations: np.ndarray | None = None  # set: lock-free reads of cached slots
-        self._slots: dict[bytes, tuple[int, int]] = {}  # key -> (slot, generation) the daemon told
+        self._slots: dict[bytes, tuple[int, int]] = {}  # key -> (slot, generation) of slots once held under a lease
         # write leases for the next puts, (lease, slots, deadline), up to two ahead; and the
-        # last put's commit, sent but its reply not read yet: (request id, keys, sent_at)
+        # last put's commit, sent but its reply not read yet: (request id, keys, sent_at, and
+        # the slots written with their generations, read while the lease held them)
         self._write_leases: deque[tuple[int, list[int], float]] = deque()
-        self._commit: tuple[int, list[bytes], float] | None = None
+        self._commit: tuple[int, list[bytes], float, list[int], list[int]] | None = None
         self.num_lost_puts = 0  # blocks of puts whose commit found its lease expired
         self._touched: list[bytes] = []  # blocks read lock-free, not yet told to the daemon
         self._touch_due = 0.0
@@ -189,7 +191,7 @@ class StoreClient:
         pending, self._commit = self._commit, None
         if pending is None:
             return
-        request_id, keys, sent_at = pending
+        request_id, keys, sent_at, slots, gens = pending
         reply, data_len = self._recv_reply(request_id)
         if data_len:
             recv_exact(self._sock, data_len)
@@ -201,7 +203,7 @@ class StoreClient:
                 log.warning("a shared-memory put of %d blocks was not stored: %s", len(keys), message)
                 return
             raise _as_exception(code, f"an earlier shared-memory put failed: {message}")
-        self._remember(keys, reply.get("slots", []), reply.get("gens", []))
+        self._remember(keys, slots, gens)
         self._keep_next(reply, sent_at)
 
     def _keep_next(self, reply: dict[str, Any], sent_at: float) -> None:
@@ -276,13 +278,14 @@ class StoreClient:
             self._notify({"op": "release", "lease": lease_id, "kind": "write"})  # unwritten: never commit it
             return False
         _copy_runs(slots, src, self._pool, to_pool=True)
+        gens = self._generations_of(slots)  # stable: the lease still holds the slots
         with self._lock:
             self._settle()
             self._next_id += 1
             sent_at = time.monotonic()
             self._sock.sendall(self._touch_frame() + encode(
                 {"op": "commit", "lease": lease_id, "keys": self._keys_blob(keys), "reserve": n, "id": self._next_id}))
-            self._commit = (self._next_id, list(keys), sent_at)
+            self._commit = (self._next_id, list(keys), sent_at, slots, gens)
         return True
 
     def _write_lease(self, n: int, keys: Sequence[bytes]) -> tuple[int, list[int], float] | None:
@@ -333,7 +336,7 @@ class StoreClient:
 
     def _read(self, keys: Sequence[bytes], out: torch.Tensor) -> FetchResult:
         dst = out.view(torch.uint8).reshape(len(keys), self._payload)
-        if self._commit is not None:  # the last put's reply names its slots: lock-free reads
+        if self._commit is not None:  # once the last put is settled its slots are remembered: lock-free reads
             with self._lock:
                 self._settle()
         tiers: list[str] = []
@@ -360,10 +363,11 @@ class StoreClient:
         return tiers + [TIER_NAMES[c] for c in reply.get("tiers", "h" * reply["num_blocks"])]
 
     def _read_cached(self, keys: Sequence[bytes], dst: torch.Tensor) -> int:
-        """Copy the leading run of ``keys`` whose host slots an earlier reply named, without a
-        lease: a slot counts only if its generation is unchanged after the copy (the daemon
-        bumps it before the slot can be reused, so then no other bytes were in it). Returns
-        how many leading rows of ``dst`` hold their block; the daemon is told (no reply)."""
+        """Copy the leading run of ``keys`` remembered in slots this client once held under a
+        lease, without taking one: a slot counts only if its generation is unchanged after the
+        copy (the daemon bumps it before the slot can be reused, so then no other bytes were in
+        it). Returns how many leading rows of ``dst`` hold their block; the daemon is told (no
+        reply)."""
         gens_now = self._generations
         if gens_now is None or self._pool is None:
             return 0
@@ -416,17 +420,25 @@ class StoreClient:
         reply = self._call({"op": "get", "keys": self._keys_blob(keys), "shm": True})[0]
         n, deadline = reply["num_blocks"], sent_at + 0.5 * reply["lease_s"]
         copied = time.monotonic() < deadline  # never start copying past the lease
+        gens = self._generations_of(reply["slots"]) if copied else []  # stable: the lease holds them
         if n and copied:
             _copy_runs(reply["slots"], dst[:n], self._pool, to_pool=False)
         if copied and time.monotonic() < deadline:
             self._post({"op": "release", "lease": reply["lease"]})
         elif not self._call({"op": "release", "lease": reply["lease"]})[0]["valid"] or not copied:
             return 0
-        self._remember(keys[:n], reply["slots"], reply.get("gens", []))
+        self._remember(keys[:n], reply["slots"], gens)
         return n
 
+    def _generations_of(self, slots: list[int]) -> list[int]:
+        """The generations of slots this client holds under a lease (so they cannot change),
+        read from the pool file; [] without lock-free reads."""
+        if self._generations is None or self._mapped is None:
+            return []
+        return self._mapped.generations_of(slots)
+
     def _remember(self, keys: Sequence[bytes], slots: list[int], gens: list[int]) -> None:
-        """Note where the daemon said ``keys`` live, for lock-free reads (bounded by the pool)."""
+        """Note where ``keys`` live (slots held under a lease), for lock-free reads (bounded by the pool)."""
         if self._generations is None or len(gens) != len(keys) or len(slots) != len(keys):
             return
         if len(self._slots) + len(keys) > 2 * len(self._generations):

@@ -232,9 +232,7 @@ class Ops:
             lease = self.leases.grant_read(session.conn_id, state, keys, tenant)
             n = len(lease.slots)
             state.count(tenant, requests=1, get_blocks=n)
-            gens = self._generations(state, lease.slots)  # stable: the lease holds the slots
-            return {"num_blocks": n, "lease": lease.id, "slots": lease.slots, "gens": gens,
-                    "lease_s": self.leases.lease_s}, b""
+            return {"num_blocks": n, "lease": lease.id, "slots": lease.slots, "lease_s": self.leases.lease_s}, b""
         layout = state.layout
         held = self._hold_on_host(state, keys)
         if held is not None:  # all in host RAM: sent straight from the slots, no copy here
@@ -324,11 +322,6 @@ class Ops:
                 self._pools[namespace] = MappedPool(*pool)
             return self._pools[namespace]
 
-    def _generations(self, state: NamespaceState, slots: list[int]) -> list[int]:
-        """The generations of host slots the caller holds (a lease or a reservation)."""
-        pool = state.store.shared_pool
-        return self._mapped_pool(state.id, pool).generations_of(slots) if pool else []
-
     def op_put(self, session: Session, meta: dict[str, Any], data: bytes | bytearray | ReservedPut) -> Reply:
         if isinstance(data, ReservedPut):
             reply = self._commit_put(session, data, blocking=True)
@@ -390,7 +383,6 @@ class Ops:
                 lease.state.store.cancel_host(lease.slots)
                 raise ProtocolError(Code.BAD_REQUEST, f"{len(keys)} keys for a lease of {len(lease.slots)} slots")
             lease.keys = keys
-        gens = self._generations(lease.state, lease.slots)  # before the commit: still reserved
         try:
             if not lease.state.store.commit_host(lease.keys, lease.slots, tenant=lease.tenant, blocking=blocking):
                 self.leases.put_back(lease)  # for the worker's try
@@ -399,7 +391,7 @@ class Ops:
             lease.state.store.cancel_host(lease.slots)
             raise
         lease.state.count(lease.tenant, requests=1, put_blocks=len(lease.keys))
-        out: dict[str, Any] = {"num_blocks": len(lease.keys), "slots": lease.slots, "gens": gens}
+        out: dict[str, Any] = {"num_blocks": len(lease.keys)}
         self._reserve_next(session, lease, field_of(meta, "reserve", int, 0), out, blocking=blocking)
         return out, b""
 

@@ -2,14 +2,16 @@
 
 The daemon's host tier lives in a memfd (``tiers.host.HostTier(shared=True)``): slot ``i`` at
 byte ``i * slot_bytes``, then one little-endian uint64 generation per slot. Both the daemon
-(to receive socket puts in place and to read generations for its replies) and same-host
-clients (to copy blocks) map it through this one class, so the layout is written down once.
+(to receive socket puts in place) and same-host clients (to copy blocks, and to read the
+generations of slots they hold under a lease) map it through this one class, so the layout
+is written down once.
 
-Lock-free reads (docs/protocol.md, "Shared memory"): a client that learned ``(slot, gen)``
-for a key from a reply may copy the slot without asking again, and keeps the copy only if the
-slot's generation still equals ``gen`` after the copy. The host tier increments a slot's
-generation when it frees the slot, before anyone can write into it again, so an unchanged
-generation means the slot held that key's bytes throughout the copy. That argument needs
+Lock-free reads (docs/protocol.md, "Shared memory"): a client that held a key's slot under a
+lease, and read its generation ``gen`` then, may later copy the slot without asking again,
+and keeps the copy only if the slot's generation still equals ``gen`` after the copy. The
+host tier increments a slot's generation when it frees the slot, before anyone can write
+into it again, so an unchanged generation means the slot held that key's bytes throughout
+the copy. That argument needs
 the copy's loads to complete before the generation's re-read, which x86-64 guarantees
 (loads are not reordered with other loads); elsewhere ``lock_free`` is False and every read
 takes a lease.

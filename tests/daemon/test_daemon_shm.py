@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from kvstore.daemon import client as client_module
+from kvstore.daemon.client import StoreClient
 from kvstore.daemon.pool_map import MappedPool
 from kvstore.daemon.protocol import Code, RemoteError
 
@@ -51,6 +52,19 @@ class CopyCounter:
         return None
 
 
+def count_calls(monkeypatch: pytest.MonkeyPatch, client: StoreClient) -> list[str]:
+    """The ops of the requests ``client`` makes and waits for, appended as they are made."""
+    ops: list[str] = []
+    real_call = client._call
+
+    def counting_call(meta: dict, *args: object, **kwargs: object) -> object:
+        ops.append(meta["op"])
+        return real_call(meta, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(client, "_call", counting_call)
+    return ops
+
+
 def small_daemon(tmp_path: Path) -> DaemonProc:
     # 16 host slots of one page each, no disk: an evicted block is gone, its slot reused
     return DaemonProc(tmp_path / "data", "--max-namespaces", "1", host_mem="64KiB", disk="0")
@@ -62,15 +76,8 @@ def test_get_reuses_slots_from_earlier_replies_without_a_lease(tmp_path: Path, m
         with d.connect(shm=True) as c:
             copies = CopyCounter(monkeypatch)
             keys = c.block_keys(prompt(1, 4))
-            c.put(keys, blocks(keys))  # the commit's reply names the slots
-            calls: list[str] = []
-            real_call = c._call
-
-            def counting_call(meta: dict, *args: object, **kwargs: object) -> object:
-                calls.append(meta["op"])
-                return real_call(meta, *args, **kwargs)  # type: ignore[arg-type]
-
-            monkeypatch.setattr(c, "_call", counting_call)
+            c.put(keys, blocks(keys))  # its write lease named the slots
+            calls = count_calls(monkeypatch, c)
             for _ in range(3):
                 assert torch.equal(c.get(keys), blocks(keys))
             assert copies.reads == 3 and calls == []  # no round trip at all
@@ -79,6 +86,28 @@ def test_get_reuses_slots_from_earlier_replies_without_a_lease(tmp_path: Path, m
             while c.daemon_stats()["tenant"]["get_blocks"] < 12 and time.monotonic() < deadline:
                 time.sleep(0.05)
             assert c.daemon_stats()["tenant"]["get_blocks"] == 12
+    finally:
+        d.stop()
+
+
+def test_a_read_lease_names_its_slots_for_later_lock_free_reads(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    d = small_daemon(tmp_path)
+    try:
+        with d.connect(shm=True) as reader, d.connect(shm=False) as writer:
+            keys = writer.block_keys(prompt(3, 4))
+            writer.put(keys, blocks(keys))  # over the socket: the reader knows no slot yet
+            copies = CopyCounter(monkeypatch)
+            ops = count_calls(monkeypatch, reader)
+            assert torch.equal(reader.get(keys), blocks(keys))
+            assert ops == ["get"]  # a lease: the reader read the held slots' generations
+            assert torch.equal(reader.get(keys), blocks(keys))
+            assert ops == ["get"] and copies.reads == 2  # the second copy took no lease
+            # once the daemon frees those slots (generation bumped), the remembered ones are stale
+            writer.delete(keys)
+            writer.put(keys, blocks(keys))
+            assert torch.equal(reader.get(keys), blocks(keys))
+            assert ops == ["get", "get"]
     finally:
         d.stop()
 
