@@ -22,6 +22,7 @@ from engine.loader import random_checkpoint, save_random_checkpoint
 from engine.sampling import SamplingParams
 from engine.sequence import STAGES
 from engine.serve import bench as served
+from kvstore.argtypes import positive
 from kvstore.bench import DOCS, machine, ratio_text, write_section
 
 BENCH_MODEL = dict(num_layers=24, hidden_size=256, intermediate_size=1024, num_heads=4, num_kv_heads=2,
@@ -251,10 +252,10 @@ def run(args: argparse.Namespace) -> int:
 def register_target(targets: argparse._SubParsersAction) -> None:
     p = targets.add_parser("engine", help="engine TTFT per tier vs recompute, decode vs transformers")
     p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
-    p.add_argument("--prompt-tokens", type=int, default=2048, help="cached prompt length (default 2048)")
-    p.add_argument("--decode-prompt", type=int, default=128, help="prompt length of the decode runs (default 128)")
-    p.add_argument("--decode-tokens", type=int, default=32, help="decode steps measured (default 32)")
-    p.add_argument("--repeat", type=int, default=3, help="repetitions; the best is kept (default 3)")
+    p.add_argument("--prompt-tokens", type=positive(int), default=2048, help="cached prompt length (default 2048)")
+    p.add_argument("--decode-prompt", type=positive(int), default=128, help="prompt length of the decode runs (default 128)")
+    p.add_argument("--decode-tokens", type=positive(int), default=32, help="decode steps measured (default 32)")
+    p.add_argument("--repeat", type=positive(int), default=3, help="repetitions; the best is kept (default 3)")
     p.add_argument("--dir", help="where the scratch disk tier goes (default: current directory; not tmpfs)")
     p.add_argument("--no-write", action="store_true", help="print only; leave docs/ untouched")
     p.set_defaults(func=run)

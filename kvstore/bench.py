@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from kvstore.argtypes import positive
 from kvstore.config import StoreConfig
 from kvstore.layout import KVLayout
 from kvstore.levels import DiskLevel
@@ -325,9 +326,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     targets = parser.add_subparsers(dest="target", metavar="TARGET")
     targets.required = True
     tiers = targets.add_parser("tiers", help="host/disk tier throughput and key hashing vs baselines")
-    tiers.add_argument("--host-blocks", type=int, default=128, help="blocks per host get/put (default 128)")
-    tiers.add_argument("--disk-blocks", type=int, default=256, help="blocks per disk read/write (default 256)")
-    tiers.add_argument("--repeat", type=int, default=5, help="repetitions; the best is kept (default 5)")
+    tiers.add_argument("--host-blocks", type=positive(int), default=128, help="blocks per host get/put (default 128)")
+    tiers.add_argument("--disk-blocks", type=positive(int), default=256, help="blocks per disk read/write (default 256)")
+    tiers.add_argument("--repeat", type=positive(int), default=5, help="repetitions; the best is kept (default 5)")
     tiers.add_argument("--dir", help="where to create the scratch disk tier (default: current directory; "
                        "must not be tmpfs for O_DIRECT)")
     tiers.add_argument("--no-write", action="store_true", help="print only; leave docs/ untouched")

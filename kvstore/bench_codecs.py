@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from kvstore.argtypes import positive
 from kvstore.bench import BENCH_LAYOUT, DOCS, _drop_cache, interleaved, machine, write_section
 from kvstore.codecs import get_codec
 from kvstore.config import StoreConfig
@@ -252,8 +253,8 @@ def run(args: argparse.Namespace) -> int:
 
 def register_target(targets: argparse._SubParsersAction) -> None:
     p = targets.add_parser("codecs", help="codec throughput and error, int8 disk reads and TTFT vs raw")
-    p.add_argument("--blocks", type=int, default=128, help="blocks of the prefix (default 128 = 2,048 tokens)")
-    p.add_argument("--repeat", type=int, default=5, help="rounds; the best is kept (default 5)")
+    p.add_argument("--blocks", type=positive(int), default=128, help="blocks of the prefix (default 128 = 2,048 tokens)")
+    p.add_argument("--repeat", type=positive(int), default=5, help="rounds; the best is kept (default 5)")
     p.add_argument("--dir", help="where the scratch disk tiers go (default: current directory; not tmpfs)")
     p.add_argument("--no-engine", action="store_true", help="skip the TTFT runs through the engine")
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (default: torch's own)")

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from kvstore.argtypes import positive
 from kvstore.bench import BENCH_LAYOUT, Row, machine, render, write_section
 from kvstore.redis_local import MIB, RedisCluster, need_binaries
 from tiers.remote import RemoteTier, group_tags
@@ -260,9 +261,9 @@ def run_remote_bench(args: argparse.Namespace) -> int:
 def register_target(targets: argparse._SubParsersAction) -> None:
     """Add ``remote`` to ``kvstore bench``'s targets."""
     p = targets.add_parser("remote", help="remote tier (Redis Cluster) get/put vs redis-py, and the G sweep")
-    p.add_argument("--repeat", type=int, default=25, help="rounds; the best is kept (default 25)")
-    p.add_argument("--prompt-tokens", type=int, default=2048, help="TTFT prompt length (default 2048)")
-    p.add_argument("--ttft-repeat", type=int, default=2, help="TTFT runs per side; the best is kept (default 2)")
+    p.add_argument("--repeat", type=positive(int), default=25, help="rounds; the best is kept (default 25)")
+    p.add_argument("--prompt-tokens", type=positive(int), default=2048, help="TTFT prompt length (default 2048)")
+    p.add_argument("--ttft-repeat", type=positive(int), default=2, help="TTFT runs per side; the best is kept (default 2)")
     p.add_argument("--no-ttft", action="store_true", help="skip the engine TTFT measurement")
     p.add_argument("--no-write", action="store_true", help="print only; leave docs/ untouched")
     p.set_defaults(func=run_remote_bench)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
 from pathlib import Path
@@ -63,3 +64,28 @@ def test_engine_demo_refuses_a_device_pool_too_small_up_front(tmp_path: Path,
     assert main(["demo", "--data-dir", str(tmp_path), "--device-blocks", "48"]) == 2
     err = capsys.readouterr().err
     assert "--device-blocks 48 is too small" in err and "67 blocks" in err
+
+
+def _bench_targets() -> dict[str, argparse.ArgumentParser]:
+    commands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    bench = commands.choices["bench"]
+    targets = next(a for a in bench._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(targets.choices)
+
+
+def test_every_benchmark_refuses_a_repeat_count_below_one(capsys: pytest.CaptureFixture[str]) -> None:
+    targets = _bench_targets()
+    assert {"tiers", "engine", "daemon", "remote", "codecs", "events", "route", "route-live"} <= set(targets)
+    checked = 0
+    for name, target in targets.items():
+        repeat = next((a for a in target._actions if "--repeat" in a.option_strings), None)
+        if repeat is None:
+            continue
+        for bad in ("0", "-3", "two"):
+            with pytest.raises(SystemExit) as exit_info:
+                build_parser().parse_args(["bench", name, "--repeat", bad])
+            assert exit_info.value.code == 2
+            assert f"argument --repeat: must be a positive int, got '{bad}'" in capsys.readouterr().err, name
+        assert repeat.type is not None and repeat.type("2") == 2, name
+        checked += 1
+    assert checked >= 8

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from kvstore.argtypes import positive
 from kvstore.bench import BENCH_LAYOUT, CacheFlush, Row, best_of, machine, write_section
 
 NUM_BLOCKS = 64
@@ -262,7 +263,7 @@ def run_daemon_bench(args: argparse.Namespace) -> int:
 def register_target(targets: argparse._SubParsersAction) -> None:
     """Add ``daemon`` to ``kvstore bench``'s targets."""
     p = targets.add_parser("daemon", help="daemon get/put/lookup vs redis-server and memcpy")
-    p.add_argument("--repeat", type=int, default=25, help="repetitions; the best is kept (default 25)")
+    p.add_argument("--repeat", type=positive(int), default=25, help="repetitions; the best is kept (default 25)")
     p.add_argument("--no-write", action="store_true", help="print only; leave docs/ untouched")
     p.add_argument("--pin", action="store_true",
                    help="run the daemon and redis-server on the last CPU, the clients and baselines on the "

@@ -20,6 +20,7 @@ from typing import Any
 import msgpack
 import zmq
 
+from kvstore.argtypes import positive
 from kvstore.bench import Row, machine, ratio_text, write_section
 from kvstore.events.config import EventsConfig
 from kvstore.events.publisher import EventPublisher
@@ -182,6 +183,6 @@ def run_events_bench(args: argparse.Namespace) -> int:
 def register_target(targets: argparse._SubParsersAction) -> None:
     """Add ``events`` to ``kvstore bench``'s targets."""
     p = targets.add_parser("events", help="KV events: engine overhead, producer call, end to end vs raw ZeroMQ")
-    p.add_argument("--repeat", type=int, default=7, help="repetitions; the best is kept (default 5)")
+    p.add_argument("--repeat", type=positive(int), default=7, help="repetitions; the best is kept (default 7)")
     p.add_argument("--no-write", action="store_true", help="print only; leave docs/ untouched")
     p.set_defaults(func=run_events_bench)

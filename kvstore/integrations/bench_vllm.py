@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.bench import BENCH_MODEL, drop_page_cache
+from kvstore.argtypes import positive
 from kvstore.bench import machine, write_section
 
 BLOCK = 128  # vLLM's CPU block
@@ -254,9 +255,9 @@ def run(args: argparse.Namespace) -> int:
 
 def register_target(targets: argparse._SubParsersAction) -> None:
     p = targets.add_parser("vllm", help="vLLM TTFT with kvstore as its KV connector (needs vLLM)")
-    p.add_argument("--prompt-tokens", type=int, default=2048, help="prompt length (default 2048)")
-    p.add_argument("--repeat", type=int, default=5, help="repetitions; the best is kept (default 5)")
-    p.add_argument("--rounds", type=int, default=3, help="alternating rounds of the miss comparison (default 3)")
+    p.add_argument("--prompt-tokens", type=positive(int), default=2048, help="prompt length (default 2048)")
+    p.add_argument("--repeat", type=positive(int), default=5, help="repetitions; the best is kept (default 5)")
+    p.add_argument("--rounds", type=positive(int), default=3, help="alternating rounds of the miss comparison (default 3)")
     p.add_argument("--dir", help="where the scratch daemon data goes (default: current directory; not tmpfs)")
     p.add_argument("--no-write", action="store_true", help="print only; leave docs/ untouched")
     p.set_defaults(func=run)

@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from kvstore.argtypes import positive
 from kvstore.eviction import DEFAULT_POLICY, POLICIES
 from kvstore.replay import estimate as est
 from kvstore.replay.sim import ReplayResult, TierSpec, replay
@@ -17,21 +17,8 @@ from kvstore.replay.trace import ReplayError, Trace, load_trace
 BASELINE, OPTIMUM = "lru", "belady"
 
 
-def _positive(kind: type, what: str) -> Callable[[str], Any]:
-    def parse(text: str) -> Any:
-        try:
-            value = kind(text)
-        except ValueError:
-            value = None
-        if value is None or not value > 0 or value != value or value == float("inf"):
-            raise argparse.ArgumentTypeError(f"{what} must be a positive {kind.__name__}, got {text!r}")
-        return value
-
-    return parse
-
-
 def _capacities(text: str) -> list[int]:
-    parse = _positive(int, "a capacity (blocks)")
+    parse = positive(int, "a capacity (blocks)")
     return [parse(part.strip()) for part in text.split(",")]
 
 
@@ -45,23 +32,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("trace", help="the trace file (.jsonl)")
     p.add_argument("--capacity", type=_capacities, action="append", metavar="N[,N...]",
                    help="one tier of N blocks; a list (or the option repeated) sweeps capacities")
-    p.add_argument("--device", type=_positive(int, "--device"), metavar="N", help="cascade: device tier blocks")
-    p.add_argument("--host", type=_positive(int, "--host"), metavar="N", help="cascade: host tier blocks")
-    p.add_argument("--disk", type=_positive(int, "--disk"), metavar="N", help="cascade: disk tier blocks")
+    p.add_argument("--device", type=positive(int), metavar="N", help="cascade: device tier blocks")
+    p.add_argument("--host", type=positive(int), metavar="N", help="cascade: host tier blocks")
+    p.add_argument("--disk", type=positive(int), metavar="N", help="cascade: disk tier blocks")
     p.add_argument("--policy", action="append", choices=[*POLICIES, OPTIMUM],
                    help=f"policies to run (repeatable; default: {DEFAULT_POLICY}, {BASELINE}, {OPTIMUM})")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("--plot", metavar="FILE.png", help="draw hit ratio vs capacity for every policy")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.add_argument("--block-tokens", type=_positive(int, "--block-tokens"), default=est.BLOCK_TOKENS,
+    p.add_argument("--block-tokens", type=positive(int), default=est.BLOCK_TOKENS,
                    help="tokens per trace block (default 512, Mooncake's)")
-    p.add_argument("--block-bytes", type=_positive(int, "--block-bytes"), default=est.BLOCK_BYTES,
+    p.add_argument("--block-bytes", type=positive(int), default=est.BLOCK_BYTES,
                    help="KV bytes per block (default 64 MiB: 512 tokens of Llama-3-8B fp16)")
-    p.add_argument("--host-gbps", type=_positive(float, "--host-gbps"), default=measured.get("host", est.HOST_GBPS),
+    p.add_argument("--host-gbps", type=positive(float), default=measured.get("host", est.HOST_GBPS),
                    help="host->device GB/s (default: docs/bench_tiers.json, else 20)")
-    p.add_argument("--disk-gbps", type=_positive(float, "--disk-gbps"), default=measured.get("disk", est.DISK_GBPS),
+    p.add_argument("--disk-gbps", type=positive(float), default=measured.get("disk", est.DISK_GBPS),
                    help="disk read GB/s (default: docs/bench_tiers.json, else 3)")
-    p.add_argument("--prefill-tokens-per-s", type=_positive(float, "--prefill-tokens-per-s"),
+    p.add_argument("--prefill-tokens-per-s", type=positive(float),
                    default=est.PREFILL_TOKENS_PER_S, help="prefill rate used to price a recompute (default 10000)")
     p.set_defaults(func=run)
 

@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from kvstore.argtypes import positive
 from kvstore.ports import free_port_pair
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -154,10 +155,10 @@ def render(results: dict[str, list[list[float]]], args: argparse.Namespace, wher
 
 def register_target(targets: argparse._SubParsersAction) -> None:
     p = targets.add_parser("route-live", help="TTFT through kvstore route over live replicas, cache_aware vs round_robin")
-    p.add_argument("--replicas", type=int, default=3, help="engine replicas (default 3)")
-    p.add_argument("--conversations", type=int, default=6, help="chats in parallel (default 6)")
-    p.add_argument("--turns", type=int, default=5, help="turns per chat (default 5)")
-    p.add_argument("--max-tokens", type=int, default=8, help="tokens generated per turn (default 8)")
-    p.add_argument("--repeat", type=int, default=2, help="runs per policy, alternating (default 2)")
+    p.add_argument("--replicas", type=positive(int), default=3, help="engine replicas (default 3)")
+    p.add_argument("--conversations", type=positive(int), default=6, help="chats in parallel (default 6)")
+    p.add_argument("--turns", type=positive(int), default=5, help="turns per chat (default 5)")
+    p.add_argument("--max-tokens", type=positive(int), default=8, help="tokens generated per turn (default 8)")
+    p.add_argument("--repeat", type=positive(int), default=2, help="runs per policy, alternating (default 2)")
     p.add_argument("--no-write", action="store_true", help="print only; leave docs/ untouched")
     p.set_defaults(func=run)

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvstore.argtypes import positive
 from kvstore.keys import BlockHasher, Namespace
 from kvstore.layout import KVLayout
 from kvstore.replay.trace import ReplayError
@@ -221,11 +222,11 @@ def register_target(targets: argparse._SubParsersAction) -> None:
     p.add_argument("--trace", required=True, help="a Mooncake trace (conversation_trace.jsonl)")
     p.add_argument("--capacity", type=lambda s: [int(x) for x in s.split(",")], default=[1000, 2500, 5000],
                    help="device blocks per replica, a list (default 1000,2500,5000)")
-    p.add_argument("--replicas", type=int, default=4, help="simulated replicas (default 4)")
+    p.add_argument("--replicas", type=positive(int), default=4, help="simulated replicas (default 4)")
     p.add_argument("--prefill-tokens-per-s", type=float, default=20_000.0, help="per replica (default 20000)")
     p.add_argument("--decode-ms-per-token", type=float, default=20.0, help="per output token (default 20)")
-    p.add_argument("--index-blocks", type=int, default=1_000_000, help="indexed blocks for the timing (1M)")
-    p.add_argument("--rounds", type=int, default=2000, help="decisions timed per run (default 2000)")
-    p.add_argument("--repeat", type=int, default=3, help="timing runs (default 3)")
+    p.add_argument("--index-blocks", type=positive(int), default=1_000_000, help="indexed blocks for the timing (1M)")
+    p.add_argument("--rounds", type=positive(int), default=2000, help="decisions timed per run (default 2000)")
+    p.add_argument("--repeat", type=positive(int), default=3, help="timing runs (default 3)")
     p.add_argument("--no-write", action="store_true", help="print only; leave docs/ untouched")
     p.set_defaults(func=run)
