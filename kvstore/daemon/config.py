@@ -73,7 +73,8 @@ class DaemonConfig:
     Attributes:
         data_dir: the disk tier's directories (one per namespace) and nothing else.
         host_bytes, disk_bytes: hard TOTAL capacities; each of ``max_namespaces`` namespace
-            slots gets an equal share (disk_bytes=0: no disk tier).
+            slots gets an equal share (-1: a tenth of RAM, a tenth of the free disk up to 20
+            GiB; disk_bytes=0: no disk tier; host RAM cannot be 0, every put lands there).
         socket_path: the Unix socket ("" for none; default ``data_dir/kvstore.sock``).
         listen: HOST:PORT of the block protocol over TCP ("" for none).
         http: HOST:PORT of REST and the dashboard ("" for none).
@@ -101,7 +102,7 @@ class DaemonConfig:
     """
 
     data_dir: Path = Path(".kvstore")
-    host_bytes: int = 0
+    host_bytes: int = -1
     disk_bytes: int = -1
     socket_path: str | None = None
     listen: str = "127.0.0.1:7470"
@@ -126,7 +127,7 @@ class DaemonConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "data_dir", Path(self.data_dir))
-        if not self.host_bytes:
+        if self.host_bytes < 0:
             object.__setattr__(self, "host_bytes", default_host_bytes())
         if self.disk_bytes < 0:
             object.__setattr__(self, "disk_bytes", default_disk_bytes(self.data_dir))
@@ -145,7 +146,8 @@ class DaemonConfig:
         if not self.lease_s > 0 or not self.drain_s >= 0:
             raise ConfigError(f"lease_s must be > 0 and drain_s >= 0, got {self.lease_s}, {self.drain_s}")
         if self.host_bytes < 4096 * self.max_namespaces:
-            raise ConfigError(f"host_bytes={self.host_bytes} leaves no slot for {self.max_namespaces} namespaces")
+            raise ConfigError(f"host_bytes={self.host_bytes} leaves no slot for {self.max_namespaces} namespaces "
+                              "(every put lands in host RAM; leave it out for a tenth of RAM)")
         if self.kv_events:
             from kvstore.events.config import EventsConfig
 

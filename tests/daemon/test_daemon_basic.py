@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from kvstore import CapacityError, KVLayout, LayoutMismatchError
+from kvstore.daemon.config import default_host_bytes, load_config
 from kvstore.daemon.protocol import Code, RemoteError
+from kvstore.errors import ConfigError
 
 from daemon_helpers import LAYOUT, ROOT, DaemonProc, blocks, daemon_fixture, prompt, shared_daemon_fixture  # noqa: F401
 
@@ -151,3 +153,14 @@ def test_a_taken_rest_port_is_a_clear_error(tmp_path: Path) -> None:
         assert f"cannot listen on {taken}" in proc.stderr and "Traceback" not in proc.stderr
     finally:
         daemon.stop()
+
+
+def test_host_ram_defaults_when_left_out_and_zero_is_refused(tmp_path: Path) -> None:
+    assert load_config(None, {"data_dir": tmp_path}).host_bytes == default_host_bytes()
+    assert load_config(None, {"data_dir": tmp_path, "host_bytes": "64MiB"}).host_bytes == 64 << 20
+    with pytest.raises(ConfigError, match="host_bytes=0 leaves no slot for 4 namespaces"):
+        load_config(None, {"data_dir": tmp_path, "host_bytes": "0"})
+    proc = subprocess.run([sys.executable, "-m", "kvstore.daemon", "serve", "--data-dir", str(tmp_path),
+                           "--listen", "", "--http", "", "--host-mem", "0"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "every put lands in host RAM" in proc.stderr, proc.stderr
