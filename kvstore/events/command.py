@@ -8,6 +8,7 @@ import sys
 import time
 from typing import Any
 
+from kvstore.errors import ConfigError
 from kvstore.events.config import replay_endpoint_for
 from kvstore.events.subscriber import Subscriber
 from kvstore.events.wire import AllBlocksCleared, BlockRemoved, BlockStored, Event, EventBatch, UnknownEvent
@@ -67,12 +68,16 @@ class Printer:
 
 
 def run_events(args: argparse.Namespace) -> int:
-    replay = args.replay_endpoint
-    if replay is None:
-        replay = replay_endpoint_for(args.endpoint)
     printer = Printer(args.json, args.heartbeats)
-    sub = Subscriber(args.endpoint, replay_endpoint=replay if replay != "none" else "", topic=args.topic,
-                     snapshot_on_start=args.snapshot, on_batch=printer)
+    try:
+        replay = args.replay_endpoint
+        if replay is None:
+            replay = replay_endpoint_for(args.endpoint)
+        sub = Subscriber(args.endpoint, replay_endpoint=replay if replay != "none" else "", topic=args.topic,
+                         snapshot_on_start=args.snapshot, on_batch=printer)
+    except ConfigError as exc:
+        print(f"kvstore events: {exc}", file=sys.stderr)
+        return 2
     deadline = None if args.timeout is None else time.monotonic() + args.timeout
     try:
         if args.from_seq is not None:
@@ -83,6 +88,9 @@ def run_events(args: argparse.Namespace) -> int:
             sub.poll(0.2)
     except KeyboardInterrupt:
         pass
+    except ConfigError as exc:  # a replay endpoint ZeroMQ cannot parse, met at its first request
+        print(f"kvstore events: {exc}", file=sys.stderr)
+        return 2
     finally:
         sub.close()
     if args.stats:

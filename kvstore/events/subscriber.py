@@ -25,6 +25,7 @@ from typing import Any, Protocol
 
 import zmq
 
+from kvstore.errors import ConfigError
 from kvstore.events.wire import (
     END_SEQ,
     SNAPSHOT_REQUEST,
@@ -81,7 +82,12 @@ class Subscriber:
         self._sub.setsockopt(zmq.RCVHWM, 0)
         self._sub.setsockopt(zmq.LINGER, 0)
         self._sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
-        self._sub.connect(endpoint)
+        try:
+            _connect(self._sub, endpoint, "event")
+        except ConfigError:
+            self._sub.close()
+            self._ctx.term()
+            raise
         self._connected = True
         self._want_connected = True
         self._dealer: zmq.Socket | None = None
@@ -240,7 +246,7 @@ class Subscriber:
             self._dealer = self._ctx.socket(zmq.DEALER)
             self._dealer.setsockopt(zmq.RCVHWM, 0)
             self._dealer.setsockopt(zmq.LINGER, 0)
-            self._dealer.connect(self.replay_endpoint)
+            _connect(self._dealer, self.replay_endpoint, "replay")
         dealer = self._dealer
         dealer.send_multipart([b"", request])
         out: list[tuple[int, EventBatch]] = []
@@ -282,3 +288,12 @@ class Subscriber:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _connect(socket: zmq.Socket, endpoint: str, what: str) -> None:
+    """Connect ``socket``; ConfigError naming the endpoint when ZeroMQ cannot parse it."""
+    try:
+        socket.connect(endpoint)
+    except zmq.ZMQError as exc:
+        raise ConfigError(f"cannot connect to the {what} endpoint {endpoint!r}: {exc.strerror} (expected "
+                          "tcp://HOST:PORT, ipc://PATH or inproc://NAME)") from None

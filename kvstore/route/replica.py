@@ -18,6 +18,7 @@ from typing import Any
 
 import httpx
 
+from kvstore.errors import ConfigError
 from kvstore.events import CallbackSink, Subscriber
 from kvstore.keys import Namespace
 from kvstore.layout import DTYPES_BY_NAME, KVLayout
@@ -163,9 +164,12 @@ class ReplicaLink:
         assert self.info is not None
         if not self.info.events_endpoint:
             return  # no events: the router routes it from its own history (approximate)
-        self.subscriber = Subscriber(self.info.events_endpoint, events_sink(router, self.url),
-                                     replay_endpoint=self.info.replay_endpoint or "", topic=self.info.topic,
-                                     heartbeat_timeout_s=max(3.0, 4 * self.health_interval_s)).start()
+        try:
+            self.subscriber = Subscriber(self.info.events_endpoint, events_sink(router, self.url),
+                                         replay_endpoint=self.info.replay_endpoint or "", topic=self.info.topic,
+                                         heartbeat_timeout_s=max(3.0, 4 * self.health_interval_s)).start()
+        except ConfigError as exc:  # an endpoint ZeroMQ cannot use: routed as a replica without events
+            log.warning("replica %s: no KV events: %s", self.url, exc)
 
     def _stop_events(self) -> None:
         if self.subscriber is not None:

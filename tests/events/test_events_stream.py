@@ -246,6 +246,24 @@ def test_kvstore_events_prints_the_stream(pub: EventPublisher) -> None:
     assert any(d["source"] == "live" and d["events"] for d in docs)
 
 
+def test_kvstore_events_names_an_endpoint_it_cannot_use() -> None:
+    import subprocess
+    import sys
+
+    from kvstore.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="cannot connect to the event endpoint 'not-an-endpoint'"):
+        Subscriber("not-an-endpoint")
+    for args, message in ((["not-an-endpoint"], "cannot connect to the event endpoint 'not-an-endpoint'"),
+                          (["tcp://nohost"], "a tcp endpoint is tcp://HOST:PORT, got 'tcp://nohost'"),
+                          (["tcp://127.0.0.1:5999", "--replay-endpoint", "bogus", "--from-seq", "0", "--timeout", "1"],
+                           "cannot connect to the replay endpoint 'bogus'")):
+        proc = subprocess.run([sys.executable, "-m", "kvstore.cli", "events", *args], capture_output=True,
+                              text=True, timeout=60)
+        assert proc.returncode == 2, proc.stderr
+        assert message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
 def test_replay_ring_keeps_the_newest_within_its_count_and_bytes() -> None:
     from kvstore.events.replay import ReplayRing
 

@@ -8,7 +8,8 @@ import pytest
 
 from kvstore.errors import ConfigError
 from kvstore.route.config import RouteConfig
-from kvstore.route.replica import parse_info
+from kvstore.route.replica import ReplicaLink, parse_info
+from kvstore.routing import Router
 
 INFO: dict[str, Any] = {
     "model": "random", "engine_id": "e1", "block_size": 16, "max_model_len": 4096,
@@ -48,3 +49,15 @@ def test_parse_info_rebuilds_the_namespace() -> None:
         parse_info(INFO | {"namespace": INFO["namespace"] | {"dtype": "float7"}})
     with pytest.raises(ValueError, match="malformed"):
         parse_info([1, 2])
+
+
+def test_a_replica_naming_an_unusable_events_endpoint_is_routed_without_events() -> None:
+    info = parse_info({**INFO, "kv_events": {"endpoint": "not-an-endpoint", "replay_endpoint": None, "topic": ""}})
+    link = ReplicaLink("http://127.0.0.1:8001", {}, health_interval_s=0.5, dead_after_s=2.0)
+    link.info = info
+    router = Router(info.block_size)
+    router.add_replica(link.url)
+    link._start_events(router)  # as the health loop does when it takes the replica in, then:
+    link.healthy = True
+    assert link.subscriber is None
+    assert link.status(router)["mode"] == "approximate"  # routed from the router's own history
