@@ -82,15 +82,17 @@ class Subscriber:
         self._sub.setsockopt(zmq.RCVHWM, 0)
         self._sub.setsockopt(zmq.LINGER, 0)
         self._sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
-        try:
+        self._dealer: zmq.Socket | None = None
+        try:  # both endpoints are checked here, not at the first replay request on the thread
             _connect(self._sub, endpoint, "event")
+            if replay_endpoint:
+                self._dealer = self._open_dealer()
         except ConfigError:
             self._sub.close()
             self._ctx.term()
             raise
         self._connected = True
         self._want_connected = True
-        self._dealer: zmq.Socket | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
 
@@ -239,14 +241,23 @@ class Subscriber:
         (None: no reply in time). For inspection; ``poll`` fills gaps by itself."""
         return self._request(seq_frame(start_seq)) if self.replay_endpoint else None
 
+    def _open_dealer(self) -> zmq.Socket:
+        """A DEALER socket connected to the replay endpoint (ConfigError when it is unusable)."""
+        dealer = self._ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.RCVHWM, 0)
+        dealer.setsockopt(zmq.LINGER, 0)
+        try:
+            _connect(dealer, self.replay_endpoint, "replay")
+        except ConfigError:
+            dealer.close()
+            raise
+        return dealer
+
     def _request(self, request: bytes) -> list[tuple[int, EventBatch]] | None:
         """Send one request on the replay socket; its replies up to the end marker, or None
         on a timeout or a malformed reply (the socket is then replaced: no stale replies)."""
         if self._dealer is None:
-            self._dealer = self._ctx.socket(zmq.DEALER)
-            self._dealer.setsockopt(zmq.RCVHWM, 0)
-            self._dealer.setsockopt(zmq.LINGER, 0)
-            _connect(self._dealer, self.replay_endpoint, "replay")
+            self._dealer = self._open_dealer()
         dealer = self._dealer
         dealer.send_multipart([b"", request])
         out: list[tuple[int, EventBatch]] = []

@@ -254,9 +254,11 @@ def test_kvstore_events_names_an_endpoint_it_cannot_use() -> None:
 
     with pytest.raises(ConfigError, match="cannot connect to the event endpoint 'not-an-endpoint'"):
         Subscriber("not-an-endpoint")
+    with pytest.raises(ConfigError, match="cannot connect to the replay endpoint 'bogus'"):
+        Subscriber("tcp://127.0.0.1:5999", replay_endpoint="bogus")  # at once, not at its first request
     for args, message in ((["not-an-endpoint"], "cannot connect to the event endpoint 'not-an-endpoint'"),
                           (["tcp://nohost"], "a tcp endpoint is tcp://HOST:PORT, got 'tcp://nohost'"),
-                          (["tcp://127.0.0.1:5999", "--replay-endpoint", "bogus", "--from-seq", "0", "--timeout", "1"],
+                          (["tcp://127.0.0.1:5999", "--replay-endpoint", "bogus", "--timeout", "1"],
                            "cannot connect to the replay endpoint 'bogus'")):
         proc = subprocess.run([sys.executable, "-m", "kvstore.cli", "events", *args], capture_output=True,
                               text=True, timeout=60)

@@ -51,8 +51,10 @@ def test_parse_info_rebuilds_the_namespace() -> None:
         parse_info([1, 2])
 
 
-def test_a_replica_naming_an_unusable_events_endpoint_is_routed_without_events() -> None:
-    info = parse_info({**INFO, "kv_events": {"endpoint": "not-an-endpoint", "replay_endpoint": None, "topic": ""}})
+@pytest.mark.parametrize("events", [{"endpoint": "not-an-endpoint", "replay_endpoint": None},
+                                    {"endpoint": "tcp://127.0.0.1:5999", "replay_endpoint": "bogus"}])
+def test_a_replica_naming_an_unusable_events_endpoint_is_routed_without_events(events: dict[str, Any]) -> None:
+    info = parse_info({**INFO, "kv_events": {**events, "topic": ""}})
     link = ReplicaLink("http://127.0.0.1:8001", {}, health_interval_s=0.5, dead_after_s=2.0)
     link.info = info
     router = Router(info.block_size)
