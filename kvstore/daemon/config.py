@@ -73,8 +73,9 @@ class DaemonConfig:
     Attributes:
         data_dir: the disk tier's directories (one per namespace) and nothing else.
         host_bytes, disk_bytes: hard TOTAL capacities; each of ``max_namespaces`` namespace
-            slots gets an equal share (-1: a tenth of RAM, a tenth of the free disk up to 20
-            GiB; disk_bytes=0: no disk tier; host RAM cannot be 0, every put lands there).
+            slots gets an equal share (-1: the defaults, ``default_host_bytes`` and
+            ``default_disk_bytes``; disk_bytes=0: no disk tier; host RAM cannot be 0, every put
+            lands there).
         socket_path: the Unix socket ("" for none; default ``data_dir/kvstore.sock``).
         listen: HOST:PORT of the block protocol over TCP ("" for none).
         http: HOST:PORT of REST and the dashboard ("" for none).
