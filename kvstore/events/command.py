@@ -45,13 +45,14 @@ def _event_line(event: Event) -> str:
 
 
 class Printer:
-    """Prints batches as ``on_batch`` receives them; counts the printed ones for ``--count``."""
+    """Prints batches as ``on_batch`` receives them; counts the printed ones for ``--count``.
+    Snapshots (the subscriber takes one to sync, and again after a gap) only with ``snapshots``."""
 
-    def __init__(self, as_json: bool, heartbeats: bool) -> None:
-        self.as_json, self.heartbeats, self.num_batches = as_json, heartbeats, 0
+    def __init__(self, as_json: bool, heartbeats: bool, snapshots: bool = True) -> None:
+        self.as_json, self.heartbeats, self.snapshots, self.num_batches = as_json, heartbeats, snapshots, 0
 
     def __call__(self, seq: int, batch: EventBatch, source: str) -> None:
-        if batch.is_heartbeat and not self.heartbeats:
+        if (batch.is_heartbeat and not self.heartbeats) or (source == "snapshot" and not self.snapshots):
             return
         self.num_batches += 1
         epoch = "-" if batch.epoch is None else f"{batch.epoch:016x}"
@@ -68,7 +69,7 @@ class Printer:
 
 
 def run_events(args: argparse.Namespace) -> int:
-    printer = Printer(args.json, args.heartbeats)
+    printer = Printer(args.json, args.heartbeats, args.snapshot)
     try:
         replay = args.replay_endpoint
         if replay is None:
@@ -105,7 +106,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--replay-endpoint", default=None,
                    help="its replay socket (default: the next port; 'none' for no replay)")
     p.add_argument("--topic", default="", help="topic prefix to subscribe to (default: all)")
-    p.add_argument("--snapshot", action="store_true", help="print a snapshot of what the publisher holds first")
+    p.add_argument("--snapshot", action="store_true", help="print a snapshot of what the publisher holds first (and the snapshots taken later "
+                   "to resync after a gap replay cannot fill)")
     p.add_argument("--from-seq", type=int, default=None, help="replay buffered batches from this seq first")
     p.add_argument("--count", type=int, default=None, help="exit after this many batches")
     p.add_argument("--timeout", type=float, default=None, help="exit after this many seconds")

@@ -36,9 +36,10 @@ class EventsConfig:
         topic: the first frame of every message (vLLM's ``topic``, default empty).
         buffer_batches: batches kept for replay (vLLM's ``buffer_steps``).
         buffer_bytes: most payload bytes kept for replay (the oldest batches go first).
-        queue_size: events waiting for the publisher thread; a full queue drops and counts.
+        queue_size: items waiting for the publisher thread (one per ``stored``/``removed``
+            call, of any number of blocks); a full queue drops and counts.
         heartbeat_s: an empty batch is sent after this long without one.
-        max_batch_events: most queued events packed into one batch.
+        max_batch_events: most queued items packed into one batch.
         data_parallel_rank: the batch's third element.
         hwm: the PUB socket's send high-water mark (messages).
     """

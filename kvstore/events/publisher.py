@@ -72,7 +72,7 @@ class EventPublisher:
         self._holes = 0  # drops already turned into a skipped seq
         self._drop_lock = threading.Lock()
         self.counters = dict.fromkeys(("batches", "events", "heartbeats", "replays", "snapshots",
-                                       "invalid_requests", "dropped_events", "send_errors"), 0)
+                                       "snapshot_errors", "invalid_requests", "dropped_events", "send_errors"), 0)
         self._ctx = zmq.Context()
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.setsockopt(zmq.SNDHWM, config.hwm)
@@ -87,6 +87,9 @@ class EventPublisher:
                 # room for a whole replay, or a snapshot of ~100M blocks, queued at once
                 self._router.setsockopt(zmq.SNDHWM, max(config.buffer_batches + 64, 100_000))
                 self._router.setsockopt(zmq.LINGER, 0)
+                # a reply that cannot be queued whole fails (and is never ended by the end
+                # marker) instead of losing messages in its middle unseen
+                self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
                 self._router.bind(config.replay_endpoint)
                 self.replay_endpoint = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
         except zmq.ZMQError as exc:
@@ -178,7 +181,8 @@ class EventPublisher:
         router = self._router
         while router is not None and router.poll(0):
             kind = serve_request(router, self._ring, self._seq - 1, self._snapshot)
-            key = {"replay": "replays", "snapshot": "snapshots"}.get(kind, "invalid_requests")
+            key = {"replay": "replays", "snapshot": "snapshots", "snapshot_error": "snapshot_errors"}.get(
+                kind, "invalid_requests")
             self.counters[key] += 1
 
     def _snapshot(self) -> list[EventBatch]:

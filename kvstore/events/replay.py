@@ -61,11 +61,21 @@ class ReplayRing:
 
 def snapshot_batches(held: Iterable[Held], epoch: int, rank: int) -> list[EventBatch]:
     """The snapshot reply's batches: AllBlocksCleared, then each medium's blocks as chain runs
-    (a run continues while a block's parent is the block before it)."""
+    (a run continues while a block's parent is the block before it), at most SNAPSHOT_CHUNK
+    hashes a batch."""
     ts = time.time()
     out = [EventBatch(ts, [AllBlocksCleared()], rank, epoch, snapshot=True)]
     events: list[Event] = []
     size = 0
+
+    def add(event: BlockStored) -> None:
+        nonlocal events, size
+        if events and size + len(event.block_hashes) > SNAPSHOT_CHUNK:
+            out.append(EventBatch(ts, events, rank, epoch, snapshot=True))
+            events, size = [], 0
+        events.append(event)
+        size += len(event.block_hashes)
+
     for medium, block_size, pairs in held:
         run: list[BlockHash] = []
         parent: BlockHash | None = None
@@ -74,15 +84,10 @@ def snapshot_batches(held: Iterable[Held], epoch: int, rank: int) -> list[EventB
                 run.append(key)
                 continue
             if run:
-                events.append(BlockStored(run, parent, [], block_size, medium))
-                size += len(run)
+                add(BlockStored(run, parent, [], block_size, medium))
             run, parent = [key], key_parent
-            if size >= SNAPSHOT_CHUNK:
-                out.append(EventBatch(ts, events, rank, epoch, snapshot=True))
-                events, size = [], 0
         if run:
-            events.append(BlockStored(run, parent, [], block_size, medium))
-            size += len(run)
+            add(BlockStored(run, parent, [], block_size, medium))
     if events:
         out.append(EventBatch(ts, events, rank, epoch, snapshot=True))
     return out
@@ -105,7 +110,11 @@ def serve_request(sock: zmq.Socket, ring: ReplayRing, last_seq: int,
     if request == SNAPSHOT_REQUEST:
         kind = "snapshot"
         n = seq_frame(max(last_seq, 0))
-        replies = [(n, encode_batch(b)) for b in snapshot()]
+        try:
+            replies = [(n, encode_batch(b)) for b in snapshot()]
+        except Exception:  # a source failed (a store closing, say): no reply, the client asks again
+            log.exception("kv events: a snapshot source failed; the snapshot request is not answered")
+            return "snapshot_error"
     elif len(request) == 8:
         kind = "replay"
         replies = [(seq_frame(s), p) for s, p in ring.since(int.from_bytes(request, "big"))]
@@ -113,6 +122,7 @@ def serve_request(sock: zmq.Socket, ring: ReplayRing, last_seq: int,
     try:
         for seq, payload in replies:
             sock.send_multipart([*envelope, seq, payload], flags=zmq.NOBLOCK)
-    except zmq.Again:  # the client stopped reading; it will time out and ask again
-        log.warning("kv events: a replay client is not reading; reply cut short")
+    except zmq.ZMQError as exc:  # full (Again) or gone (EHOSTUNREACH, ROUTER_MANDATORY): the
+        # reply stops before its end marker, so the client times out and asks again
+        log.warning("kv events: a replay reply was cut short: %s", exc.strerror)
     return kind

@@ -7,9 +7,13 @@ it takes a snapshot instead. ``approximate`` is True while the sink may be wrong
 first snapshot, after a gap nothing could fill, or while a kvstore publisher (one that sends
 heartbeats) has been silent for more than ``heartbeat_timeout_s``.
 
-It also reads plain vLLM publishers: without an epoch it never resyncs on restart, without
-heartbeats it never calls silence stale, and without snapshots it replays from seq 0 (while
-the publisher's ring still holds it; otherwise the view stays approximate).
+A snapshot that fails (no reply in time) is tried again, backing off from 1 s to 30 s,
+for as long as the sink is approximate.
+
+It also reads plain vLLM publishers: without an epoch a restart shows as a live seq that goes
+back (the live stream is in order), which clears the sink; without heartbeats it never calls
+silence stale; and without snapshots it replays from seq 0 (while the publisher's ring still
+holds it; otherwise the view stays approximate).
 
 Use ``poll(timeout_s)`` from your own loop, or ``start()`` for a background thread. Socket
 work happens only in the thread that polls.
@@ -38,6 +42,8 @@ from kvstore.events.wire import (
 )
 
 log = logging.getLogger("kvstore.events")
+
+RETRY_MIN_S, RETRY_MAX_S = 1.0, 30.0  # the backoff of a failed snapshot's next try
 
 
 class Sink(Protocol):
@@ -71,8 +77,11 @@ class Subscriber:
         self.epoch: int | None = None
         self.last_seq: int | None = None
         self.counters = dict.fromkeys(("batches", "gaps", "replays", "snapshots", "epochs", "decode_errors",
-                                       "duplicates", "unfilled_gaps"), 0)
+                                       "duplicates", "unfilled_gaps", "restarts", "errors"), 0)
         self._synced = False
+        self._live_seq: int | None = None  # the last seq read from the live stream (in order)
+        self._retry_s = RETRY_MIN_S  # the wait before a failed snapshot is tried again
+        self._retry_at = 0.0
         self._last_heard = time.monotonic()
         self._heartbeats_seen = False
         self._can_snapshot = bool(replay_endpoint)
@@ -108,6 +117,9 @@ class Subscriber:
         after the first); returns how many batches were applied."""
         self._apply_connection()
         applied = 0
+        if not self._synced and self._can_snapshot and self.last_seq is not None \
+                and time.monotonic() >= self._retry_at:
+            self._want_snapshot = True  # an earlier snapshot failed: the sink may be wrong
         if self._want_snapshot:
             self._want_snapshot = False
             applied += self._snapshot()
@@ -128,10 +140,12 @@ class Subscriber:
         while not self._stop.is_set():
             try:
                 self.poll(0.05)
-            except zmq.ZMQError:
+            except Exception:  # a socket error, or a sink's: the thread keeps following
                 if self._stop.is_set():
                     break
-                log.exception("kv events subscriber: socket error")
+                self.counters["errors"] += 1
+                self._synced = False  # a batch may have been lost on the way
+                log.exception("kv events subscriber: error while polling")
                 time.sleep(0.1)
 
     def pause(self) -> None:
@@ -168,9 +182,13 @@ class Subscriber:
         self._last_heard = time.monotonic()
         self._heartbeats_seen = self._heartbeats_seen or batch.epoch is not None
         applied = 0
-        restarted = batch.epoch != self.epoch and self.last_seq is not None
-        if restarted:
-            self.counters["epochs"] += 1  # the publisher restarted: nothing of the old one stands
+        went_back = self._live_seq is not None and seq <= self._live_seq  # a new publisher, or a new epoch
+        self._live_seq = seq
+        new_epoch = batch.epoch != self.epoch and self.last_seq is not None
+        restarted = new_epoch or (went_back and batch.epoch is None)
+        if restarted:  # the publisher restarted: nothing of the old one stands
+            self.counters["restarts"] += 1
+            self.counters["epochs"] += new_epoch
             self.last_seq, self._synced = None, False
         if self.last_seq is None and self._can_snapshot:
             applied += self._snapshot()
@@ -223,10 +241,14 @@ class Subscriber:
     def _snapshot(self) -> int:
         """Rebuild the sink from the publisher's snapshot; 0 if it has none (a vLLM publisher)."""
         replies = self._request(SNAPSHOT_REQUEST)
-        if replies is not None and not (replies and replies[0][1].snapshot):
-            self._can_snapshot = False  # a vLLM publisher: it answers only the end marker
-        if not replies or not replies[0][1].snapshot:
+        if replies is None:  # no reply in time: try again later (poll), backing off
+            self._retry_at = time.monotonic() + self._retry_s
+            self._retry_s = min(RETRY_MAX_S, 2 * self._retry_s)
             return 0
+        if not (replies and replies[0][1].snapshot):
+            self._can_snapshot = False  # a vLLM publisher: it answers only the end marker
+            return 0
+        self._retry_s = RETRY_MIN_S
         self.counters["snapshots"] += 1
         for seq, batch in replies:
             self.sink.apply(batch)

@@ -156,6 +156,8 @@ def decode_batch(payload: bytes) -> EventBatch:
         doc = msgpack.unpackb(payload, raw=False, strict_map_key=False)
     except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
         raise WireError(f"payload is not msgpack: {exc}") from None
+    except TypeError as exc:  # a map keyed by an array or a map: msgpack, but no batch
+        raise WireError(f"payload has a map with an unhashable key: {exc}") from None
     if isinstance(doc, dict):
         ts, events, rank, ext = doc.get("ts"), doc.get("events"), doc.get("data_parallel_rank"), None
     elif isinstance(doc, list) and len(doc) >= 2:

@@ -377,3 +377,124 @@ def test_subscriber_follows_a_plain_vllm_publisher_by_replay_from_seq_0() -> Non
             sub.close()
     finally:
         vp.close()
+
+
+def _raw_publisher() -> tuple[zmq.Context, zmq.Socket, str]:
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PUB)
+    return ctx, sock, f"tcp://127.0.0.1:{sock.bind_to_random_port('tcp://127.0.0.1')}"
+
+
+def test_garbage_on_the_live_stream_is_counted_and_the_thread_follows_on() -> None:
+    """A payload msgpack itself chokes on (a map keyed by an array raises TypeError there)
+    is a decode error; the background thread stays up and applies the next batches."""
+    from kvstore.events.wire import EventBatch, encode_batch
+
+    ctx, raw, endpoint = _raw_publisher()
+    try:
+        with Subscriber(endpoint).start() as sub:
+            first = encode_batch(EventBatch(1.0, [BlockStored([b"a" * 32], None, [], 4, "CPU")], 0))
+            deadline = time.monotonic() + 30
+            while sub.stats()["batches"] == 0:  # ZeroMQ's slow joiner: until the first lands
+                assert time.monotonic() < deadline, sub.stats()
+                raw.send_multipart([b"", seq_frame(0), first])
+                time.sleep(0.05)
+            raw.send_multipart([b"", seq_frame(1), bytes.fromhex("9301918191010100")])
+            raw.send_multipart([b"", seq_frame(2), encode_batch(EventBatch(
+                2.0, [BlockStored([b"b" * 32], None, [], 4, "CPU")], 0))])
+            while sub.sink.blocks("CPU") != {b"a" * 32, b"b" * 32}:
+                assert time.monotonic() < deadline, sub.stats()
+                time.sleep(0.05)
+            assert sub._thread is not None and sub._thread.is_alive()
+            s = sub.stats()
+            assert s["decode_errors"] == 1 and s["errors"] == 0
+            assert sub.approximate  # seq 1 never came: a gap nothing (no replay here) could fill
+    finally:
+        raw.close(0)
+        ctx.term()
+
+
+def test_a_failing_snapshot_source_keeps_the_publisher_up_and_the_subscriber_retries() -> None:
+    with EventPublisher(EventsConfig("tcp://127.0.0.1:*", heartbeat_s=0.05, buffer_batches=4)) as pub:
+        tier = Tier(pub, "CPU")
+        broken = threading.Event()
+        broken.set()
+
+        def closing_store() -> list[tuple[str, int, list[tuple[bytes, bytes | None]]]]:
+            if broken.is_set():
+                raise RuntimeError("the store is closing")
+            return []
+
+        pub.add_source(closing_store)
+        for _ in range(8):  # more batches than the ring keeps: only a snapshot can sync
+            tier.store(1)
+            time.sleep(0.03)
+        with _sub(pub, request_timeout_s=0.3) as sub:
+            until(lambda: pub.stats()["snapshot_errors"] >= 2 and sub.stats()["unfilled_gaps"] >= 1, sub)
+            assert sub.approximate and sub.stats()["snapshots"] == 0
+            heartbeats = pub.stats()["heartbeats"]
+            until(lambda: pub.stats()["heartbeats"] > heartbeats, sub)  # its thread is still publishing
+            broken.clear()
+            until(lambda: sub.stats()["snapshots"] == 1 and not sub.approximate, sub)  # tried again
+            until(lambda: sub.sink.blocks("CPU") == set(tier.held), sub)
+
+
+def test_a_restarted_publisher_without_an_epoch_clears_the_view() -> None:
+    """vLLM sends no epoch: its restart shows as a live seq going back to 0. What the old
+    process held is gone, and the new one's batches are not taken for duplicates."""
+    if os.environ.get("CI") != "true":
+        pytest.importorskip("msgspec")
+    vp = VllmStylePublisher()
+    v = vp.v
+    try:
+        sub = Subscriber(vp.endpoint)  # no replay: a restart must show on the live stream alone
+        deadline = time.monotonic() + 30
+        while sub.sink.blocks("GPU") != {1, 2, 3}:  # the slow joiner: until the old process's land
+            assert time.monotonic() < deadline, sub.stats()
+            vp.ring.clear()
+            vp.publish(v.VStored([1, 2], None, list(range(32)), 16, None, "GPU", None))
+            vp.publish(v.VStored([3], 2, list(range(16)), 16, None, "GPU", None))
+            sub.poll(0.1)
+        before = sub.stats()["restarts"]
+        vp.ring.clear()  # the new process starts at seq 0
+        vp.publish(v.VStored([7], None, list(range(16)), 16, None, "GPU", None))
+        until(lambda: sub.sink.blocks("GPU") == {7}, sub)
+        s = sub.stats()
+        assert s["restarts"] == before + 1 and s["duplicates"] == 0
+        sub.close()
+    finally:
+        vp.close()
+
+
+def test_kvstore_events_prints_no_snapshot_unless_asked(pub: EventPublisher) -> None:
+    import json
+    import subprocess
+    import sys
+
+    tier = Tier(pub, "DISK")
+    tier.store(2)
+    proc = subprocess.Popen([sys.executable, "-m", "kvstore.cli", "events", pub.endpoint, "--replay-endpoint",
+                             str(pub.replay_endpoint), "--json", "--count", "2", "--timeout", "30"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for _ in range(100):
+        if proc.poll() is not None:
+            break
+        tier.store(1)
+        time.sleep(0.2)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    docs = [json.loads(line) for line in out.splitlines()]
+    assert len(docs) == 2 and all(d["source"] != "snapshot" and d["events"] for d in docs), docs
+
+
+def test_snapshot_batches_hold_at_most_a_chunk_of_hashes() -> None:
+    from kvstore.events.replay import SNAPSHOT_CHUNK, snapshot_batches
+
+    chains = []
+    for length in (1000, 1000, 3, 2500, 1):  # runs that would overfill a batch
+        keys = [os.urandom(32) for _ in range(length)]
+        chains += list(zip(keys, [None, *keys[:-1]], strict=True))
+    batches = snapshot_batches([("CPU", 16, chains)], epoch=1, rank=0)
+    sizes = [sum(len(e.block_hashes) for e in b.events if isinstance(e, BlockStored)) for b in batches[1:]]
+    assert max(sizes) <= SNAPSHOT_CHUNK and sum(sizes) == len(chains)
+    assert batches[0].events == [AllBlocksCleared()] and all(b.snapshot for b in batches)

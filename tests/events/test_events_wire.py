@@ -124,7 +124,32 @@ def test_decoder_takes_mixed_batches_maps_and_unknown_events() -> None:
     (msgpack.packb([1.0, [{"type": "BlockStored", "block_hashes": [], "block_size": -1}]]), "block_size"),
     (msgpack.packb([1.0, [{"type": "BlockRemoved", "block_hashes": [], "medium": 3}]]), "medium"),
     (msgpack.packb([1.0, [], "zero"]), "data_parallel_rank"),
+    (bytes.fromhex("93019181910101") + b"\x00", "unhashable key"),  # a map keyed by an array
 ])
 def test_decoder_refuses_malformed_payloads(payload: bytes, match: str) -> None:
     with pytest.raises(WireError, match=match):
         decode_batch(payload)
+
+
+def test_decoder_turns_every_flipped_byte_into_a_batch_or_a_wire_error() -> None:
+    """Random corruption of valid payloads never escapes as anything but WireError (msgpack
+    itself raises TypeError for a map keyed by an array, ValueError, FormatError...)."""
+    import random
+
+    from kvstore.events.view import EventView
+
+    payloads = [encode_batch(EXAMPLE), encode_batch(EventBatch(2.0, [AllBlocksCleared()], None, epoch=1))]
+    rng = random.Random(7)
+    decoded = refused = 0
+    for _ in range(20_000):
+        payload = bytearray(rng.choice(payloads))
+        for _ in range(rng.randint(1, 3)):
+            payload[rng.randrange(len(payload))] = rng.randrange(256)
+        try:
+            batch = decode_batch(bytes(payload))
+        except WireError:
+            refused += 1
+            continue
+        EventView().apply(batch)  # what decodes, a sink takes
+        decoded += 1
+    assert decoded > 0 and refused > 0
