@@ -31,15 +31,27 @@ def test_kill9_during_put_storm_loses_only_unacknowledged(tmp_path: Path) -> Non
             stop = threading.Event()
 
             def storm(worker: int, cycle: int = cycle, stop: threading.Event = stop) -> None:
+                # A socket put is acknowledged when it returns. A shared-memory put returns
+                # once its commit is sent, and the commit's reply is read by the next
+                # request: the previous put is acknowledged when this one returns, the last
+                # one when flush() does.
+                shm = worker == 0
+                sent: list[bytes] = []
                 try:
-                    c = d.connect(shm=worker == 0)
+                    c = d.connect(shm=shm)
                     for i in range(PER_WORKER):
                         if stop.is_set():
-                            return
+                            break
                         keys = c.block_keys(prompt(cycle * 100_000 + worker * 10_000 + i, 4))
                         tried.extend(keys)
                         c.put(keys, blocks(keys))
-                        acked.extend(keys)  # acknowledged: the put returned
+                        acked.extend(sent)
+                        sent = keys
+                        if not shm:
+                            acked.extend(sent)
+                            sent = []
+                    c.flush()
+                    acked.extend(sent)
                 except (OSError, ConnectionError, Exception):
                     return  # the daemon died mid-request
 
