@@ -180,7 +180,7 @@ class EventPublisher:
     def _serve_requests(self) -> None:
         router = self._router
         while router is not None and router.poll(0):
-            kind = serve_request(router, self._ring, self._seq - 1, self._snapshot)
+            kind = serve_request(router, self._ring, self._seq - 1, self._snapshot, self._topic)
             key = {"replay": "replays", "snapshot": "snapshots", "snapshot_error": "snapshot_errors"}.get(
                 kind, "invalid_requests")
             self.counters[key] += 1

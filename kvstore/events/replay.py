@@ -1,12 +1,14 @@
 """The replay socket's side of a publisher: the ring of recent batches and the requests.
 
-vLLM's framing: a client (REQ, or DEALER sending an empty delimiter first) sends one frame,
-the start sequence number as u64 big-endian; the ROUTER answers with one message
-``(seq, payload)`` per buffered batch whose seq is >= start, then ``(END_SEQ, b"")``.
+vLLM's framing (0.32): a client (REQ, or DEALER sending an empty delimiter first) sends one
+frame, the start sequence number as u64 big-endian; the ROUTER answers with one message
+``(topic, seq, payload)`` per buffered batch whose seq is >= start, then
+``(b"", END_SEQ, b"")``. (vLLM before the topic frame sent ``(seq, payload)``; the
+Subscriber reads both.)
 
 kvstore's extension: the request frame ``SNAPSHOT_REQUEST`` (16 bytes, so a vLLM publisher
 reads it as an out-of-range seq and answers only the end marker) is answered with the
-publisher's whole state as of seq N: messages ``(N, batch)`` whose batches carry
+publisher's whole state as of seq N: messages ``(topic, N, batch)`` whose batches carry
 ``snapshot: true``, the first holding ``AllBlocksCleared``, the rest ``BlockStored`` runs,
 then the end marker. A consumer applies them, then every live batch after N.
 """
@@ -94,7 +96,7 @@ def snapshot_batches(held: Iterable[Held], epoch: int, rank: int) -> list[EventB
 
 
 def serve_request(sock: zmq.Socket, ring: ReplayRing, last_seq: int,
-                  snapshot: Callable[[], list[EventBatch]]) -> str:
+                  snapshot: Callable[[], list[EventBatch]], topic: bytes = b"") -> str:
     """Answer one waiting request on the ROUTER ``sock``; returns its kind
     ("replay", "snapshot" or "invalid")."""
     frames = sock.recv_multipart()
@@ -118,10 +120,10 @@ def serve_request(sock: zmq.Socket, ring: ReplayRing, last_seq: int,
     elif len(request) == 8:
         kind = "replay"
         replies = [(seq_frame(s), p) for s, p in ring.since(int.from_bytes(request, "big"))]
-    replies.append((END_SEQ, b""))
     try:
         for seq, payload in replies:
-            sock.send_multipart([*envelope, seq, payload], flags=zmq.NOBLOCK)
+            sock.send_multipart([*envelope, topic, seq, payload], flags=zmq.NOBLOCK)
+        sock.send_multipart([*envelope, b"", END_SEQ, b""], flags=zmq.NOBLOCK)
     except zmq.ZMQError as exc:  # full (Again) or gone (EHOSTUNREACH, ROUTER_MANDATORY): the
         # reply stops before its end marker, so the client times out and asks again
         log.warning("kv events: a replay reply was cut short: %s", exc.strerror)

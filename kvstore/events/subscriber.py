@@ -290,11 +290,14 @@ class Subscriber:
                 if left <= 0 or not dealer.poll(int(left * 1000) + 1):
                     raise TimeoutError(f"no reply from {self.replay_endpoint} in {self.request_timeout_s} s")
                 frames = dealer.recv_multipart()
-                if len(frames) != 3 or frames[0] != b"":
-                    raise WireError(f"a replay reply is (delimiter, seq, payload), got {len(frames)} frames")
-                if frames[1] == END_SEQ:
+                # (delimiter, topic, seq, payload) from vLLM 0.32 and kvstore, (delimiter, seq,
+                # payload) from vLLM before the topic frame
+                if len(frames) not in (3, 4) or frames[0] != b"":
+                    raise WireError(f"a replay reply is (delimiter, [topic,] seq, payload), got {len(frames)} frames")
+                seq_bytes, payload = frames[-2:]
+                if seq_bytes == END_SEQ:
                     return out
-                out.append((parse_seq(frames[1]), decode_batch(frames[2])))
+                out.append((parse_seq(seq_bytes), decode_batch(payload)))
                 deadline = time.monotonic() + self.request_timeout_s  # a long snapshot keeps coming
         except (TimeoutError, WireError) as exc:
             log.warning("kv events subscriber: %s", exc)

@@ -1,4 +1,4 @@
-"""The KV-event wire format: vLLM's (0.33) exactly, plus kvstore's extension element.
+"""The KV-event wire format: vLLM's (0.32) exactly, plus kvstore's extension element.
 
 One ZeroMQ message is three frames: ``topic`` (UTF-8), ``seq`` (u64 big-endian), ``payload``
 (msgpack). The payload is a batch array ``[ts, events, data_parallel_rank]``; each event is
@@ -120,7 +120,7 @@ def _event_map(event: Event) -> dict[str, Any]:
 
 
 def encode_batch(batch: EventBatch) -> bytes:
-    """The msgpack payload of ``batch``: vLLM 0.33's bytes, then the extension element when
+    """The msgpack payload of ``batch``: vLLM 0.32's bytes, then the extension element when
     ``batch.epoch`` is set."""
     body: list[Any] = [float(batch.ts), [_event_map(e) for e in batch.events], batch.data_parallel_rank]
     if batch.epoch is not None:

@@ -154,7 +154,8 @@ def test_heartbeats_when_idle_and_staleness_when_they_stop() -> None:
 
 def test_a_plain_vllm_style_consumer_reads_the_stream_and_the_replay() -> None:
     """Raw sockets, as vLLM's example subscriber uses them: SUB for three frames, then a
-    replay request from a start seq answered by (seq, payload) messages and the end marker."""
+    replay request from a start seq answered by (topic, seq, payload) messages and the end
+    marker, as vLLM 0.32 answers."""
     if os.environ.get("CI") != "true":
         pytest.importorskip("msgspec")
     import vllm_types as v
@@ -178,10 +179,11 @@ def test_a_plain_vllm_style_consumer_reads_the_stream_and_the_replay() -> None:
         replies = []
         while True:
             assert req.poll(5000)
-            _, rseq, rpayload = req.recv_multipart()
+            _, rtopic, rseq, rpayload = req.recv_multipart()
             if rseq == END_SEQ:
-                assert rpayload == b""
+                assert rpayload == b"" and rtopic == b""
                 break
+            assert rtopic == b"kv"
             replies.append((parse_seq(rseq), decode_batch(rpayload)))
         assert [s for s, _ in replies] == list(range(parse_seq(seq) + 1))  # from seq 0, the opening clear
         assert replies[0][1].events == [AllBlocksCleared()]
@@ -312,9 +314,12 @@ def test_callback_sink_and_fan_out_see_what_the_view_sees(pub: EventPublisher) -
 
 class VllmStylePublisher:
     """A publisher as vLLM runs one: PUB + ROUTER, batches from vLLM's own msgspec types, no
-    epoch, no heartbeats, a replay that answers any request it cannot read with the end marker."""
+    epoch, no heartbeats, a replay that answers any request it cannot read with the end marker.
+    Replies are (topic, seq, payload) as from vLLM 0.32, or (seq, payload) as from earlier
+    versions with ``topic_in_replay=False``."""
 
-    def __init__(self) -> None:
+    def __init__(self, topic_in_replay: bool = True) -> None:
+        self.head = [b""] if topic_in_replay else []
         import vllm_types
 
         self.v = vllm_types
@@ -337,8 +342,8 @@ class VllmStylePublisher:
             first = int.from_bytes(start, "big")
             for seq, payload in self.ring:
                 if seq >= first:
-                    self.router.send_multipart([ident, b"", seq_frame(seq), payload])
-            self.router.send_multipart([ident, b"", END_SEQ, b""])
+                    self.router.send_multipart([ident, b"", *self.head, seq_frame(seq), payload])
+            self.router.send_multipart([ident, b"", *self.head, END_SEQ, b""])
 
     def close(self) -> None:
         self.pub.close(0)
@@ -346,10 +351,11 @@ class VllmStylePublisher:
         self.ctx.term()
 
 
-def test_subscriber_follows_a_plain_vllm_publisher_by_replay_from_seq_0() -> None:
+@pytest.mark.parametrize("topic_in_replay", [True, False], ids=["vllm-0.32", "vllm-before-0.32"])
+def test_subscriber_follows_a_plain_vllm_publisher_by_replay_from_seq_0(topic_in_replay: bool) -> None:
     if os.environ.get("CI") != "true":
         pytest.importorskip("msgspec")
-    vp = VllmStylePublisher()
+    vp = VllmStylePublisher(topic_in_replay)
     v = vp.v
     try:
         vp.publish(v.VStored([1, 2], None, list(range(32)), 16, None, None, None))

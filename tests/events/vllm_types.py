@@ -1,7 +1,8 @@
 """vLLM's KV-event types, declared as vLLM declares them (msgspec), to decode and encode with
 vLLM's own machinery in the wire tests. Imported only where msgspec is installed.
 
-``KVEventBatch`` and the ``V*`` events: vLLM 0.33 (an array-like batch, tagged-map events).
+``KVEventBatch`` and the ``V*`` events: vLLM 0.32 (an array-like batch, tagged-map events;
+its optional locality, ownership and session_id fields left out).
 ``OldBatch`` and the ``Old*`` events: vLLM 0.9 - 0.23 (tagged arrays).
 """
 

@@ -1,0 +1,118 @@
+"""KV events against the pinned vLLM's own code (vllm.distributed.kv_events): its msgspec
+types decode what kvstore's publisher sends, kvstore decodes what vLLM encodes, and the
+Subscriber follows vLLM's real ZmqEventPublisher, through replay and across a restart (which
+vLLM tells by nothing but its seq starting again at 0)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import msgspec
+import zmq
+from vllm.distributed.kv_events import (
+    AllBlocksCleared as VCleared,
+)
+from vllm.distributed.kv_events import (
+    BlockRemoved as VRemoved,
+)
+from vllm.distributed.kv_events import (
+    BlockStored as VStored,
+)
+from vllm.distributed.kv_events import (
+    KVEventBatch,
+    ZmqEventPublisher,
+)
+
+from kvstore.events import EventPublisher, EventsConfig, Subscriber
+from kvstore.events.wire import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, decode_batch, encode_batch
+
+K1, K2, K3 = b"\x11" * 32, b"\x22" * 32, b"\x33" * 32
+
+
+def test_vllms_decoder_reads_kvstores_batches_and_kvstore_reads_vllms() -> None:
+    ours = EventBatch(1.5, [BlockStored([K1, K2], None, list(range(8)), 4, "CPU"), BlockRemoved([K3], "GPU"),
+                            AllBlocksCleared()], 0, epoch=2**64 - 1)  # the extension element too
+    theirs = msgspec.msgpack.Decoder(type=KVEventBatch).decode(encode_batch(ours))
+    assert theirs.ts == 1.5 and theirs.data_parallel_rank == 0
+    stored, removed, cleared = theirs.events
+    assert isinstance(stored, VStored) and stored.block_hashes == [K1, K2] and stored.parent_block_hash is None
+    assert stored.token_ids == list(range(8)) and stored.block_size == 4 and stored.medium == "CPU"
+    assert isinstance(removed, VRemoved) and removed.block_hashes == [K3] and removed.medium == "GPU"
+    assert isinstance(cleared, VCleared)
+
+    vllm_batch = KVEventBatch(ts=2.0, events=[
+        VStored(block_hashes=[7, 8], parent_block_hash=6, token_ids=[1, 2], block_size=1, lora_id=None,
+                medium="GPU", lora_name=None, locality="LOCAL", session_id="s"),
+        VRemoved(block_hashes=[6], medium="GPU")], data_parallel_rank=1)
+    back = decode_batch(msgspec.msgpack.Encoder().encode(vllm_batch))
+    assert back.ts == 2.0 and back.data_parallel_rank == 1 and back.epoch is None
+    assert back.events == [BlockStored([7, 8], 6, [1, 2], 1, "GPU", group_idx=None, kv_cache_spec_kind=None),
+                           BlockRemoved([6], "GPU", group_idx=None)]  # what vLLM left out stays unset
+
+
+def test_kvstores_publisher_is_read_by_a_consumer_written_against_vllms_types() -> None:
+    with EventPublisher(EventsConfig("tcp://127.0.0.1:*", heartbeat_s=0.05)) as pub:
+        ctx = zmq.Context()
+        sub = ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(pub.endpoint)
+        decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+        try:
+            deadline = time.monotonic() + 30
+            seen: list[object] = []
+            while not any(isinstance(e, VStored) for e in seen):
+                assert time.monotonic() < deadline, "no BlockStored decoded"
+                pub.stored("CPU", [K1], [None], 4, [1, 2, 3, 4])
+                if sub.poll(100):
+                    _topic, seq, payload = sub.recv_multipart()
+                    assert int.from_bytes(seq, "big") >= 0
+                    seen += decoder.decode(payload).events  # heartbeats decode too
+        finally:
+            sub.close(0)
+            ctx.term()
+
+
+def _vllm_publisher(where: Path) -> ZmqEventPublisher:
+    # vLLM binds a wildcard or ipc:// endpoint and connects to any other: ipc keeps it local
+    return ZmqEventPublisher(0, endpoint=f"ipc://{where}/pub", replay_endpoint=f"ipc://{where}/replay",
+                             buffer_steps=100)
+
+
+def _stored(*keys: int, parent: int | None = None) -> KVEventBatch:
+    return KVEventBatch(ts=time.time(), events=[VStored(block_hashes=list(keys), parent_block_hash=parent,
+                                                        token_ids=[0] * len(keys), block_size=1, lora_id=None,
+                                                        medium="GPU", lora_name=None)])
+
+
+def _until(cond: object, sub: Subscriber, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():  # type: ignore[operator]
+        assert time.monotonic() < deadline, f"timed out; subscriber {sub.stats()}"
+        sub.poll(0.05)
+
+
+def test_subscriber_follows_vllms_publisher_by_replay_and_across_its_restart(tmp_path: Path) -> None:
+    vpub = _vllm_publisher(tmp_path)
+    sub = Subscriber(f"ipc://{tmp_path}/pub", replay_endpoint=f"ipc://{tmp_path}/replay", request_timeout_s=1.0)
+    try:
+        vpub.publish(_stored(1, 2))  # before the subscriber hears anything: replayed from seq 0
+        time.sleep(0.3)
+        sub.poll(0.3)  # vLLM answers the snapshot request with the end marker alone
+        for _ in range(30):  # seq 1..30: the restarted one is told apart while its seq is lower
+            vpub.publish(_stored(3, parent=2))
+        _until(lambda: sub.sink.blocks("GPU") == {1, 2, 3} and sub.last_seq == 30, sub)
+        assert sub.stats()["snapshots"] == 0 and sub.stats()["epoch"] is None and not sub.approximate
+        vpub.shutdown()
+
+        vpub = _vllm_publisher(tmp_path)  # a restarted vLLM: seq 0 again, nothing of the old one stands
+        deadline = time.monotonic() + 30
+        while sub.stats()["restarts"] == 0:  # ZeroMQ reconnects on its own time
+            assert time.monotonic() < deadline, sub.stats()
+            vpub.publish(_stored(9))
+            sub.poll(0.2)
+        _until(lambda: sub.sink.blocks("GPU") == {9}, sub)
+        assert not sub.approximate
+    finally:
+        sub.close()
+        vpub.shutdown()
