@@ -10,22 +10,20 @@ from pathlib import Path
 
 import msgspec
 import zmq
-from vllm.distributed.kv_events import (
-    AllBlocksCleared as VCleared,
-)
-from vllm.distributed.kv_events import (
-    BlockRemoved as VRemoved,
-)
-from vllm.distributed.kv_events import (
-    BlockStored as VStored,
-)
-from vllm.distributed.kv_events import (
-    KVEventBatch,
-    ZmqEventPublisher,
-)
+from vllm.distributed.kv_events import AllBlocksCleared as VCleared
+from vllm.distributed.kv_events import BlockRemoved as VRemoved
+from vllm.distributed.kv_events import BlockStored as VStored
+from vllm.distributed.kv_events import KVEventBatch, ZmqEventPublisher
 
 from kvstore.events import EventPublisher, EventsConfig, Subscriber
-from kvstore.events.wire import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, decode_batch, encode_batch
+from kvstore.events.wire import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+    decode_batch,
+    encode_batch,
+)
 
 K1, K2, K3 = b"\x11" * 32, b"\x22" * 32, b"\x33" * 32
 
