@@ -52,6 +52,10 @@ class RemoteLevel(SharedLevel):
             flags = self.tier.get(keys, list(stored))
             found = flags.index(False) if False in flags else len(flags)
             decoded = self.coding.decode(list(stored[:found]), outs[:found])
+            refused = [keys[i] for i, ok in enumerate(decoded) if not ok]
+            if refused:  # intact values no codec here reads: every reader would refuse them
+                self.tier.counters.error("corrupt", len(refused), reason="codec")
+                self.tier.delete(refused)
             flags = decoded + [False] * (len(keys) - found)
         self._count(flags.index(False) if False in flags else len(flags), len(keys))
         return flags
@@ -59,15 +63,26 @@ class RemoteLevel(SharedLevel):
     def offer(self, keys: Sequence[bytes], payloads: Sequence[torch.Tensor]) -> None:
         if not keys:
             return
-        if self.coding is not None:
-            stored = torch.empty((len(keys), self.coding.stored_bytes), dtype=torch.uint8)
-            try:
-                self.coding.encode(payloads, list(stored))
-            except Exception:  # a block the codec refuses is not sent; counted as dropped
-                self.tier.counters.add(dropped=len(keys))
-                return
-            payloads = list(stored)
-        self.tier.put_async(keys, payloads)
+        # Room first: blocks the queue cannot take are dropped before anything copies (or
+        # encodes) them. A close() of a demoting store offers every host block at once.
+        with self.tier.reserve(len(keys)) as room:
+            keys, payloads = keys[: room.size], payloads[: room.size]
+            if self.coding is not None and keys:
+                keys, payloads = self._encode(keys, payloads)
+            self.tier.put_into(room, keys, payloads)
+
+    def _encode(self, keys: Sequence[bytes], payloads: Sequence[torch.Tensor]) -> tuple[list[bytes], list[torch.Tensor]]:
+        """The blocks the codec takes, encoded: one call for the lot, block by block only when
+        it refused one. A refused block is left out (the room it leaves counts it as dropped)."""
+        coding = self.coding
+        assert coding is not None
+        stored = list(torch.empty((len(keys), coding.stored_bytes), dtype=torch.uint8))
+        try:
+            coding.encode(payloads, stored)
+        except Exception:  # NaN/Inf or a scale out of range in some block: keep the others
+            kept = [i for i in range(len(keys)) if _encodes(coding, payloads[i], stored[i])]
+            return [keys[i] for i in kept], [stored[i] for i in kept]
+        return list(keys), stored
 
     def watch(self, stored: Callable[[list[bytes]], None]) -> None:
         self.tier.on_stored = stored
@@ -94,3 +109,11 @@ class RemoteLevel(SharedLevel):
 
     def close(self) -> None:
         self.tier.close(CLOSE_FLUSH_S)
+
+
+def _encodes(coding: LevelCodec, payload: torch.Tensor, out: torch.Tensor) -> bool:
+    try:
+        coding.encode([payload], [out])
+    except Exception:
+        return False
+    return True

@@ -5,10 +5,12 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import socket
 import subprocess
 import sys
 import tempfile
 import threading
+import time
 import urllib.request
 from pathlib import Path
 
@@ -83,3 +85,78 @@ class Daemon:
     def stop(self) -> None:
         self.proc.terminate()
         self.proc.wait(30)
+
+
+class TrickleNode:
+    """A small real RESP3 server on a loopback socket: a node that stalls yet keeps sending.
+
+    Connection setup (HELLO, CLIENT, PING, SELECT) and ``CLUSTER SLOTS`` (from ``slots``:
+    ``(first, last, port)`` ranges) are answered at once; every other reply is written one byte
+    per ``byte_delay`` seconds, so no single socket read ever waits long enough to time out.
+    ``asked`` lists the name of every command it got. A long ``byte_delay`` is a node that
+    accepts and then never answers.
+    """
+
+    def __init__(self, byte_delay: float = 0.3) -> None:
+        self.byte_delay = byte_delay
+        self.slots: list[tuple[int, int, int]] = []
+        self.asked: list[bytes] = []
+        self._server = socket.create_server(("127.0.0.1", 0))
+        self.port = self._server.getsockname()[1]
+        self.url = f"redis://127.0.0.1:{self.port}"
+        self._closed = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                conn, _ = self._server.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        reader = conn.makefile("rb")
+        try:
+            while not self._closed:
+                line = reader.readline()
+                if not line:
+                    return
+                args = []
+                for _ in range(int(line[1:])):
+                    size = int(reader.readline()[1:])
+                    args.append(reader.read(size + 2)[:-2])
+                name = args[0].upper()
+                self.asked.append(name)
+                if name == b"HELLO":
+                    conn.sendall(b"%1\r\n+proto\r\n:3\r\n")
+                elif name in (b"CLIENT", b"SELECT", b"ASKING"):
+                    conn.sendall(b"+OK\r\n")
+                elif name == b"PING":
+                    conn.sendall(b"+PONG\r\n")
+                elif name == b"CLUSTER":
+                    conn.sendall(self._slots_reply())
+                else:
+                    for byte in b":0\r\n" if name in (b"EXISTS", b"DEL") else b"_\r\n":
+                        time.sleep(self.byte_delay)
+                        conn.sendall(bytes([byte]))
+        except OSError:
+            return  # the client gave up on us: what this node is for
+        finally:
+            conn.close()
+
+    def _slots_reply(self) -> bytes:
+        out = [f"*{len(self.slots)}\r\n".encode()]
+        for first, last, port in self.slots:
+            out.append(f"*3\r\n:{first}\r\n:{last}\r\n*2\r\n$9\r\n127.0.0.1\r\n:{port}\r\n".encode())
+        return b"".join(out)
+
+    def close(self) -> None:
+        self._closed = True
+        self._server.close()
+
+    def __enter__(self) -> TrickleNode:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -15,9 +15,10 @@ import numpy as np
 import pytest
 
 from kvstore.redis_local import RedisCluster, RedisServer, cli, free_port
-from tiers.remote import RemoteTier
+from tiers.remote import RemoteTier, parse_url
+from tiers.remote.topology import Topology, error_kind
 
-from remote_helpers import PAYLOAD, keys, owner_port, payloads, tier
+from remote_helpers import PAYLOAD, TrickleNode, keys, owner_port, payloads, tier
 
 
 def wait_until(check: Callable[[], bool], timeout: float, what: str) -> float:
@@ -173,3 +174,67 @@ def test_nothing_listening_costs_little(bad: str) -> None:
         assert t.put(ks, list(payloads(ks))) == 0
         assert t.stats()["errors"] >= 1
     assert time.monotonic() - started < 3
+
+
+@pytest.mark.parametrize("where", ["server", "cluster"])
+def test_a_node_that_trickles_its_reply_is_one_timeout_per_call(where: str) -> None:
+    """Each byte comes within the socket timeout, the reply never within the call's deadline:
+    the call returns after timeout_s anyway, on the caller's thread and on the pool's (a
+    cluster's two nodes), and each call charges each node's breaker once."""
+    timeout = 0.5
+    with TrickleNode() as a, TrickleNode() as b:
+        a.slots = b.slots = [(0, 8191, a.port), (8192, 16383, b.port)]
+        url = a.url if where == "server" else f"redis+cluster://127.0.0.1:{a.port}"
+        with tier(url, timeout_s=timeout, breaker_threshold=2) as t:
+            ks = keys(f"trickle-{where}", 8)
+            out = np.zeros((8, PAYLOAD), dtype=np.uint8)
+
+            def timed(call: Callable[[], object], want: object) -> float:
+                started = time.monotonic()
+                assert call() == want
+                return time.monotonic() - started
+
+            # two timeouts open the circuit: one per call, not one per socket read or worker
+            for elapsed in (timed(lambda: t.get(ks, list(out)), [False] * 8),
+                            timed(lambda: t.put(ks, list(payloads(ks))), 0)):
+                assert 0.8 * timeout < elapsed < timeout + 1.0, f"{elapsed:.2f} s with a {timeout} s deadline"
+            assert timed(lambda: t.exists(ks), 0) < timeout / 2, "the circuit should be open now"
+            s = t.stats()
+            assert s["errors_timeout"] == (2 if where == "server" else 4) and s["errors_unavailable"] >= 1
+            assert s["misses"] == 8 and s["dropped"] == 8 and not out.any()
+
+
+def test_a_pool_busy_with_a_stalled_node_charges_no_other_node(cluster: RedisCluster) -> None:
+    """One worker, stuck on a node that never answers: the healthy node queued behind it is
+    not asked once the deadline passed (cancelled, not charged), and the stalled node's
+    breaker is charged once per call, not once by the worker and again by the caller."""
+    timeout = 0.5
+    with TrickleNode(byte_delay=30) as dead:
+        top = Topology(parse_url(cluster.url), timeout, breaker_threshold=2, breaker_cooldown_s=30, max_workers=1)
+        try:
+            stalled = ("127.0.0.1", dead.port)
+            inline, queued = (("127.0.0.1", n.port) for n in cluster.primaries()[:2])
+
+            def echoes() -> int:
+                stats = cli(queued[1], "INFO", "commandstats")
+                return int(stats.split("cmdstat_echo:calls=")[1].split(",")[0]) if "cmdstat_echo" in stats else 0
+
+            # sorted by size: the caller runs the biggest; the pool's one worker takes the
+            # stalled node first, so the queued node waits behind it
+            batches = {stalled: [("GET", "k")], queued: [("ECHO", "q")] * 2, inline: [("ECHO", "i")] * 3}
+            before = echoes()
+            for call in (1, 2):
+                started = time.monotonic()
+                replies = top.run(batches)
+                assert time.monotonic() - started < timeout + 1.0
+                assert replies[inline].results == [b"i"] * 3
+                time.sleep(2 * timeout)  # the worker has met its deadline and freed by now
+                assert top.breaker(stalled).state == ("closed" if call == 1 else "open"), f"after call {call}"
+                assert top.breaker(queued).state == "closed"
+                assert echoes() == before, "a cancelled pipeline still reached its node"
+                assert error_kind(replies[stalled].error) == "timeout"  # type: ignore[arg-type]
+                assert replies[queued].results is None and error_kind(replies[queued].error) == "unavailable"  # type: ignore[arg-type]
+            replies = top.run(batches)  # the stalled node's circuit is open: the worker is free
+            assert replies[queued].results == [b"q"] * 2 and error_kind(replies[stalled].error) == "unavailable"  # type: ignore[arg-type]
+        finally:
+            top.close()

@@ -10,10 +10,14 @@ import pytest
 import torch
 
 from kvstore import ConfigError, StoreConfig
+from kvstore.codecs.int8 import Int8Codec
+from kvstore.levels.coding import LevelCodec
+from kvstore.levels.remote import RemoteLevel
 from kvstore.redis_local import RedisCluster, cli, free_port
 from kvstore.store import TieredStore
+from tiers.remote import RemoteTier
 
-from factories import SLOT, blocks_for, chain, make_store
+from factories import SLOT, SMALL_LAYOUT, blocks_for, chain, make_store
 
 
 def remote(cluster: RedisCluster, tmp_path: Path | None = None, host_blocks: int = 16,
@@ -178,6 +182,64 @@ def test_a_lossy_remote_codec_is_marked_and_refused_by_exact_reads(cluster: Redi
         assert node_b.block_info(keys[0])["lossy"]  # type: ignore[index]
         assert raw_reader.lookup(keys).num_blocks == 0  # another codec names another layout: a miss
         assert node_b.stats()["remote"]["codec"] == "int8"
+
+
+def test_a_block_the_remote_codec_refuses_drops_only_itself(cluster: RedisCluster) -> None:
+    with remote(cluster, remote_codec="int8") as node_a, remote(cluster, remote_codec="int8") as node_b:
+        keys = chain(node_a, 8, salt=13)
+        blocks = blocks_for(keys)
+        blocks[7].view(-1)[0] = float("nan")  # int8 absmax cannot scale a NaN
+        node_a.put(keys, blocks)
+        assert node_a.flush(10)
+        s = node_a.stats()["remote"]
+        assert s["dropped"] == 1 and s["bytes_written"] == 7 * node_a.level("remote").coding.stored_bytes  # type: ignore[union-attr]
+        assert node_b.lookup(keys).tiers == ("remote",) * 7
+        assert torch.allclose(node_b.get(keys[:7]), blocks[:7], atol=0.05, rtol=0.05)
+
+
+class CountingInt8(Int8Codec):
+    """The real int8 codec, counting the blocks it quantizes."""
+
+    num_encoded = 0
+
+    def encode(self, blocks: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        self.num_encoded += blocks.shape[0]
+        return super().encode(blocks, out)
+
+
+def test_blocks_past_the_queue_are_never_encoded(cluster: RedisCluster) -> None:
+    """A demoting store's close() offers all of host RAM at once: the level claims the
+    queue's room first and quantizes only the blocks that fit."""
+    codec = CountingInt8()
+    coding = LevelCodec(codec, SMALL_LAYOUT)
+    tier = RemoteTier(cluster.url, coding.stored_bytes, "counting-int8", queue_blocks=8, timeout_s=3.0)
+    level = RemoteLevel(tier, "demote", coding)
+    try:
+        keys = [bytes([i]) * 32 for i in range(64)]
+        rows = blocks_for(keys).view(torch.uint8).view(64, -1)
+        level.offer(keys, list(rows))
+        assert codec.num_encoded == 8
+        assert level.flush(10)
+        s = level.stats()
+        assert s["dropped"] == 56 and s["bytes_written"] == 8 * coding.stored_bytes
+        assert tier.exists(keys) == 8
+    finally:
+        level.close()
+
+
+def test_a_remote_value_the_codec_refuses_is_counted_and_deleted(cluster: RedisCluster) -> None:
+    with remote(cluster, remote_codec="int8") as node_a, remote(cluster, remote_codec="int8") as node_b:
+        keys = chain(node_a, 4, salt=14)
+        node_a.put(keys, blocks_for(keys))
+        assert node_a.flush(10)
+        tier = node_a.level("remote").tier  # type: ignore[union-attr]
+        tier.delete(keys[1:2])  # intact as a value, but no int8 block inside: a foreign writer's
+        assert tier.put(keys[1:2], [torch.zeros(tier.payload_bytes, dtype=torch.uint8)]) == 1
+        into = torch.zeros((4, *node_b.layout.block_shape))
+        assert node_b.fetch(keys, into=into).result(timeout=10).num_blocks == 1
+        s = node_b.level("remote").tier.stats()  # type: ignore[union-attr]
+        assert s["errors"] == s["errors_corrupt"] == s["corrupt_codec"] == 1
+        assert node_b.lookup(keys).num_blocks == 1  # the refused value was deleted
 
 
 def test_listeners_hear_the_blocks_this_store_wrote_remote(cluster: RedisCluster) -> None:

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import threading
 import time
+import tracemalloc
 
 import numpy as np
 import pytest
 import redis
+from redis.crc import key_slot
 
 from kvstore.redis_local import RedisCluster, RedisServer, cli
 from tiers.remote import RemoteTier, group_tags
@@ -130,6 +132,37 @@ def test_write_behind_flushes_and_drops_when_full(cluster: RedisCluster) -> None
         assert t.exists(many) >= 8
 
 
+def test_an_offer_past_the_queue_copies_only_what_fits(server: RedisServer) -> None:
+    """Room is claimed before anything is framed: 200 blocks offered to a queue of 8 copy 8
+    (a write-back at close offers every host block at once)."""
+    with tier(server.url, queue_blocks=8, batch_blocks=4) as t:
+        ks = keys("room", 200)
+        block = payloads(ks[:1])[0]
+        tracemalloc.start()
+        try:
+            queued = t.put_async(ks, [block] * 200)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert queued == 8 and t.stats()["dropped"] == 192
+        assert peak < 16 * PAYLOAD, f"offering 200 blocks to a queue of 8 held {peak / PAYLOAD:.0f} blocks"
+        assert t.flush(10) and t.exists(ks) == 8  # the leading blocks are the ones kept
+
+
+def test_the_queue_bound_counts_the_batch_being_sent(server: RedisServer) -> None:
+    """queue_blocks bounds every framed value held: queued or in the writer's hands."""
+    with tier(server.url, queue_blocks=8, batch_blocks=4, timeout_s=5.0) as t:
+        cli(server.node.port, "CLIENT", "PAUSE", "1500", "ALL")  # the writer's batch waits in flight
+        first = keys("bound-a", 8)
+        assert t.put_async(first, list(payloads(first))) == 8
+        time.sleep(0.2)  # the writer took its batch of 4 out of the queue
+        more = keys("bound-b", 8)
+        assert t.put_async(more, list(payloads(more))) == 0
+        assert t.num_pending == 8
+        assert t.flush(10) and t.exists(first) == 8
+        assert t.stats()["dropped"] == 8
+
+
 def test_maxmemory_eviction_is_misses_never_errors(cluster: RedisCluster) -> None:
     """Redis evicts on its own; used_memory stays at the limit (plus at most the command being
     read: Redis checks the limit before each command); nothing raises; evicted blocks miss."""
@@ -187,3 +220,45 @@ def test_passwords_stay_secret(tmp_path_factory: pytest.TempPathFactory) -> None
             assert all(secret not in n.error for n in bad.nodes())
     finally:
         server.close()
+
+
+def test_an_ask_redirect_is_followed_and_the_slot_map_stays(cluster: RedisCluster) -> None:
+    """Mid-migration the source answers ASK for the keys it gave away: each is read from the
+    importing node (ASKING), the rest from the source, and no MOVED-style remap flips the slot
+    (last in the module: it moves a slot for good)."""
+    with tier(cluster.url, run_length=4) as t:
+        ks = keys("ask", 4)
+        tags = group_tags(ks, 4)
+        names = t.names(ks, tags)  # one group: one slot
+        data = payloads(ks)
+        assert t.put(ks, list(data), tags) == 4
+        slot, src = key_slot(names[0]), owner_port(cluster, names[0])
+        dst = next(n.port for n in cluster.primaries() if n.port != src)
+        src_id, dst_id = (cli(p, "CLUSTER", "MYID").strip() for p in (src, dst))
+        cli(dst, "CLUSTER", "SETSLOT", str(slot), "IMPORTING", src_id)
+        cli(src, "CLUSTER", "SETSLOT", str(slot), "MIGRATING", dst_id)
+        cli(src, "MIGRATE", "127.0.0.1", str(dst), "", "0", "5000", "KEYS", names[0].decode(), names[1].decode())
+        for _ in range(3):
+            out = np.zeros_like(data)
+            assert t.get(ks, list(out), tags) == [True] * 4 and np.array_equal(out, data)
+            assert t.exists(ks, tags) == 4
+        assert t.put(ks, list(data), tags) == 0  # held on one node or the other: nothing sent
+        raw(cluster, names[3]).delete(names[3])
+        assert t.put(ks[3:], list(data[3:]), tags[3:]) == 1  # a new key of a migrating slot: the target
+        asking = redis.Redis(port=dst).pipeline(transaction=False)
+        asking.execute_command("ASKING")
+        asking.exists(names[3])
+        assert asking.execute()[1] == 1
+        with pytest.raises(redis.exceptions.AskError):  # the source has no such key: it sends us on
+            redis.Redis(port=src).exists(names[3])
+        out = np.zeros_like(data)
+        assert t.get(ks, list(out), tags) == [True] * 4 and np.array_equal(out, data)
+        assert t.stats()["errors"] == 0
+        # finish the migration: now MOVED re-points the slot
+        cli(src, "MIGRATE", "127.0.0.1", str(dst), "", "0", "5000", "KEYS", names[2].decode())
+        for node in cluster.primaries():
+            cli(node.port, "CLUSTER", "SETSLOT", str(slot), "NODE", dst_id)
+        deadline = time.monotonic() + 10
+        while not all(t.get(ks, list(out), tags)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert np.array_equal(out, data) and owner_port(cluster, names[0]) == dst

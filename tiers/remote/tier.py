@@ -23,7 +23,7 @@ from tiers.remote.info import NodeInfo, NodeInfoCache
 from tiers.remote.naming import DEFAULT_PREFIX, MAX_RUN_LENGTH, block_name, check_prefix
 from tiers.remote.topology import Command, Topology, error_kind
 from tiers.remote.url import Node, RemoteURL, parse_url
-from tiers.remote.writer import PendingWrite, WriteBehind
+from tiers.remote.writer import PendingWrite, Room, WriteBehind
 
 log = logging.getLogger(__name__)
 
@@ -38,8 +38,10 @@ class RemoteTier:
         layout_id: the layout fingerprint text; a value of another layout is a miss.
         prefix: first part of every Redis key name.
         run_length: G, blocks of a chain per hash slot (see tiers.remote.naming).
-        timeout_s: socket connect/read/write timeout, and the most a call waits for a node.
-        queue_blocks: write-behind queue bound; blocks offered beyond it are dropped.
+        timeout_s: the deadline of every call: by then each node has answered or is a
+            timeout (a miss or a dropped write), however slowly it sends.
+        queue_blocks: write-behind bound: at most this many framed values are held (queued,
+            being sent, or being framed); blocks offered beyond it are dropped uncopied.
         batch_blocks: most blocks one write-behind round sends.
         breaker_threshold, breaker_cooldown_s: consecutive failures that open a node's
             circuit, and the wait before the first probe.
@@ -83,13 +85,14 @@ class RemoteTier:
 
     def names(self, keys: Sequence[bytes], tags: Sequence[bytes] | None = None) -> list[bytes]:
         """The Redis key name of each block."""
-        if tags is None:
-            if self.run_length != 1:
-                raise ValueError(f"with run_length={self.run_length} every block needs its group tag")
-            tags = keys
-        elif len(tags) != len(keys):
+        self._check_tags(keys, tags)
+        return [block_name(k, t, self.prefix, self.run_length) for k, t in zip(keys, tags or keys, strict=True)]
+
+    def _check_tags(self, keys: Sequence[bytes], tags: Sequence[bytes] | None) -> None:
+        if tags is None and self.run_length != 1:
+            raise ValueError(f"with run_length={self.run_length} every block needs its group tag")
+        if tags is not None and len(tags) != len(keys):
             raise ValueError(f"got {len(tags)} tags for {len(keys)} keys")
-        return [block_name(k, t, self.prefix, self.run_length) for k, t in zip(keys, tags, strict=True)]
 
     def _by_node(self, names: Sequence[bytes]) -> tuple[dict[Node, list[int]], list[int]]:
         """Indices of ``names`` per owning primary, and those no known node owns."""
@@ -195,9 +198,29 @@ class RemoteTier:
         return self._send(self.encode(keys, payloads, tags))
 
     def put_async(self, keys: Sequence[bytes], payloads: Sequence[Any], tags: Sequence[bytes] | None = None) -> int:
-        """Copy blocks into the write-behind queue and return at once: how many were queued
-        (the rest dropped and counted). ``flush`` waits for them."""
-        return self._writer.offer(self.encode(keys, payloads, tags))
+        """Copy blocks into the write-behind queue and return at once: how many were queued.
+        Only the leading blocks the queue has room for are copied; the rest are dropped and
+        counted without being read. ``flush`` waits for the queued ones."""
+        if len(payloads) != len(keys):
+            raise ValueError(f"put needs one payload per key: {len(keys)} keys, {len(payloads)} payloads")
+        self._check_tags(keys, tags)
+        with self.reserve(len(keys)) as room:
+            n = room.size
+            return self.put_into(room, keys[:n], payloads[:n], None if tags is None else tags[:n])
+
+    def reserve(self, n: int) -> Room:
+        """Claim room in the write-behind queue for up to ``n`` blocks before making anything
+        to send (``put_async`` in two steps, for a caller that encodes blocks first): the
+        blocks past ``room.size`` are dropped and counted now. Use it as ``with`` block and
+        hand it to ``put_into``; room left unused is counted as dropped."""
+        return self._writer.reserve(n)
+
+    def put_into(self, room: Room, keys: Sequence[bytes], payloads: Sequence[Any],
+                 tags: Sequence[bytes] | None = None) -> int:
+        """Frame up to ``room.size`` blocks and queue them in ``room``: how many were queued."""
+        if len(keys) > room.size:
+            raise ValueError(f"{len(keys)} blocks for room of {room.size}")
+        return room.fill(self.encode(keys, payloads, tags))
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every block given to ``put_async`` is written or counted as dropped."""

@@ -8,10 +8,17 @@ owns every key.
 
 Each node has its own ``redis.Redis`` client (socket timeouts on connect, send and receive;
 no retries: a cache's answer to a failure is a miss) and a circuit breaker. ``run`` sends one
-pipeline per node, all nodes at once on a small thread pool, and waits at most ``timeout_s``:
-a node that has not answered by then is a failure for this call, and its late answer is
-dropped on the floor. Workers only return what they read, never write caller memory, so a
-late answer cannot land anywhere.
+pipeline per node, all nodes at once (the caller's thread runs one, a small thread pool the
+others), under one deadline ``timeout_s`` after the call began (tiers.remote.deadline): every
+socket operation of the call ends by then, on every thread, so a node that stalls or trickles
+its reply is a timeout for this call, charged to its breaker once, by the thread that ran its
+pipeline. A pipeline the pool had not started by the deadline is cancelled: its node was
+never asked, so its breaker is not charged. Workers only return what they read, never write
+caller memory, so a late answer cannot land anywhere.
+
+An ``ASK`` reply (a slot being migrated; this key already moved) is followed once, on the
+same thread and deadline: ``ASKING`` plus the command on the node it names. Only ``MOVED``
+changes the slot map: the slot's other keys are still on the node it names.
 """
 
 from __future__ import annotations
@@ -26,12 +33,14 @@ from typing import Any
 
 import redis
 from redis.backoff import NoBackoff
+from redis.connection import Connection, SSLConnection
 from redis.crc import key_slot
 from redis.exceptions import (
     AskError,
     AuthenticationError,
     AuthorizationError,
     ClusterDownError,
+    MovedError,
     OutOfMemoryError,
     RedisError,
     TryAgainError,
@@ -41,16 +50,19 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
 from tiers.remote.breaker import OPEN, CircuitBreaker
+from tiers.remote.deadline import DeadlineConnection, DeadlineSSLConnection, deadline
 from tiers.remote.url import Node, RemoteURL
 
 NUM_SLOTS = 16384
 REFRESH_INTERVAL_S = 0.25
 READ_BYTES = 1 << 20  # socket reads of up to 1 MiB: a 192 KiB value in one or two recv calls
 Command = tuple[Any, ...]
+_DEADLINED = {Connection: DeadlineConnection, SSLConnection: DeadlineSSLConnection}  # redis-py's -> ours
 
 
 class NodeUnavailable(Exception):
-    """A node was not asked: its breaker is open, or no node owns the slot yet."""
+    """A node was not asked: its breaker is open, no node owns the slot yet, or every worker
+    was busy until the call's deadline."""
 
 
 def error_kind(error: BaseException) -> str:
@@ -141,7 +153,8 @@ class Topology:
                 candidates = list(dict.fromkeys(self.primaries() + self._known))
             for node in sorted(candidates, key=lambda n: self.breaker(n).state == OPEN):
                 try:
-                    reply = self.client(node).execute_command("CLUSTER", "SLOTS")
+                    with deadline(time.monotonic() + self.timeout_s):
+                        reply = self.client(node).execute_command("CLUSTER", "SLOTS")
                 except RedisError:
                     continue
                 slots, named = _parse_slots(reply, node)
@@ -155,7 +168,7 @@ class Topology:
             with self._lock:
                 self._last_refresh, self._refreshing = time.monotonic(), False
 
-    def moved(self, error: AskError) -> None:
+    def moved(self, error: MovedError) -> None:
         """A MOVED reply names the slot's new owner: use it now, refresh the rest later."""
         if self.url.cluster and 0 <= error.slot_id < NUM_SLOTS:
             self._slots[error.slot_id] = (error.host, int(error.port))
@@ -173,6 +186,11 @@ class Topology:
                     ssl=u.tls, socket_timeout=self.timeout_s, socket_connect_timeout=self.timeout_s,
                     retry=Retry(NoBackoff(), 0), health_check_interval=0, socket_read_size=READ_BYTES,
                 )
+                # the same connections with their sockets under the call's deadline (no
+                # connection exists yet: the pool makes them on first use)
+                pool = client.connection_pool
+                assert pool.connection_class in _DEADLINED, pool.connection_class
+                pool.connection_class = _DEADLINED[pool.connection_class]
                 self._clients[node] = client
             return client
 
@@ -186,13 +204,14 @@ class Topology:
     # ----------------------------------------------------------------------------- pipelines
 
     def run(self, batches: dict[Node, Sequence[Command]], then: Then | None = None) -> dict[Node, NodeReply]:
-        """One pipeline per node, nodes in parallel; returns within about ``timeout_s``.
+        """One pipeline per node, nodes in parallel; returns by ``timeout_s`` after the call.
 
         With ``then``, each node that answered runs a second pipeline at once, of the commands
         ``then(node, results)`` makes from its first results (a put's SETs after its EXISTS),
-        without waiting for the other nodes. Never raises for a node's failure: that node's
-        reply carries the error instead.
+        without waiting for the other nodes; it shares the call's deadline. Never raises for a
+        node's failure: that node's reply carries the error instead.
         """
+        at = time.monotonic() + self.timeout_s
         replies: dict[Node, NodeReply] = {}
         allowed: list[Node] = []
         for node in batches:
@@ -206,21 +225,22 @@ class Topology:
                 with contextlib.suppress(RuntimeError):
                     self._pool.submit(self._probe, node)
             replies[node] = NodeReply(None, NodeUnavailable(f"{node[0]}:{node[1]} circuit open"))
-        # The caller's thread runs the biggest pipeline itself (its socket timeouts bound it);
-        # the others go to the pool, so a batch never waits on a thread hand-off it can avoid.
+        # The caller's thread runs the biggest pipeline itself (the deadline bounds it like the
+        # others); the rest go to the pool, so a batch never waits on a hand-off it can avoid.
         allowed.sort(key=lambda n: len(batches[n]))
         inline = allowed.pop() if allowed else None
-        asked = {node: self._pool.submit(self._pipeline, node, batches[node], then) for node in allowed}
-        started = time.monotonic()
+        asked = {node: self._pool.submit(self._pipeline, node, batches[node], then, at) for node in allowed}
         if inline is not None:
-            replies[inline] = self._pipeline(inline, batches[inline], then)
+            replies[inline] = self._pipeline(inline, batches[inline], then, at)
         if asked:
-            wait(asked.values(), timeout=max(0.0, self.timeout_s - (time.monotonic() - started)))
+            wait(asked.values(), timeout=max(0.0, at - time.monotonic()))
         for node, future in asked.items():
-            if future.done():
+            if future.cancel():  # never started (every worker busy): the node was not asked
+                replies[node] = NodeReply(None, NodeUnavailable(f"{node[0]}:{node[1]} not asked: no worker "
+                                                                f"free within {self.timeout_s} s"))
+            elif future.done():
                 replies[node] = future.result()
-            else:
-                self.breaker(node).failure()
+            else:  # running into its deadline now: the worker charges the node's breaker itself
                 replies[node] = NodeReply(None, TimeoutError(f"{node[0]}:{node[1]} gave no reply within "
                                                              f"{self.timeout_s} s"))
         return replies
@@ -228,26 +248,51 @@ class Topology:
     def _probe(self, node: Node) -> None:
         breaker = self.breaker(node)
         try:
-            self.client(node).ping()
+            with deadline(time.monotonic() + self.timeout_s):
+                self.client(node).ping()
         except (RedisError, OSError):
             breaker.failure()
             self.invalidate()
             return
         breaker.success()
 
-    def _pipeline(self, node: Node, commands: Sequence[Command], then: Then | None = None) -> NodeReply:
-        results = self._execute(node, commands)
-        if isinstance(results, BaseException):
-            return NodeReply(None, results)
-        second = then(node, results) if then is not None else ()
-        if not second:
-            return NodeReply(results)
-        followup = self._execute(node, second)
+    def _pipeline(self, node: Node, commands: Sequence[Command], then: Then | None, at: float) -> NodeReply:
+        if time.monotonic() >= at:  # a worker freed only after the deadline: not asked, not charged
+            return NodeReply(None, NodeUnavailable(f"{node[0]}:{node[1]} not asked: no worker free within "
+                                                   f"{self.timeout_s} s"))
+        with deadline(at):
+            results = self._execute(node, commands)
+            if isinstance(results, BaseException):
+                return NodeReply(None, results)
+            second = then(node, results) if then is not None else ()
+            if not second:
+                return NodeReply(results)
+            followup = self._execute(node, second)
         if isinstance(followup, BaseException):
             return NodeReply(results, followup)
         return NodeReply(results, followup=followup)
 
     def _execute(self, node: Node, commands: Sequence[Command]) -> list[Any] | BaseException:
+        """One pipeline on ``node``, its ASK replies followed once (under the caller's deadline)."""
+        results = self._send(node, commands)
+        if isinstance(results, BaseException):
+            return results
+        targets: dict[Node, list[int]] = {}
+        for i, result in enumerate(results):
+            if isinstance(result, AskError) and not isinstance(result, MovedError):
+                targets.setdefault((result.host or node[0], int(result.port)), []).append(i)
+        for target, idx in targets.items():
+            if not self.breaker(target).is_closed:
+                continue  # the ASK stands: a miss (or a dropped write) for those keys
+            # ASKING lets the importing node serve the next command of a slot it does not own
+            # yet; replies alternate: OK, the command's reply. A second redirect stays an error.
+            followed = self._send(target, [c for i in idx for c in (("ASKING",), commands[i])])
+            if not isinstance(followed, BaseException):
+                for i, result in zip(idx, followed[1::2], strict=True):
+                    results[i] = result
+        return results
+
+    def _send(self, node: Node, commands: Sequence[Command]) -> list[Any] | BaseException:
         breaker = self.breaker(node)
         try:
             pipe = self.client(node).pipeline(transaction=False)
@@ -260,7 +305,7 @@ class Topology:
             return e
         breaker.success()
         for result in results:
-            if isinstance(result, AskError):  # MOVED or ASK: the slot lives elsewhere now
+            if isinstance(result, MovedError):  # the slot lives elsewhere now
                 self.moved(result)
             elif isinstance(result, (ClusterDownError, TryAgainError)):
                 self.invalidate()
