@@ -32,7 +32,7 @@ def run_serve(args: argparse.Namespace) -> int:
     }
     try:
         return serve(load_config(args.config, overrides))
-    except ConfigError as exc:  # a bad setting, or an address it cannot listen on
+    except ConfigError as exc:  # a bad setting, an address it cannot listen on, a data dir in use
         print(f"kvstore serve: {exc}", file=sys.stderr)
         return 2
 
@@ -44,7 +44,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "in-flight requests and exits 0 within 5 s; a second signal exits at once.",
     )
     p.add_argument("--data-dir", default=None, help="disk tier and catalog directory (default ./.kvstore)")
-    p.add_argument("--host-mem", default=None, help="total host RAM, e.g. 512MiB (default: a tenth of RAM)")
+    p.add_argument("--host-mem", default=None, help="total host RAM, e.g. 512MiB "
+                   "(default: a tenth of RAM, at least 64MiB, at most 16GiB)")
     p.add_argument("--disk", default=None, help="total disk tier, e.g. 20GiB, 0 for none "
                    "(default: a tenth of the free space, at most 20GiB)")
     p.add_argument("--socket", default=None, help="Unix socket path (default DIR/kvstore.sock; 'none' to disable)")

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import ipaddress
+import math
 import os
 import re
 import shutil
 import sys
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args, get_type_hints
 
 from kvstore.codecs import CODECS
 from kvstore.config import WRITE_POLICIES
@@ -25,14 +26,24 @@ _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 1000**2, "m
           "tib": 1 << 40}
 
 
+MAX_SIZE = (1 << 63) - 1  # bytes: the largest file offset
+MAX_SOCKET_PATH = 107  # bytes: sun_path is 108, the last one for the NUL every C client writes
+
+
 def parse_size(text: str | int) -> int:
-    """``"512MiB"`` -> 536870912; plain ints pass through. ConfigError for anything else."""
+    """``"512MiB"`` -> 536870912; plain ints pass through. ConfigError for anything else, and
+    for a size below 0 or above MAX_SIZE."""
     if isinstance(text, int) and not isinstance(text, bool):
-        return text
-    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
-    if not match or match.group(2).lower() not in _UNITS:
-        raise ConfigError(f"size {text!r} is not a number with an optional unit like 512MiB or 20GiB")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+        size: float = text
+    else:
+        match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
+        if not match or match.group(2).lower() not in _UNITS:
+            raise ConfigError(f"size {text!r} is not a number with an optional unit like 512MiB or 20GiB")
+        size = float(match.group(1)) * _UNITS[match.group(2).lower()]  # inf past ~1e308
+    if not 0 <= size <= MAX_SIZE:
+        shown = str(text) if len(str(text)) <= 40 else f"{str(text)[:16]}... ({len(str(text))} characters)"
+        raise ConfigError(f"size {shown} is out of range: 0 to {MAX_SIZE} bytes")
+    return int(size)
 
 
 def parse_hostport(text: str) -> tuple[str, int]:
@@ -135,8 +146,9 @@ class DaemonConfig:
         if self.socket_path is None:
             object.__setattr__(self, "socket_path", str(self.data_dir / "kvstore.sock"))
         for name in ("max_namespaces", "max_frame", "max_inflight", "max_connections"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be a positive int, got {getattr(self, name)!r}")
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"{name} must be a positive int, got {value!r}")
         if self.max_frame < 4096:
             raise ConfigError(f"max_frame must be at least 4096 bytes, got {self.max_frame}")
         if self.write_policy not in WRITE_POLICIES:
@@ -167,13 +179,25 @@ class DaemonConfig:
             raise ConfigError(f"remote_timeout_s must be positive, got {self.remote_timeout_s!r}")
         if self.remote_writes not in ("put", "demote"):
             raise ConfigError(f"remote_writes must be 'put' or 'demote', got {self.remote_writes!r}")
+        if not (self.socket_path or self.listen or self.http):
+            raise ConfigError("--socket, --listen and --http are all off: the daemon would serve nothing")
+        if self.socket_path and len(os.fsencode(self.socket_path)) > MAX_SOCKET_PATH:
+            raise ConfigError(f"--socket {self.socket_path} is {len(os.fsencode(self.socket_path))} bytes long; "
+                              f"a Unix socket path has at most {MAX_SOCKET_PATH} (give a shorter --socket)")
+        exposed = self.off_loopback()
+        if exposed and not (self.token or self.tokens_file):
+            raise ConfigError(f"{exposed[0]} is off loopback: a token is required "
+                              "(--token, KVSTORE_TOKEN or a tokens file)")
+
+    def off_loopback(self) -> list[str]:
+        """``--listen``/``--http`` addresses off loopback, as ``"--listen HOST:PORT"``: each
+        needs a token (the daemon checks its loaded tokens too: a tokens file may hold none)."""
+        out = []
         for name in ("listen", "http"):
             addr = getattr(self, name)
-            if addr:
-                host, _port = parse_hostport(addr)
-                if not is_loopback(host) and not (self.token or self.tokens_file):
-                    raise ConfigError(f"--{name} {addr} is off loopback: a token is required "
-                                      "(--token, KVSTORE_TOKEN or a tokens file)")
+            if addr and not is_loopback(parse_hostport(addr)[0]):
+                out.append(f"--{name} {addr}")
+        return out
 
     @property
     def host_bytes_per_namespace(self) -> int:
@@ -184,8 +208,45 @@ class DaemonConfig:
         return self.disk_bytes // self.max_namespaces
 
 
+SIZE_FIELDS = ("host_bytes", "disk_bytes")
+SECRET_FIELDS = ("token", "remote")  # errors show their type, never their value
+EXPECTED = {bool: "true or false", int: "an integer", float: "a number", str: "a string", Path: "a path (a string)"}
+
+
+def check_types(values: dict[str, Any], source: str) -> None:
+    """ConfigError naming the key, ``source`` and the expected type for a value whose type
+    is not its DaemonConfig field's: bools are not numbers, numbers are finite, a path is a
+    string, a size an integer of bytes or a string with a unit (TOML has no null, so an
+    optional field takes its other type)."""
+    hints = get_type_hints(DaemonConfig)
+    for name, value in values.items():
+        if name in SIZE_FIELDS:
+            if not isinstance(value, (int, str)) or isinstance(value, bool):
+                raise ConfigError(f"{name} in {source} must be a size (bytes, or a string like \"512MiB\"), "
+                                  f"got {value!r}")
+            continue
+        kinds = [t for t in get_args(hints[name]) or (hints[name],) if t is not type(None)]
+        if not any(_is_a(kind, value) for kind in kinds):
+            expected = " or ".join(EXPECTED[kind] for kind in kinds)
+            got = f"a {type(value).__name__}" if name in SECRET_FIELDS else repr(value)
+            raise ConfigError(f"{name} in {source} must be {expected}, got {got}")
+
+
+def _is_a(kind: type, value: Any) -> bool:
+    if kind is bool or isinstance(value, bool):
+        return kind is bool and isinstance(value, bool)
+    if kind is float:
+        return isinstance(value, (int, float)) and math.isfinite(value)
+    return isinstance(value, str if kind is Path else kind)
+
+
 def load_config(path: str | os.PathLike[str] | None, overrides: dict[str, Any]) -> DaemonConfig:
-    """Read a TOML file (keys are DaemonConfig field names), then apply non-None overrides."""
+    """Read a TOML file (keys are DaemonConfig field names), then apply non-None overrides.
+
+    Raises:
+        ConfigError: the file cannot be read, has an unknown key or a value of the wrong type
+            (naming the key, the file and the type), or a setting is invalid.
+    """
     values: dict[str, Any] = {}
     if path is not None:
         try:
@@ -193,12 +254,19 @@ def load_config(path: str | os.PathLike[str] | None, overrides: dict[str, Any]) 
                 values = tomllib.load(f)
         except (OSError, tomllib.TOMLDecodeError) as exc:
             raise ConfigError(f"cannot read config {path}: {exc}") from None
-    known = {f.name for f in fields(DaemonConfig)}
-    unknown = sorted(set(values) - known)
-    if unknown:
-        raise ConfigError(f"unknown config keys in {path}: {unknown}; known: {sorted(known)}")
-    values.update({k: v for k, v in overrides.items() if v is not None})
-    for name in ("host_bytes", "disk_bytes"):
+        known = {f.name for f in fields(DaemonConfig)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ConfigError(f"unknown config keys in {path}: {unknown}; known: {sorted(known)}")
+        check_types(values, str(path))
+    given = {k: v for k, v in overrides.items() if v is not None}
+    values.update(given)
+    for name in SIZE_FIELDS:
         if name in values:
-            values[name] = parse_size(values[name])
+            try:
+                values[name] = parse_size(values[name])
+            except ConfigError as exc:
+                if name in given:
+                    raise
+                raise ConfigError(f"{name} in {path}: {exc}") from None
     return DaemonConfig(**values)

@@ -1,9 +1,10 @@
 """Prometheus exposition: per-tier gauges and counters (label ``tier``, ``namespace``), read
-from the stores at scrape time, plus the daemon's request and error counters."""
+from the stores at scrape time, plus the daemon's request and error counters, and the
+per-tenant series for the tenants the caller may see (rest.py decides which)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Container, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -23,9 +24,10 @@ COUNTERS = {"hits": "Blocks found in the tier by lookups and reads",
 
 
 class StoreCollector(Collector):
-    def __init__(self, registry: Registry, daemon: Any = None) -> None:
+    def __init__(self, registry: Registry, daemon: Any = None, tenants: Container[str] | None = None) -> None:
         self.registry = registry
         self.daemon = daemon
+        self.tenants = tenants
 
     def collect(self) -> Iterator[Any]:
         rows = [(s.id, tier, stats) for s in self.registry.namespaces() for tier, stats in s.store.stats().items()]
@@ -43,7 +45,8 @@ class StoreCollector(Collector):
         tenants = CounterMetricFamily("kvstore_tenant_requests", "Block protocol requests per tenant",
                                       labels=["tenant"])
         for tenant, counters in self.registry.tenant_counters().items():
-            tenants.add_metric([tenant], counters["requests"])
+            if self.tenants is None or tenant in self.tenants:
+                tenants.add_metric([tenant], counters["requests"])
         yield tenants
         if self.daemon is not None:
             ops = CounterMetricFamily("kvstore_daemon_requests", "Block protocol requests by op", labels=["op"])
@@ -92,8 +95,12 @@ def remote_families(rows: list[tuple[str, str, dict[str, int]]], nodes: list[dic
     yield up
 
 
-def render(registry: Registry, daemon: Any = None) -> bytes:
-    """The text exposition format, from a private registry (no global state)."""
+def render(registry: Registry, daemon: Any = None, tenants: Container[str] | None = None) -> bytes:
+    """The text exposition format, from a private registry (no global state).
+
+    Args:
+        tenants: the tenants whose series to include (None: every tenant; empty: none).
+    """
     prom = CollectorRegistry(auto_describe=False)
-    prom.register(StoreCollector(registry, daemon))
+    prom.register(StoreCollector(registry, daemon, tenants))
     return generate_latest(prom)

@@ -86,19 +86,53 @@ def _digest(token: str) -> bytes:
     return hashlib.sha256(token.encode("utf-8", "replace")).digest()
 
 
+TENANT_KEYS = frozenset({"name", "tokens", "shm"})
+
+
 def _read_tokens_file(path: str) -> list[tuple[str, Principal]]:
-    """``[[tenant]]`` tables: ``name = "acme"``, ``tokens = ["..."]``, optional ``shm = false``."""
+    """``[[tenant]]`` tables: ``name = "acme"``, ``tokens = ["..."]``, optional ``shm = false``.
+
+    Raises:
+        ConfigError: naming the file and the problem, for anything else: unknown keys (at the
+            top or in a table), ``tenant`` not an array of tables, a table without a non-empty
+            name and a non-empty list of non-empty tokens, a non-bool ``shm``, a token listed
+            for two tenants, or no token at all (an empty file would leave the daemon open).
+            Errors never show a token.
+    """
     try:
         with open(path, "rb") as f:
             doc = tomllib.load(f)
     except (OSError, tomllib.TOMLDecodeError) as exc:
         raise ConfigError(f"cannot read tokens file {path}: {exc}") from None
+    unknown = sorted(set(doc) - {"tenant"})
+    if unknown:
+        raise ConfigError(f"tokens file {path}: unknown keys {unknown}; it holds [[tenant]] tables only")
+    tenants = doc.get("tenant", [])
+    if not isinstance(tenants, list) or not all(isinstance(item, dict) for item in tenants):
+        raise ConfigError(f"tokens file {path}: 'tenant' must be an array of tables ([[tenant]]), "
+                          f"got {type(tenants).__name__}")
     out: list[tuple[str, Principal]] = []
-    for i, item in enumerate(doc.get("tenant", [])):
-        name, tokens = item.get("name"), item.get("tokens")
-        if not isinstance(name, str) or not isinstance(tokens, list) or not all(isinstance(t, str) and t for t in tokens):
-            raise ConfigError(f"{path}: tenant #{i} needs name = \"...\" and tokens = [\"...\"]")
-        out += [(t, Principal(name, shm=bool(item.get("shm", True)))) for t in tokens]
+    owners: dict[str, str] = {}
+    for i, item in enumerate(tenants):
+        name, tokens, shm = item.get("name"), item.get("tokens"), item.get("shm", True)
+        extra = sorted(set(item) - TENANT_KEYS)
+        if extra:
+            raise ConfigError(f"tokens file {path}: tenant #{i} has unknown keys {extra}; "
+                              f"known: {sorted(TENANT_KEYS)}")
+        named = isinstance(name, str) and name != ""
+        listed = isinstance(tokens, list) and tokens != [] and all(isinstance(t, str) and t for t in tokens)
+        if not named or not listed:
+            raise ConfigError(f"tokens file {path}: tenant #{i} needs name = \"...\" and tokens = [\"...\"] "
+                              "(non-empty strings)")
+        if not isinstance(shm, bool):
+            raise ConfigError(f"tokens file {path}: tenant #{i} ({name}): shm must be true or false, got {shm!r}")
+        for token in tokens:
+            if owners.setdefault(token, name) != name:
+                raise ConfigError(f"tokens file {path}: a token of tenant {name!r} is also one of {owners[token]!r}")
+        out += [(t, Principal(name, shm=shm)) for t in tokens]
+    if not out:
+        raise ConfigError(f"tokens file {path} defines no token (add [[tenant]] tables with "
+                          "name = \"...\" and tokens = [\"...\"])")
     return out
 
 

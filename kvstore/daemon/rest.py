@@ -1,8 +1,9 @@
 """The REST app (FastAPI factory) over a daemon's registry or one embedded TieredStore.
 
 Reads are open on an open daemon (no tokens configured); with tokens they need one, except
-``/``, ``/healthz``, ``/metrics`` and ``/v1/tiers`` (occupancy only, no tenant data). A tenant
-token sees its own tenant only. ``/v1/admin/*`` needs the admin token: 401 without a valid
+``/``, ``/healthz``, ``/metrics`` and ``/v1/tiers`` (occupancy only, no tenant data: ``/metrics``
+leaves the per-tenant series out unless a token shows which it may see). A tenant token sees
+its own tenant only. ``/v1/admin/*`` needs the admin token: 401 without a valid
 token, 403 with a tenant token. Every endpoint is in docs/rest.md.
 """
 
@@ -17,7 +18,7 @@ from fastapi.responses import HTMLResponse, Response
 from pydantic import BaseModel, Field
 
 from kvstore.daemon.metrics import render
-from kvstore.daemon.registry import AuthError, NamespaceState, Principal, Registry, Tokens
+from kvstore.daemon.registry import COUNTERS, AuthError, NamespaceState, Principal, Registry, Tokens
 from kvstore.errors import CapacityError
 from kvstore.stats import is_count
 from kvstore.store import TieredStore
@@ -116,9 +117,18 @@ def create_app(target: Registry | TieredStore, admin_token: str | None = None, d
         return {"status": "ok", "uptime_s": round(time.time() - started, 3), "namespaces": len(registry.namespaces())}
 
     @app.get("/metrics", response_class=Response)
-    def metrics() -> Response:
-        """Prometheus text format; per-tier series carry ``tier`` and ``namespace`` labels."""
-        return Response(render(registry, daemon), media_type="text/plain; version=0.0.4")
+    def metrics(request: Request) -> Response:
+        """Prometheus text format; per-tier series carry ``tier`` and ``namespace`` labels.
+
+        With tokens configured, the per-tenant series are the caller's: every tenant's with
+        the admin token, its own with a tenant token, none without a token (401 for an
+        unknown one). An open store shows them all.
+        """
+        tenants: tuple[str, ...] | None = None
+        if not registry.tokens.is_open:
+            who = caller(request)
+            tenants = () if who is None else None if who.admin else (who.tenant,)
+        return Response(render(registry, daemon, tenants), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/tiers")
     def tiers() -> dict[str, Any]:
@@ -143,11 +153,11 @@ def create_app(target: Registry | TieredStore, admin_token: str | None = None, d
                  for t, r in per_tier.items()}
         tenants = registry.tenant_counters()
         if not sees_all(who):
-            tenants = {who.tenant: tenants.get(who.tenant, {})}
+            tenants = {who.tenant: tenants.get(who.tenant, dict.fromkeys(COUNTERS, 0))}
         spaces = {}
         for state in registry.namespaces():
             rows = {t: c for t, c in list(state.counters.items()) if sees_all(who) or t == who.tenant}
-            summed: dict[str, int] = {}
+            summed = dict.fromkeys(COUNTERS, 0)
             for row in rows.values():
                 for name, value in row.items():
                     summed[name] = summed.get(name, 0) + value
@@ -208,7 +218,7 @@ def create_app(target: Registry | TieredStore, admin_token: str | None = None, d
         """Per tenant counters (a tenant token sees its own only)."""
         counters = registry.tenant_counters()
         if not sees_all(who):
-            counters = {who.tenant: counters.get(who.tenant, {})}
+            counters = {who.tenant: counters.get(who.tenant, dict.fromkeys(COUNTERS, 0))}
         return {"tenants": counters}
 
     def stored_keys(body: KeysRequest) -> list[tuple[NamespaceState, list[bytes]]]:

@@ -3,7 +3,9 @@
 Lifecycle: start (reopen namespaces, bind, print where it listens) -> serve, with a tick
 every second (expire leases; check integrity when idle) -> SIGTERM/SIGINT: stop accepting,
 finish in-flight requests (up to ``drain_s``), close the stores, exit 0; a second signal
-exits at once. Store calls run on a worker pool; the event loop only frames bytes.
+exits at once. Store calls run on a worker pool; the event loop only frames bytes. A start
+that fails (a taken address, a data directory another daemon holds) is a ConfigError: what
+it had opened is closed and its socket file removed.
 
 Connections (framing, back-pressure, receiving a put's blocks straight into host slots) are
 ``kvstore.daemon.connection.Connection``: one connection holds at most ``max_inflight``
@@ -18,6 +20,7 @@ import itertools
 import logging
 import os
 import socket
+import stat
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -27,8 +30,10 @@ from typing import Any
 from kvstore.daemon.config import DaemonConfig, parse_hostport
 from kvstore.daemon.connection import Connection
 from kvstore.daemon.ops import Ops, Session
+from kvstore.daemon.protocol import ProtocolError
 from kvstore.daemon.registry import Registry, Tokens
 from kvstore.daemon.shm import Leases
+from kvstore.errors import ConfigError, TierError
 from kvstore.http_serving import bind, freeze_start_heap, stop_on_signals, uvicorn_server
 
 log = logging.getLogger("kvstore.daemon")
@@ -40,7 +45,12 @@ class Daemon:
 
     def __init__(self, config: DaemonConfig) -> None:
         self.config = config
-        self.registry = Registry(config, Tokens(config.token, config.tokens_file))
+        tokens = Tokens(config.token, config.tokens_file)
+        exposed = config.off_loopback()
+        if exposed and tokens.is_open:  # the loaded tokens decide, not whether a file was named
+            raise ConfigError(f"{exposed[0]} is off loopback: a token is required "
+                              "(--token, KVSTORE_TOKEN or a tokens file that defines one)")
+        self.registry = Registry(config, tokens)
         self.leases = Leases(config.lease_s, max_per_conn=2 * config.max_inflight)
         self.ops = Ops(config, self.registry, self.leases)
         self.pool = ThreadPoolExecutor(max(4, 2 * (os.cpu_count() or 2)), thread_name_prefix="kvstore-op")
@@ -53,32 +63,66 @@ class Daemon:
         self._connections: set[Connection] = set()
         self._handlers: set[asyncio.Task[None]] = set()
         self._http: Any = None
+        self._socket_id: tuple[int, int] | None = None  # (st_dev, st_ino) of the socket file it bound
         self._stop = asyncio.Event()
         self.kv_events: Any = None  # an EventPublisher once started with kv_events
 
     # ------------------------------------------------------------------------ lifecycle
 
     async def start(self) -> None:
+        """Open and bind everything; ConfigError for what the operator must fix."""
         cfg = self.config
-        cfg.data_dir.mkdir(parents=True, exist_ok=True)
+        _make_data_dir(cfg.data_dir)
         loop = asyncio.get_running_loop()
         if cfg.kv_events:
             self._start_kv_events()
-        await loop.run_in_executor(self.pool, self.registry.reopen_existing)
+        await loop.run_in_executor(self.pool, self._reopen_existing)
         if cfg.socket_path:
-            path = Path(cfg.socket_path)
-            _remove_stale_socket(path)
-            server = await loop.create_unix_server(lambda: Connection(self, "unix"), path=str(path))
-            os.chmod(path, 0o600)
-            self._servers.append(server)
-            self.addresses.append(f"unix://{path.resolve()}")
+            self._servers.append(await self._start_unix(Path(cfg.socket_path)))
         if cfg.listen:
-            host, port = parse_hostport(cfg.listen)
-            server = await loop.create_server(lambda: Connection(self, "tcp"), host, port)
+            sock = bind(*parse_hostport(cfg.listen))  # a taken port or unknown host is a ConfigError
+            server = await loop.create_server(lambda: Connection(self, "tcp"), sock=sock)
             self._servers.append(server)
-            self.addresses.append(f"tcp://{_fmt(server.sockets[0].getsockname())}")
+            self.addresses.append(f"tcp://{_fmt(sock.getsockname())}")
         if cfg.http:
             self.addresses.append(await self._start_http(*parse_hostport(cfg.http)))
+
+    def _reopen_existing(self) -> None:
+        try:
+            self.registry.reopen_existing()
+        except ConfigError:
+            raise
+        except (TierError, ProtocolError, OSError, ValueError) as exc:  # e.g. another daemon's disk lock
+            raise ConfigError(f"cannot reopen --data-dir {self.config.data_dir}: {exc}") from None
+
+    async def _start_unix(self, path: Path) -> asyncio.AbstractServer:
+        """The Unix socket, mode 0600 from its creation: bound under umask 0177 (the umask is
+        the process's, so it is set only around the bind)."""
+        _remove_stale_socket(path)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        umask = os.umask(0o177)
+        try:
+            sock.bind(str(path))
+        except OSError as exc:
+            sock.close()
+            raise ConfigError(f"cannot listen on {path}: {exc.strerror or exc}") from None
+        finally:
+            os.umask(umask)
+        st = os.lstat(path)
+        self._socket_id = (st.st_dev, st.st_ino)
+        server = await asyncio.get_running_loop().create_unix_server(lambda: Connection(self, "unix"), sock=sock)
+        self.addresses.append(f"unix://{path.resolve()}")
+        return server
+
+    def _remove_socket(self) -> None:
+        """Unlink the socket file this daemon bound, unless another has replaced it since."""
+        if self._socket_id is None or not self.config.socket_path:
+            return
+        with contextlib.suppress(OSError):
+            st = os.lstat(self.config.socket_path)
+            if (st.st_dev, st.st_ino) == self._socket_id:
+                os.unlink(self.config.socket_path)
+        self._socket_id = None
 
     def _start_kv_events(self) -> None:
         """Publish every namespace's tiers (each store is attached as the registry opens it)."""
@@ -112,7 +156,12 @@ class Daemon:
     async def run(self) -> int:
         """Start, serve until a signal, drain, close. Returns the exit status."""
         self._stop = stop_on_signals(asyncio.get_running_loop())
-        await self.start()
+        try:
+            await self.start()
+        except Exception:
+            with contextlib.suppress(Exception):  # leave nothing behind; the start's error is the one to show
+                await self.shutdown(time.monotonic() + 1.0)
+            raise
         freeze_start_heap()
         print(f"kvstore serve: listening on {', '.join(self.addresses)} (pid {os.getpid()}); ready", flush=True)
         tick = asyncio.create_task(self._tick())
@@ -146,9 +195,7 @@ class Daemon:
                   file=sys.stderr, flush=True)
         if self.kv_events is not None:
             self.kv_events.close()  # ends with AllBlocksCleared
-        if self.config.socket_path:
-            with contextlib.suppress(OSError):
-                os.unlink(self.config.socket_path)
+        self._remove_socket()
         self.pool.shutdown(wait=False, cancel_futures=True)
 
     async def _tick(self) -> None:
@@ -205,17 +252,37 @@ class Daemon:
         session.unpin_all()
 
 
+def _make_data_dir(path: Path) -> None:
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"--data-dir {path} exists and is not a directory")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"cannot create --data-dir {path}: {exc.strerror or exc}") from None
+
+
 def _remove_stale_socket(path: Path) -> None:
-    """Remove a socket file left by a dead daemon; refuse to steal a live one's."""
-    if not path.exists():
+    """Remove a socket file left by a dead daemon (connecting is refused). Never anything
+    else: ConfigError for a path that is not a socket (a file, a directory, a symlink) or
+    one a live daemon answers on."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
         return
+    except OSError as exc:
+        raise ConfigError(f"--socket {path}: {exc.strerror or exc}") from None
+    if not stat.S_ISSOCK(mode):
+        raise ConfigError(f"--socket {path} exists and is not a socket; not removing it")
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         probe.connect(str(path))
-    except OSError:
+    except ConnectionRefusedError:  # nobody listens: a dead daemon's
         path.unlink()
+    except OSError as exc:  # EAGAIN (a live daemon's full backlog), EACCES...: not ours to remove
+        raise ConfigError(f"--socket {path} exists and cannot be probed ({exc.strerror or exc}); "
+                          "not removing it") from None
     else:
-        raise RuntimeError(f"another daemon is listening on {path}")
+        raise ConfigError(f"another daemon is listening on {path}")
     finally:
         probe.close()
 

@@ -21,12 +21,13 @@ import pytest
 import torch
 
 from kvstore import KVLayout, StoreConfig, TieredStore
+from kvstore.daemon.registry import COUNTERS
 from kvstore.daemon.rest import create_app
 
 from daemon_helpers import DaemonProc, blocks, prompt
 from factories import require
 
-ADMIN, ACME, GLOBEX = "tok-admin", "tok-acme", "tok-globex"
+ADMIN, ACME, GLOBEX, BETA = "tok-admin", "tok-acme", "tok-globex", "tok-beta"  # beta never sends a request
 
 
 def call(url: str, method: str = "GET", body: Any = None, token: str | None = None) -> tuple[int, Any]:
@@ -53,7 +54,8 @@ def rest_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProc
     root = tmp_path_factory.mktemp("rest")
     tokens = root / "tokens.toml"
     tokens.write_text(f'[[tenant]]\nname = "acme"\ntokens = ["{ACME}"]\n\n'
-                      f'[[tenant]]\nname = "globex"\ntokens = ["{GLOBEX}"]\n')
+                      f'[[tenant]]\nname = "globex"\ntokens = ["{GLOBEX}"]\n\n'
+                      f'[[tenant]]\nname = "beta"\ntokens = ["{BETA}"]\n')
     d = DaemonProc(root / "data", "--tokens", str(tokens), "--token", ADMIN, disk="4MiB")
     yield d
     d.stop()
@@ -147,6 +149,34 @@ def test_metrics_health_openapi(rest_daemon: DaemonProc) -> None:
     assert call(f"{d.http}/healthz")[1]["status"] == "ok"
     status, spec = call(f"{d.http}/openapi.json")
     assert status == 200 and "/v1/lookup" in spec["paths"] and "/v1/admin/flush" in spec["paths"]
+
+
+def test_metrics_show_tenant_series_only_to_a_token_that_may_see_them(rest_daemon: DaemonProc) -> None:
+    d = rest_daemon
+    for token in (ACME, GLOBEX):
+        with d.connect(token) as client:
+            client.lookup(client.block_keys(prompt(40, 1)))
+    series = re.compile(r'^kvstore_tenant_requests_total\{tenant="(\w*)"\}', re.M)
+    status, public = call(f"{d.http}/metrics")
+    assert status == 200 and series.findall(public) == []
+    assert "acme" not in public and "globex" not in public
+    assert 'kvstore_tier_used_bytes{namespace="' in public and "kvstore_daemon_requests_total" in public
+    assert {"acme", "globex"} <= set(series.findall(call(f"{d.http}/metrics", token=ADMIN)[1]))
+    assert set(series.findall(call(f"{d.http}/metrics", token=ACME)[1])) == {"acme"}
+    assert series.findall(call(f"{d.http}/metrics", token=BETA)[1]) == []  # beta has no traffic
+    assert call(f"{d.http}/metrics", token="bogus")[0] == 401
+
+
+def test_a_tenant_with_no_traffic_gets_zeroed_counters(rest_daemon: DaemonProc) -> None:
+    d = rest_daemon
+    with d.connect(ACME) as acme:  # a namespace is open, with another tenant's traffic in it
+        acme.lookup(acme.block_keys(prompt(41, 1)))
+    zeros = dict.fromkeys(COUNTERS, 0)
+    assert call(f"{d.http}/v1/tenants", token=BETA) == (200, {"tenants": {"beta": zeros}})
+    status, stats = call(f"{d.http}/v1/stats", token=BETA)
+    assert status == 200 and stats["tenants"] == {"beta": zeros}
+    assert stats["namespaces"] and all(ns["counters"] == zeros for ns in stats["namespaces"].values())
+    assert "beta" not in call(f"{d.http}/v1/tenants", token=ADMIN)[1]["tenants"]
 
 
 def serve_app(app: Any) -> tuple[str, Any, threading.Thread]:
