@@ -5,7 +5,8 @@ forwarded to the replica the Router picks, plus the router's own views (docs/rou
 its key recipe), the HTTP client and the callers' tokens; ``health_loop`` polls every replica.
 A request: authenticate the caller (its tenant), tokenize the prompt as the replicas do (bytes
 locally; otherwise, and for chat templates, a replica's ``/v1/kvstore/tokenize``), hash and
-route it (kvstore.routing), forward it (proxy.py).
+route it (kvstore.routing), forward it (proxy.py). Every answer is counted with its final
+status (a relayed stream when it ends).
 """
 
 from __future__ import annotations
@@ -24,9 +25,9 @@ from kvstore.daemon.registry import AuthError, Tokens
 from kvstore.keys import BlockHasher
 from kvstore.route.config import RouteConfig
 from kvstore.route.metrics import RouteMetrics
-from kvstore.route.proxy import Forward, Proxy, error
+from kvstore.route.proxy import Forward, Proxy, RelayedStream, error
 from kvstore.route.replica import ReplicaInfo, ReplicaLink
-from kvstore.routing import CACHE_AWARE, Router
+from kvstore.routing import ROUND_ROBIN, Router
 
 log = logging.getLogger("kvstore.route")
 PATHS = {"completion": "/v1/completions", "chat": "/v1/chat/completions"}
@@ -48,7 +49,12 @@ class RouteState:
         self.proxy: Proxy | None = None
         self.metrics = RouteMetrics(lambda: self.router, lambda: {u: link.healthy for u, link in self.links.items()})
         self.draining = False
-        self.num_inflight = 0
+        self.num_routing = 0  # requests being tokenized, routed or forwarded
+
+    @property
+    def num_inflight(self) -> int:
+        """Requests being routed or forwarded and streams still relayed: what a drain waits for."""
+        return self.num_routing + (self.proxy.num_streams if self.proxy is not None else 0)
 
     async def learn_recipe(self, timeout_s: float) -> None:
         """Wait for the first replica that answers its info: its key recipe is the pool's."""
@@ -97,15 +103,16 @@ class RouteState:
         return [u for u, link in self.links.items() if link.healthy]
 
     async def tokenize(self, endpoint: str, body: dict[str, Any], tenant: str) -> list[int]:
-        """The first prompt's token ids as the replicas see them ([] when they cannot be known:
-        the replica then answers the bad request itself)."""
+        """The first prompt's token ids as the replicas see them ([] when they cannot be known,
+        or are no token ids: the request is routed without a prefix, and the replica answers a
+        bad request itself)."""
         assert self.recipe is not None
         if endpoint == "completion":
             prompt = body.get("prompt")
             if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
                 prompt = prompt[0]  # a batch is routed by its first prompt
-            if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-                return prompt
+            if isinstance(prompt, list):
+                return token_ids(prompt)
             if not isinstance(prompt, str):
                 return []
             if self.recipe.tokenizer_kind == "bytes":
@@ -122,10 +129,13 @@ class RouteState:
                                                   headers=self.proxy.headers(tenant))
             except httpx.HTTPError:
                 continue
-            if response.status_code == 200:
-                tokens = response.json().get("tokens")
-                return tokens if isinstance(tokens, list) else []
-            return []  # the replica refuses the prompt: it will say why when it gets the request
+            if response.status_code != 200:
+                return []  # the replica refuses the prompt: it will say why when it gets the request
+            try:
+                reply = response.json()
+            except ValueError:  # not JSON: a replica (or a proxy in front of it) gone wrong
+                return []
+            return token_ids(reply.get("tokens") if isinstance(reply, dict) else None)
         return []
 
     def replicas_view(self) -> dict[str, Any]:
@@ -140,6 +150,13 @@ class RouteState:
         for link in self.links.values():
             link.close()
         await self.client.aclose()
+
+
+def token_ids(value: Any) -> list[int]:
+    """``value`` if it is a list of token ids the router can hash (ints in [0, 2**32)), else []."""
+    if isinstance(value, list) and all(type(t) is int and 0 <= t < 1 << 32 for t in value):
+        return value
+    return []
 
 
 def create_app(state: RouteState) -> FastAPI:
@@ -160,13 +177,22 @@ def create_app(state: RouteState) -> FastAPI:
         return state.tokens.authenticate(token).tenant
 
     async def generation(request: Request, endpoint: str) -> Response:
+        try:
+            response = await answer(request, endpoint)
+        except Exception:
+            log.exception("%s failed", endpoint)
+            response = error(500, "the router failed on this request", "server_error")
+        if not isinstance(response, RelayedStream):  # a stream counts itself when it ends
+            state.metrics.request_done(endpoint, response.status_code)
+        return response
+
+    async def answer(request: Request, endpoint: str) -> Response:
         if state.draining:
             return error(503, "the router is shutting down and takes no new requests", "service_unavailable_error",
                          "draining")
         try:
             tenant = tenant_of(request)
         except AuthError as exc:
-            state.metrics.request_done(endpoint, 401)
             return error(401, str(exc), "authentication_error", "invalid_api_key")
         raw = await request.body()
         try:
@@ -174,17 +200,17 @@ def create_app(state: RouteState) -> FastAPI:
         except ValueError:
             body = None
         if not isinstance(body, dict):
-            state.metrics.request_done(endpoint, 400)
             return error(400, "the body must be a JSON object", "invalid_request_error")
         assert state.proxy is not None
-        state.num_inflight += 1
+        state.num_routing += 1
         try:
-            # the baseline policies look at no cache: they need no tokens (nor their round trip)
-            tokens = await state.tokenize(endpoint, body, tenant) if state.config.routing.policy == CACHE_AWARE else []
+            # round robin reads neither cache nor load: it needs no tokens (nor their round trip);
+            # least_loaded needs the prompt's length, its prefill, in the load it weighs
+            tokens = await state.tokenize(endpoint, body, tenant) if state.config.routing.policy != ROUND_ROBIN else []
             return await state.proxy.forward(Forward(endpoint, PATHS[endpoint], raw, body.get("stream") is True,
-                                                     tokens, tenant))
+                                                     tokens, tenant, request.is_disconnected))
         finally:
-            state.num_inflight -= 1
+            state.num_routing -= 1
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

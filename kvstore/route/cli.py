@@ -10,6 +10,17 @@ from kvstore.errors import ConfigError
 from kvstore.routing.config import POLICIES
 
 
+def port(text: str) -> int:
+    """An argparse type: a TCP port, 0-65535 (0: any free port)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port in 0-65535, got {text!r}")
+    return value
+
+
 def run_route(args: argparse.Namespace) -> int:
     from kvstore.route.config import RouteConfig
     from kvstore.route.server import serve
@@ -36,7 +47,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--replica", action="append", metavar="URL",
                    help="a replica's base URL, e.g. http://127.0.0.1:8001 (repeat for each)")
     p.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1; off loopback needs --tokens)")
-    p.add_argument("--port", type=int, default=8000, help="listen port (default 8000; 0: any free port)")
+    p.add_argument("--port", type=port, default=8000, help="listen port (default 8000; 0: any free port)")
     p.add_argument("--policy", choices=POLICIES, default="cache_aware", help="routing policy (default cache_aware)")
     p.add_argument("--tokens", default=None, help="TOML file mapping callers' Bearer tokens to tenants")
     p.add_argument("--router-token", default=None,

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from kvstore.daemon.config import is_loopback
+from kvstore.daemon.registry import Tokens
 from kvstore.errors import ConfigError
 from kvstore.routing.config import RouterConfig
 
@@ -18,7 +19,8 @@ class RouteConfig:
         replicas: the replicas' base URLs (``http://127.0.0.1:8001``); everything else about
             them is learned from their ``GET /v1/kvstore/info``.
         host, port: where the router listens (port 0: any free port, printed at start).
-        tokens_file: TOML mapping the callers' Bearer tokens to tenants (docs/protocol.md).
+        tokens_file: TOML mapping the callers' Bearer tokens to tenants (docs/protocol.md);
+            off loopback it must name at least one token (a file with none lets everyone in).
         router_token: the replicas' ``--router-token``: sent with every forwarded request, with
             the caller's tenant in ``X-KVStore-Tenant``. Required with ``tokens_file``.
         routing: the routing library's knobs (policy, weights, gate).
@@ -49,12 +51,17 @@ class RouteConfig:
             parts = urlsplit(url)
             if parts.scheme not in ("http", "https") or not parts.hostname or parts.path not in ("", "/"):
                 raise ConfigError(f"--replica must be a base URL like http://127.0.0.1:8001, got {url!r}")
-        if len(set(self.replicas)) != len(self.replicas):
-            raise ConfigError("each --replica may be given once")
+        if len(set(self.urls)) != len(self.urls):
+            raise ConfigError(f"each --replica may be given once, got {', '.join(self.replicas)}")
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"--port must be in 0-65535, got {self.port}")
         if self.tokens_file and not self.router_token:
             raise ConfigError("--tokens needs --router-token: the replicas must trust the tenant the router names")
         if not is_loopback(self.host) and not self.tokens_file:
             raise ConfigError(f"--host {self.host} is off loopback: caller tokens (--tokens) are required")
+        if not is_loopback(self.host) and Tokens(None, self.tokens_file).is_open:
+            raise ConfigError(f"--host {self.host} is off loopback, but the tokens file {self.tokens_file} names "
+                              "no token: everyone would be let in and forwarded with the router's token")
         for name in ("health_interval_s", "dead_after_s", "connect_timeout_s", "drain_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)!r}")

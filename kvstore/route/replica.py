@@ -116,8 +116,11 @@ class ReplicaLink:
                                         timeout=self.health_interval_s * 2)
             response.raise_for_status()
             body = response.json()
+            # an engine that does not report its free blocks (or not as a count): no eviction cost
+            free = body.get("num_free_blocks") if isinstance(body, dict) else None
             load = LoadReport(int(body["queued_prefill_tokens"]), int(body["running_decode_seqs"]),
-                              int(body["running"]), int(body["waiting"]), float(body["kv_usage"]))
+                              int(body["running"]), int(body["waiting"]), float(body["kv_usage"]),
+                              free if type(free) is int and free >= 0 else None)
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
             if self.healthy and now - self.last_ok > self.dead_after_s:
                 self.take_out(router, f"no answer for {now - self.last_ok:.1f} s ({type(exc).__name__})")
@@ -188,6 +191,7 @@ class ReplicaLink:
             "in_flight": state.in_flight if state else 0,
             "queued_prefill_tokens": max(self.load.queued_prefill_tokens, state.routed_prefill_tokens if state else 0),
             "running_decode_seqs": self.load.running_decode_seqs, "kv_usage": self.load.kv_usage,
+            "num_free_blocks": self.load.num_free_blocks,
             "indexed_blocks": router.indexed_blocks(self.url) if state else {},
             "decisions": state.decisions if state else 0,
             "events": {"endpoint": self.info.events_endpoint if self.info else None,

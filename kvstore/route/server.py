@@ -4,8 +4,8 @@ Lifecycle: wait for the first replica's ``/v1/kvstore/info`` (its key recipe is 
 60 s at most) -> one health round (replicas that answer are taken in, their events followed)
 -> bind -> print ``kvstore route: routing N replicas (M healthy) on http://HOST:PORT (pid P);
 ready`` -> serve, with a health round every ``health_interval_s`` -> SIGTERM/SIGINT: new
-requests get 503, requests in flight finish (up to ``drain_s``), the subscribers close and the
-process exits 0. A second signal exits at once.
+requests get 503, requests in flight finish, streams to their last event (up to ``drain_s``), the
+subscribers close and the process exits 0. A second signal exits at once.
 """
 
 from __future__ import annotations
@@ -23,9 +23,10 @@ from kvstore.route.config import RouteConfig
 RECIPE_TIMEOUT_S = 60.0
 
 
-async def run(config: RouteConfig) -> int:
+async def run(config: RouteConfig, stop: asyncio.Event | None = None) -> int:
+    """Serve until ``stop`` is set (by default: the first SIGTERM/SIGINT), drain, return the exit status."""
     aloop = asyncio.get_running_loop()
-    stop = stop_on_signals(aloop)
+    stop = stop if stop is not None else stop_on_signals(aloop)
     sock = bind(config.host, config.port)  # before learning the replicas: a taken port fails at once
     state = RouteState(config)
     try:

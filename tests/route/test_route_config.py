@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
 
+from kvstore.cli import main
 from kvstore.errors import ConfigError
 from kvstore.route.config import RouteConfig
 from kvstore.route.replica import ReplicaLink, parse_info
@@ -63,3 +65,32 @@ def test_a_replica_naming_an_unusable_events_endpoint_is_routed_without_events(e
     link.healthy = True
     assert link.subscriber is None
     assert link.status(router)["mode"] == "approximate"  # routed from the router's own history
+
+
+def test_the_same_replica_twice_is_refused_however_it_is_spelled() -> None:
+    with pytest.raises(ConfigError, match="once"):
+        RouteConfig(("http://a:1", "http://a:1/"))
+
+
+def test_off_loopback_needs_a_tokens_file_that_names_a_token(tmp_path: Any) -> None:
+    empty = tmp_path / "empty.toml"
+    empty.write_text("# no [[tenant]] tables yet\n")
+    # refused by the router's rule, or by the tokens reader itself: never served open
+    with pytest.raises(ConfigError, match=f"{re.escape(str(empty))}.* no token"):
+        RouteConfig(("http://a:1",), host="0.0.0.0", tokens_file=str(empty), router_token="secret")
+    tokens = tmp_path / "tokens.toml"
+    tokens.write_text('[[tenant]]\nname = "acme"\ntokens = ["tok-acme"]\n')
+    assert RouteConfig(("http://a:1",), host="0.0.0.0", tokens_file=str(tokens), router_token="secret").port == 8000
+    with pytest.raises(ConfigError, match="cannot read tokens file"):
+        RouteConfig(("http://a:1",), host="0.0.0.0", tokens_file=str(tmp_path / "missing.toml"), router_token="s")
+
+
+@pytest.mark.parametrize("port", ["70000", "-1", "eighty"])
+def test_a_bad_port_is_a_usage_error(port: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["route", "--replica", "http://127.0.0.1:1", "--port", port])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert f"--port: must be a port in 0-65535, got '{port}'" in err and "Traceback" not in err
+    with pytest.raises(ConfigError, match="--port must be in 0-65535"):
+        RouteConfig(("http://a:1",), port=int(port) if port != "eighty" else 65536)

@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from route_helpers import BLOCK, Replica, RouterProcess
+from route_helpers import BLOCK, Replica, RouterProcess, RouterThread
 
 from kvstore.events import Subscriber
 
@@ -289,3 +289,17 @@ def test_a_replica_without_events_is_routed_from_history(replicas: list[Replica]
     finally:
         assert router.stop() == 0
         silent.kill()
+
+
+def test_bad_token_ids_get_the_replicas_own_400(replicas: list[Replica]) -> None:
+    router = RouterThread([r.url for r in replicas])  # in this process: no second process start
+    try:
+        router.wait_for(lambda v: all(r["healthy"] for r in v.values()), 30, "all replicas healthy")
+        client = router.client()
+        for prompt in ([-1, 5], [99999999999], [[2**32, 1]], [5, 2**31]):
+            with pytest.raises(openai.BadRequestError) as refused:
+                client.completions.create(model="random", prompt=prompt, max_tokens=2)
+            assert refused.value.param == "prompt", refused.value.body  # the replica's OpenAI error, passed on
+        assert complete(client, "still serving")[0].choices[0].text is not None
+    finally:
+        assert router.close() == 0
