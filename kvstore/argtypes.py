@@ -22,3 +22,14 @@ def positive(kind: type, what: str = "") -> Callable[[str], Any]:
         return value
 
     return parse
+
+
+def port(text: str) -> int:
+    """A TCP port, 0-65535 (0: any free port); anything else is a usage error."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port in 0-65535, got {text!r}")
+    return value

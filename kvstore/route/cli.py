@@ -6,19 +6,9 @@ import argparse
 import os
 import sys
 
+from kvstore.argtypes import port
 from kvstore.errors import ConfigError
 from kvstore.routing.config import POLICIES
-
-
-def port(text: str) -> int:
-    """An argparse type: a TCP port, 0-65535 (0: any free port)."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"must be a port in 0-65535, got {text!r}")
-    return value
 
 
 def run_route(args: argparse.Namespace) -> int:
