@@ -168,6 +168,24 @@ class LLMEngine:
         request.metrics.latency_s = time.perf_counter() - request.metrics.arrival_s
         return True
 
+    def abort_sample(self, request_id: str, index: int) -> bool:
+        """Stop sample ``index`` of a request (a server's stop string ended it) and free its
+        blocks; the other samples go on. Returns False (and changes nothing) for an unknown
+        request or sample, one already finished, or a request whose samples have not started
+        (n > 1 before its prefill ends: abort the request instead)."""
+        self._check_open()
+        request = self._requests.get(str(request_id))
+        if request is None or not request.forked:
+            return False
+        seq = next((s for s in request.seqs if s.index == index), None)
+        if seq is None or seq.status == SeqStatus.FINISHED:
+            return False
+        self.scheduler.abort([seq])
+        if request.finished:  # its other samples had finished: nothing of it is left to step
+            del self._requests[request.request_id]
+            request.metrics.latency_s = time.perf_counter() - request.metrics.arrival_s
+        return True
+
     def prompt_token_ids(self, prompt: Prompt) -> list[int]:
         """The token ids ``add_request`` would queue for ``prompt``, queuing nothing. Reads only
         settings fixed at construction, so any thread may call it. Raises ValueError as add_request."""
@@ -190,7 +208,7 @@ class LLMEngine:
         if self.fetcher is not None:
             self.fetcher.record_prefill(sum(it.num_tokens for it in prefill), time.perf_counter() - t0)
         for it in prefill:
-            it.seq.request.metrics.num_computed_tokens += it.num_tokens
+            it.seq.request.metrics.count_prefill(it.num_tokens)
         for it in items:
             self.scheduler.computed(it)
         seqs, rows = [], []

@@ -6,6 +6,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+# torch.Generator.manual_seed takes [-2**63, 2**64); a negative seed means seed mod 2**64.
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -16,7 +19,8 @@ class SamplingParams:
         temperature: 0 is greedy; otherwise logits are divided by it before sampling.
         top_p: nucleus sampling: keep the smallest set of tokens whose probability reaches it.
         top_k: keep the k most likely tokens (0 or -1: all).
-        seed: seeds this request's generator (sample i of n uses seed + i); None: random.
+        seed: seeds this request's generators, in [SEED_MIN, SEED_MAX]: sample i of n uses
+            (seed + i) mod 2**64; None: random.
         n: independent samples of the prompt; they share the prompt's KV blocks.
         stop_token_ids: more tokens that end a sample (the stop token is kept in the output).
         ignore_eos: keep generating past the model's EOS.
@@ -37,14 +41,17 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens <= 0:
             raise ValueError(f"max_tokens must be a positive int, got {self.max_tokens!r}")
-        if not isinstance(self.temperature, int | float) or self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
-        if not 0 < self.top_p <= 1:
+        if not isinstance(self.temperature, int | float) or not 0 <= self.temperature < float("inf"):
+            raise ValueError(f"temperature must be finite and >= 0, got {self.temperature!r}")
+        if not isinstance(self.top_p, int | float) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or self.top_k < -1:
             raise ValueError(f"top_k must be -1, 0 (all) or a positive int, got {self.top_k!r}")
         if not isinstance(self.n, int) or self.n < 1:
             raise ValueError(f"n must be a positive int, got {self.n!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
+                                      or not SEED_MIN <= self.seed <= SEED_MAX):
+            raise ValueError(f"seed must be an int in [{SEED_MIN}, {SEED_MAX}], got {self.seed!r}")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
 
     @property
@@ -53,10 +60,11 @@ class SamplingParams:
 
 
 def make_generator(params: SamplingParams, index: int) -> torch.Generator | None:
-    """The CPU generator of sample ``index`` of a request (None for greedy or unseeded)."""
+    """The CPU generator of sample ``index`` of a request (None for greedy or unseeded). The
+    seed wraps modulo 2**64, so no ``seed`` SamplingParams accepts overflows for any sample."""
     if params.greedy or params.seed is None:
         return None
-    return torch.Generator().manual_seed(params.seed + index)
+    return torch.Generator().manual_seed((params.seed + index) % (1 << 64))
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:
@@ -69,7 +77,11 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
 
 
 def _sample_row(row: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
-    row = row.float().cpu() / p.temperature
+    # in float64 (a temperature float32 rounds to 0 is not 0 there), shifted so the largest
+    # logit is 0 before scaling: a tiny temperature sends the others to -inf (the argmax is
+    # sampled), never to inf - inf = nan
+    row = row.cpu().double()
+    row = (row - row.max()) / p.temperature
     if p.top_k > 0 and p.top_k < row.shape[0]:
         kth = torch.topk(row, p.top_k).values[-1]
         row = row.masked_fill(row < kth, float("-inf"))

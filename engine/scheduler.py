@@ -154,6 +154,7 @@ class Scheduler:
         self.running.remove(seq)
         self.waiting.appendleft(seq)
         seq.request.metrics.num_preemptions += 1
+        seq.request.first_pass = False
         self.num_preemptions += 1
 
     # ----------------------------------------------------------------------------- admission
@@ -190,7 +191,8 @@ class Scheduler:
         self.blocks.acquire(hits)
         seq.block_table = list(hits)
         seq.num_cached_tokens = len(hits) * self.block_size
-        seq.request.metrics.cached_tokens["device"] += seq.num_cached_tokens
+        if seq.request.first_pass:  # hits of a readmission are its own blocks: no cache hits
+            seq.request.metrics.cached_tokens["device"] += seq.num_cached_tokens
         if tiers:
             assert self.fetcher is not None
             demoted = self.blocks.demote_s
@@ -224,8 +226,9 @@ class Scheduler:
                              seq.token_ids[j * self.block_size : (j + 1) * self.block_size])
         seq.num_cached_tokens += n * self.block_size
         metrics = seq.request.metrics
-        for tier in tiers:  # "remote" appears once a remote tier served a block
-            metrics.cached_tokens[tier] = metrics.cached_tokens.get(tier, 0) + self.block_size
+        if seq.request.first_pass:  # a readmission fetches the request's own blocks back: no cache hits
+            for tier in tiers:  # "remote" appears once a remote tier served a block
+                metrics.cached_tokens[tier] = metrics.cached_tokens.get(tier, 0) + self.block_size
         metrics.loading_s += max(loading.finished_s[0] - loading.started_s, 0.0) if loading.finished_s else 0.0
         metrics.stages["fetch"] += time.perf_counter() - loading.started_s - loading.copy_s
         metrics.stages["device_copy"] += loading.copy_s

@@ -25,9 +25,11 @@ STAGES = ("hash", "lookup", "demote", "fetch", "device_copy", "prefill", "schedu
 
 @dataclass
 class RequestMetrics:
-    """Per request. ``cached_tokens`` counts prompt tokens served from each tier instead of being
-    computed; ``num_computed_tokens`` counts tokens prefilled (recomputation after a preemption
-    or a failed fetch included).
+    """Per request. Each prompt token counts once: in ``cached_tokens`` under the tier that
+    served it at the request's first admission, or in ``num_computed_tokens`` (prefilled; a
+    block a fetch failed to deliver is computed), so the two sum to the prompt once it is
+    prefilled. ``num_recomputed_tokens`` counts the rest of the prefill work: tokens (prompt or
+    generated) computed again after one of the request's sequences was preempted.
 
     ``stages`` splits the time to the first token (seconds, summing to ``ttft_s``): ``hash``
     the prompt's block keys, ``lookup`` the store's prefix lookup, ``demote`` evicting device
@@ -42,11 +44,19 @@ class RequestMetrics:
     latency_s: float | None = None
     num_prompt_tokens: int = 0
     num_computed_tokens: int = 0
+    num_recomputed_tokens: int = 0
     num_generated_tokens: int = 0
     cached_tokens: dict[str, int] = field(default_factory=lambda: {"device": 0, "host": 0, "disk": 0})
     loading_s: float = 0.0
     num_preemptions: int = 0
     stages: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STAGES, 0.0))
+
+    def count_prefill(self, num_tokens: int) -> None:
+        """``num_tokens`` were prefilled: prompt tokens not yet cached or computed, then recompute."""
+        fresh = min(num_tokens, max(0, self.num_prompt_tokens - sum(self.cached_tokens.values())
+                                    - self.num_computed_tokens))
+        self.num_computed_tokens += fresh
+        self.num_recomputed_tokens += num_tokens - fresh
 
 
 @dataclass
@@ -97,7 +107,7 @@ class Sequence:
         self.block_keys: list[bytes] = []
         self.num_cached_tokens = 0
         self.finish_reason: str | None = None
-        self.generator = make_generator(request.params, index)
+        self.generator = request.generators[index]
         self.loading: Any = None  # the fetch in flight while LOADING
 
     @property
@@ -133,8 +143,14 @@ class Request:
         self.params = params
         self.tenant = tenant
         self.metrics = RequestMetrics(num_prompt_tokens=len(prompt_token_ids))
+        # every sample's generator is made here, when the request is added, not when step()
+        # forks the samples: a bad seed fails this request alone
+        self.generators = [make_generator(params, i) for i in range(params.n)]
         self.seqs = [Sequence(self, prompt_token_ids)]
         self.forked = params.n == 1
+        # until a sequence of it is preempted: admission then counts the prompt's cache hits
+        # (later admissions find its own blocks again, which are no cache hits)
+        self.first_pass = True
         self.prompt_logit_chunks: list[torch.Tensor] = []
 
     @property

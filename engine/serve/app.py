@@ -106,11 +106,19 @@ def create_app(state: ServerState) -> FastAPI:
                            "not_found_error", "model", "model_not_found")
 
     def prompt_ids(prompt: str | list[int], param: str) -> list[int]:
-        ids = tok.encode(prompt) if isinstance(prompt, str) else prompt
+        """The ids the engine would run for a prompt (text, or token ids); a 400 naming ``param``."""
         try:
-            return loop.llm.prompt_token_ids(ids)
+            return loop.llm.prompt_token_ids(tok.encode(prompt) if isinstance(prompt, str) else prompt)
         except ValueError as exc:
             raise bad_request(str(exc), param=param) from None
+
+    def chat_ids(req: ChatCompletionRequest | TokenizeRequest) -> list[int]:
+        assert req.messages is not None
+        try:
+            ids = tok.encode_chat([m.as_dict() for m in req.messages])
+        except ValueError as exc:
+            raise bad_request(str(exc), param="messages") from None
+        return prompt_ids(ids, "messages")
 
     async def completions(request: Request) -> Response:
         if state.draining:
@@ -130,11 +138,7 @@ def create_app(state: ServerState) -> FastAPI:
         tenant = tenant_of(request)
         req: ChatCompletionRequest = await _body(request, ChatCompletionRequest)
         check_model(req)
-        try:
-            ids = tok.encode_chat([m.as_dict() for m in req.messages])
-        except ValueError as exc:
-            raise bad_request(str(exc), param="messages") from None
-        return await generate(request, "chat", req, [prompt_ids(ids, "messages")], req.max_new_tokens, tenant)
+        return await generate(request, "chat", req, [chat_ids(req)], req.max_new_tokens, tenant)
 
     app.add_api_route("/v1/completions", counted("completion", completions), methods=["POST"])
     app.add_api_route("/v1/chat/completions", counted("chat", chat), methods=["POST"])
@@ -158,13 +162,10 @@ def create_app(state: ServerState) -> FastAPI:
     async def tokenize(request: Request) -> Response:
         tenant_of(request)
         req: TokenizeRequest = await _body(request, TokenizeRequest)
-        if req.messages is not None:
-            try:
-                return JSONResponse({"tokens": tok.encode_chat([m.as_dict() for m in req.messages])})
-            except ValueError as exc:
-                raise bad_request(str(exc), param="messages") from None
+        if req.messages is not None:  # checked as the completion paths check a prompt
+            return JSONResponse({"tokens": chat_ids(req)})
         assert req.prompt is not None
-        return JSONResponse({"tokens": tok.encode(req.prompt) if isinstance(req.prompt, str) else req.prompt})
+        return JSONResponse({"tokens": prompt_ids(req.prompt, "prompt")})
 
     async def health(_request: Request) -> Response:
         if state.draining:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from kvstore import env
@@ -31,8 +32,9 @@ def run_engine(args: argparse.Namespace) -> int:
             store_token=(args.store_token or env.token()) if args.store else None,
             host_bytes=parse_size(args.host_mem), disk_path=args.disk_path,
             disk_bytes=parse_size(args.disk) if args.disk_path else 0, tokens_file=args.tokens,
-            router_token=args.router_token, kv_events=args.kv_events,
-            kv_events_replay=args.kv_events_replay, remote_url=args.remote, drain_s=args.drain_s, device=args.device,
+            router_token=args.router_token or os.environ.get("KVSTORE_ROUTER_TOKEN") or None,
+            kv_events=args.kv_events, kv_events_replay=args.kv_events_replay, remote_url=args.remote,
+            drain_s=args.drain_s, device=args.device,
             dtype=DTYPES_BY_NAME[args.dtype], kv_cache_bytes=parse_size(args.kv_cache), block_size=args.block_size,
             max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed)
@@ -69,7 +71,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-cache", default="256MiB", help="device KV pool size (default 256MiB)")
     p.add_argument("--tokens", default=None, help="TOML file mapping Bearer tokens to tenants")
     p.add_argument("--router-token", default=None,
-                   help="secret that lets a trusted router name the tenant in X-KVStore-Tenant")
+                   help="secret that lets a trusted router name the tenant in X-KVStore-Tenant "
+                   "(default KVSTORE_ROUTER_TOKEN)")
     p.add_argument("--kv-events", default=None, metavar="ENDPOINT",
                    help="publish KV events on this ZeroMQ endpoint, e.g. tcp://127.0.0.1:5557 (docs/kv-events.md)")
     p.add_argument("--kv-events-replay", default=None, metavar="ENDPOINT",

@@ -25,7 +25,8 @@ class ServeConfig:
             embedded store of ``host_bytes`` RAM (+ ``disk_bytes`` at ``disk_path``).
         store_token: the daemon token (None: KVSTORE_TOKEN).
         tokens_file: TOML mapping Bearer tokens to tenants (the daemon's format, docs/protocol.md).
-        router_token: the secret with which a trusted front may name the tenant in a header.
+        router_token: the secret with which a trusted front may name the tenant in a header
+            (the CLI's default: KVSTORE_ROUTER_TOKEN).
         kv_events: a ZeroMQ endpoint to publish KV events on (None: none); ``kv_events_replay``
             its replay/snapshot socket (None: the next port, "": none). docs/kv-events.md.
         remote_url: a remote tier under the embedded store (docs/remote.md); None: none.
@@ -39,12 +40,12 @@ class ServeConfig:
     port: int = 8000
     served_model_name: str | None = None
     store: str | None = None
-    store_token: str | None = None
+    store_token: str | None = field(default=None, repr=False)
     host_bytes: int = 1 << 30
     disk_path: str | None = None
     disk_bytes: int = 0
     tokens_file: str | None = None
-    router_token: str | None = None
+    router_token: str | None = field(default=None, repr=False)
     kv_events: str | None = None
     kv_events_replay: str | None = None
     remote_url: str | None = field(default=None, repr=False)

@@ -53,10 +53,12 @@ class Generation:
     samples: list[Sample] = field(default_factory=list)
     cached_tokens: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
     num_computed_tokens: int = 0
+    num_recomputed_tokens: int = 0
     closed: bool = False  # the engine request ended (finished, or aborted by the server)
     arrival_s: float = 0.0
     ttft_s: float | None = None
     gaps: list[float] = field(default_factory=list)  # inter-token latencies not yet reported
+    stopped: list[int] = field(default_factory=list)  # samples a stop string ended, the engine not yet
 
     def __post_init__(self) -> None:
         self.samples = [Sample(self.first_index + i) for i in range(self.n)]
@@ -92,6 +94,8 @@ class Generation:
             finish = completion.finish_reason
             cut = self._find_stop(text, len(sample.emitted))
             if cut is not None:
+                if finish is None:
+                    self.stopped.append(completion.index)
                 text, finish = text[:cut], "stop"
             if finish is None:
                 text = text[: self._safe_length(text)]
@@ -104,6 +108,7 @@ class Generation:
             self.closed = self.closed or out.finished
             self.cached_tokens.update(out.metrics.cached_tokens)
             self.num_computed_tokens = out.metrics.num_computed_tokens
+            self.num_recomputed_tokens = out.metrics.num_recomputed_tokens
         return deltas
 
     def _find_stop(self, text: str, emitted: int) -> int | None:

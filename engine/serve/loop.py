@@ -3,7 +3,12 @@ handlers talk to it only through thread-safe queues.
 
   handler --submit(ids, params, tenant, sink)--> queue --> loop: add_request
   handler --abort(request_id)-----------------> queue --> loop: LLMEngine.abort (frees blocks)
+  handler --abort_sample(request_id, index)----> queue --> loop: LLMEngine.abort_sample
   loop: step() -> each RequestOutput -> its request's sink (called on the loop thread)
+
+A step that raises leaves the engine's state suspect: every request then running is aborted
+and its sink gets an ``EngineStepError`` (a server error, never the client's fault), and the
+loop keeps serving. Whatever a request can get wrong is refused before it runs (add_request).
 
 After every step the loop publishes a ``Load`` snapshot (a fresh object: readers on other
 threads never see one half-written), which ``/v1/kvstore/load`` and ``/metrics`` read.
@@ -27,6 +32,10 @@ from engine.sequence import RequestOutput
 log = logging.getLogger("kvstore.engine.serve")
 Sink = Callable[[RequestOutput | BaseException], None]
 IDLE_WAIT_S = 0.5
+
+
+class EngineStepError(RuntimeError):
+    """A step of the engine failed; the requests it ran were aborted (the cause is chained)."""
 
 
 @dataclass(frozen=True)
@@ -79,6 +88,11 @@ class EngineLoop:
         self._inbox.put(("abort", request_id))
         self._wake.set()
 
+    def abort_sample(self, request_id: str, index: int) -> None:
+        """Stop one sample of a request (it hit a stop string; its siblings go on)."""
+        self._inbox.put(("abort_sample", (request_id, index)))
+        self._wake.set()
+
     def stop(self, timeout: float = 30.0) -> None:
         """Abort what is left, stop the thread, close the engine (write-back to the store)."""
         self._inbox.put(("stop", None))
@@ -119,10 +133,18 @@ class EngineLoop:
                 if self._sinks.pop(item, None) is not None:
                     self.llm.abort(item)
                 continue
+            if kind == "abort_sample":
+                if item[0] in self._sinks:
+                    self.llm.abort_sample(*item)
+                continue
             request_id, token_ids, params, tenant, sink = item
             try:
                 self.llm.add_request(token_ids, params, tenant, request_id=request_id)
-            except ValueError as exc:
+            except ValueError as exc:  # the request's fault: its client gets a 400
+                sink(exc)
+                continue
+            except Exception as exc:  # not the request's fault: fail it alone, keep the loop alive
+                log.exception("add_request failed")
                 sink(exc)
                 continue
             self._sinks[request_id] = sink
@@ -132,12 +154,14 @@ class EngineLoop:
             outputs = self.llm.step()
         except Exception as exc:  # the engine's state is suspect: fail what runs, keep serving
             log.exception("engine step failed; aborting %d requests", len(self._sinks))
+            error = EngineStepError(f"the engine failed ({type(exc).__name__}); the request was aborted")
+            error.__cause__ = exc
             for request_id, sink in list(self._sinks.items()):
                 try:
                     self.llm.abort(request_id)
                 except Exception:
                     log.exception("abort after a failed step")
-                sink(exc)
+                sink(error)
             self._sinks.clear()
             return
         self.num_steps += 1

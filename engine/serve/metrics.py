@@ -1,10 +1,10 @@
 """``/metrics``: the server's Prometheus metrics, in a private registry (no global state).
 
 Counted by the HTTP side as requests end: requests by endpoint and status, time to first
-token, inter-token latency, prompt / cached (by tier) / computed / generated tokens. Read from
-the engine loop's last ``Load`` at scrape time: sequences running / waiting / loading, device
-KV usage, blocks fetched from lower tiers and fetched blocks that fell back to recompute;
-with ``--kv-events``, the publisher's ``kvstore_kv_events_*`` counters.
+token, inter-token latency, prompt / cached (by tier) / computed / recomputed / generated
+tokens. Read from the engine loop's last ``Load`` at scrape time: sequences running / waiting /
+loading, device KV usage, blocks fetched from lower tiers and fetched blocks that fell back to
+recompute; with ``--kv-events``, the publisher's ``kvstore_kv_events_*`` counters.
 """
 
 from __future__ import annotations
@@ -65,6 +65,8 @@ class ServerMetrics:
         self.cached_tokens = Counter(f"{PREFIX}_cached_prompt_tokens", "Prompt tokens served from a tier's cache",
                                      ["tier"], registry=r)
         self.computed_tokens = Counter(f"{PREFIX}_computed_prompt_tokens", "Prompt tokens prefilled", registry=r)
+        self.recomputed_tokens = Counter(f"{PREFIX}_recomputed_tokens",
+                                         "Tokens prefilled again after a preemption", registry=r)
         self.generation_tokens = Counter(f"{PREFIX}_generation_tokens", "Tokens generated", registry=r)
         for tier in TIERS:
             self.cached_tokens.labels(tier)
@@ -78,6 +80,7 @@ class ServerMetrics:
         for tier in TIERS:
             self.cached_tokens.labels(tier).inc(gen.cached_tokens.get(tier, 0))
         self.computed_tokens.inc(gen.num_computed_tokens)
+        self.recomputed_tokens.inc(gen.num_recomputed_tokens)
         self.generation_tokens.inc(gen.num_completion_tokens)
 
     def render(self) -> bytes:

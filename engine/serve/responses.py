@@ -17,13 +17,15 @@ def sse(obj: dict[str, Any]) -> bytes:
 
 
 def usage(gens: list[Generation]) -> dict[str, Any]:
-    """OpenAI's usage plus ``kvstore``: cached prompt tokens by tier, and prompt tokens computed."""
+    """OpenAI's usage plus ``kvstore``: cached prompt tokens by tier, prompt tokens computed (the
+    two sum to ``prompt_tokens``), and tokens recomputed after preemptions."""
     prompt = sum(g.num_prompt_tokens for g in gens)
     completion = sum(g.num_completion_tokens for g in gens)
     by_tier = {tier: sum(g.cached_tokens.get(tier, 0) for g in gens) for tier in TIERS}
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": sum(by_tier.values())},
-            "kvstore": {"cached_tokens": by_tier, "computed_tokens": sum(g.num_computed_tokens for g in gens)}}
+            "kvstore": {"cached_tokens": by_tier, "computed_tokens": sum(g.num_computed_tokens for g in gens),
+                        "recomputed_tokens": sum(g.num_recomputed_tokens for g in gens)}}
 
 
 class Shapes:

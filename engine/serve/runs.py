@@ -4,7 +4,7 @@ Each prompt becomes one engine request on the EngineLoop. Its outputs come back 
 asyncio queue (the loop thread calls ``call_soon_threadsafe``); each becomes deltas
 (engine/serve/generation.py), streamed as SSE (``stream``) or gathered into one body
 (``whole``). A client that goes away, or a prompt whose samples all hit stop strings, is
-aborted in the engine at once, so its blocks are freed.
+aborted in the engine at once, so its blocks are freed; so is each sample that hits one.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from engine.sampling import SamplingParams
 from engine.sequence import RequestOutput
 from engine.serve.errors import APIError, bad_request
 from engine.serve.generation import Generation
+from engine.serve.loop import EngineStepError
 from engine.serve.responses import DONE, Shapes, sse
 from engine.serve.schema import SamplingFields
 from engine.serve.state import ServerState
@@ -72,6 +73,10 @@ class Run:
             for gap in gen.gaps:
                 metrics.itl.observe(gap)
             gen.gaps.clear()
+            if not gen.done:
+                for index in gen.stopped:  # a sample hit a stop string: free it, its siblings go on
+                    loop.abort_sample(gen.request_id, index)
+            gen.stopped.clear()
             if gen.done:
                 if not gen.closed:  # every sample hit a stop string: free the engine now
                     loop.abort(gen.request_id)
@@ -101,6 +106,9 @@ class Run:
                 async for d in self.deltas():
                     for chunk in self.shapes.chunks(d):
                         yield chunk
+            except EngineStepError as exc:  # logged by the loop
+                status = 500
+                yield sse(APIError(500, str(exc), "server_error").body())
             except ValueError as exc:
                 status = 400
                 yield sse(bad_request(str(exc)).body())
@@ -138,6 +146,8 @@ class Run:
                     await consumer
                 return Response(status_code=499)
             consumer.result()
+        except EngineStepError as exc:
+            raise APIError(500, str(exc), "server_error") from None
         except ValueError as exc:
             raise bad_request(str(exc)) from None
         finally:

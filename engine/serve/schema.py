@@ -2,6 +2,7 @@
 
 Fields the engine does not use (``user``, ``logprobs`` off, ...) are accepted and ignored, as
 OpenAI clients send them; a field of the wrong type or out of range is a 400 naming the field.
+``null`` is every optional field's default, as in OpenAI's API (``"temperature": null`` is 1.0).
 kvstore extensions (vLLM's names): ``ignore_eos``, ``top_k``.
 """
 
@@ -21,31 +22,53 @@ from pydantic import (
     model_validator,
 )
 
+from engine.sampling import SEED_MAX, SEED_MIN
+
 UNSUPPORTED = ("echo", "suffix", "logprobs", "top_logprobs", "tools", "response_format", "logit_bias")
 TokenIds = list[StrictInt]
 Prompt = StrictStr | TokenIds | list[StrictStr] | list[TokenIds]
 
 
-class StreamOptions(BaseModel):
+class Body(BaseModel):
+    """A JSON object of the API: unknown fields are ignored, and ``null`` means the default."""
+
     model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_are_defaults(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            fields = cls.model_fields
+            return {k: v for k, v in data.items()
+                    if v is not None or k not in fields or fields[k].is_required() or fields[k].default is None}
+        return data
+
+
+class StreamOptions(Body):
     include_usage: StrictBool = False
 
 
-class SamplingFields(BaseModel):
+class SamplingFields(Body):
     """What completions and chat share."""
-
-    model_config = ConfigDict(extra="ignore")
 
     model: StrictStr | None = None
     temperature: StrictFloat = Field(1.0, ge=0.0, le=2.0)
     top_p: StrictFloat = Field(1.0, gt=0.0, le=1.0)
     top_k: StrictInt = Field(0, ge=-1)
     n: StrictInt = Field(1, ge=1, le=64)
-    seed: StrictInt | None = None
+    seed: StrictInt | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     stop: StrictStr | list[StrictStr] | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     ignore_eos: StrictBool = False
+    # refused unless off (null, false, 0, empty), each a 400 naming itself
+    echo: Any = None
+    suffix: Any = None
+    logprobs: Any = None
+    top_logprobs: Any = None
+    tools: Any = None
+    response_format: Any = None
+    logit_bias: Any = None
 
     @field_validator("stop")
     @classmethod
@@ -55,14 +78,12 @@ class SamplingFields(BaseModel):
             raise ValueError("stop strings must not be empty")
         return value
 
-    @model_validator(mode="before")
+    @field_validator(*UNSUPPORTED)
     @classmethod
-    def _unsupported(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            for name in UNSUPPORTED:
-                if data.get(name) not in (None, False, 0):
-                    raise ValueError(f"{name} is not supported by kvstore engine")
-        return data
+    def _unsupported(cls, value: Any) -> Any:
+        if value:
+            raise ValueError("not supported by kvstore engine")
+        return value
 
     @property
     def stop_strings(self) -> list[str]:
@@ -75,7 +96,7 @@ class SamplingFields(BaseModel):
 
 class CompletionRequest(SamplingFields):
     prompt: Prompt
-    max_tokens: StrictInt | None = Field(16, gt=0)
+    max_tokens: StrictInt = Field(16, gt=0)
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt as a list of prompts (a string, a token list, or a list of those)."""
@@ -87,14 +108,12 @@ class CompletionRequest(SamplingFields):
         return [p]  # type: ignore[list-item]
 
 
-class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class ContentPart(Body):
     type: Literal["text"]
     text: StrictStr
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class ChatMessage(Body):
     role: StrictStr
     content: StrictStr | list[ContentPart] | None = None
     name: StrictStr | None = None
@@ -119,10 +138,9 @@ class ChatCompletionRequest(SamplingFields):
         return self.max_completion_tokens or self.max_tokens
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(Body):
     """``/v1/kvstore/tokenize``: exactly one of ``prompt`` (one prompt) or ``messages``."""
 
-    model_config = ConfigDict(extra="ignore")
     prompt: StrictStr | TokenIds | None = None
     messages: list[ChatMessage] | None = None
 

@@ -33,6 +33,11 @@ class ServeTokenizer:
     eos_token: str | None = None
 
     def encode(self, text: str) -> list[int]:
+        """The token ids of ``text``.
+
+        Raises:
+            ValueError: ``text`` is not valid Unicode (a lone surrogate, which JSON can carry).
+        """
         raise NotImplementedError
 
     def decode(self, token_ids: Sequence[int]) -> str:
@@ -56,7 +61,7 @@ class ByteTokenizer(ServeTokenizer):
     kind = "bytes"
 
     def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
+        return list(utf8(text))
 
     def decode(self, token_ids: Sequence[int]) -> str:
         return bytes(t for t in token_ids if 0 <= t < 256).decode("utf-8", "replace")
@@ -86,9 +91,11 @@ class HFTokenizer(ServeTokenizer):
         self.eos_token = _token_text(config.get("eos_token"))
 
     def encode(self, text: str) -> list[int]:
+        utf8(text)
         return list(self.tokenizer.encode(text).ids)
 
     def encode_rendered(self, text: str) -> list[int]:
+        utf8(text)
         return list(self.tokenizer.encode(text, add_special_tokens=self.chat_template is None).ids)
 
     def decode(self, token_ids: Sequence[int]) -> str:
@@ -97,6 +104,15 @@ class HFTokenizer(ServeTokenizer):
     def info(self) -> dict[str, Any]:
         return {"kind": "hf", "path": str(self.path), "chat_template": self.chat_template,
                 "bos_token": self.bos_token, "eos_token": self.eos_token}
+
+
+def utf8(text: str) -> bytes:
+    """``text`` as UTF-8; ValueError naming the first lone surrogate (a JSON ``"\\ud800"``)."""
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"the text is not valid Unicode: a lone surrogate U+{ord(text[exc.start]):04X} "
+                         f"at character {exc.start}") from None
 
 
 def _token_text(value: Any) -> str | None:

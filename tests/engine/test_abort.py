@@ -83,3 +83,39 @@ def test_aborted_prefix_stays_cached() -> None:
     out = llm.generate([prompt], GREEDY)[0]
     assert out.metrics.cached_tokens["device"] == (len(prompt) - 1) // 4 * 4
     llm.close()
+
+
+def test_abort_sample_frees_one_sample_and_leaves_its_siblings_alone() -> None:
+    params = SamplingParams(max_tokens=12, temperature=1.0, seed=3, n=3, ignore_eos=True)
+    prompt = list(range(10, 30))
+    alone = engine()
+    expect = alone.generate([prompt], params)[0].outputs
+    alone.close()
+    assert len({tuple(c.token_ids) for c in expect}) == 3  # seeded samples that differ
+    llm = engine()
+    total = free_blocks(llm)
+    rid = llm.add_request(prompt, params)
+    assert not llm.abort_sample(rid, 0) and not llm.abort_sample(rid, 1)  # not forked yet: abort() it
+    for _ in range(4):  # the prefill (and every sample's first token), then 3 decode steps
+        llm.step()
+    held = free_blocks(llm)
+    assert llm.abort_sample(rid, 1)
+    assert not llm.abort_sample(rid, 1) and not llm.abort_sample(rid, 7) and not llm.abort_sample("nope", 0)
+    assert free_blocks(llm) > held  # its own decode block went back
+    llm.check_integrity()
+    final = None
+    while llm.has_unfinished_requests():
+        for out in llm.step():
+            final = out
+        llm.check_integrity()
+    assert final is not None and final.finished
+    got = final.outputs
+    assert [got[i].token_ids for i in (0, 2)] == [expect[i].token_ids for i in (0, 2)]
+    assert got[1].token_ids == expect[1].token_ids[:4] and got[1].finish_reason == "abort"
+    # aborting every sample ends the request
+    rid = llm.add_request(prompt, params)
+    llm.step()
+    assert all(llm.abort_sample(rid, i) for i in range(3))
+    assert not llm.has_unfinished_requests() and not llm.abort(rid)
+    assert free_blocks(llm) == total and llm.block_manager.stats()["num_in_use"] == 0
+    llm.close()

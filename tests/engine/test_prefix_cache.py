@@ -212,6 +212,25 @@ def test_preemption_keeps_output(llama_dir: Path, expected: list[list[int]]) -> 
         llm.close()
 
 
+def test_preempted_samples_count_each_prompt_token_once(llama_dir: Path) -> None:
+    # 8 samples of a 40-token prompt growing by 20 in a 16-block pool (no host tier) preempt
+    # each other; a readmission finds the request's own blocks again (no cache hits) or
+    # recomputes what was evicted (recomputed, not computed: the prompt was computed once).
+    prompt = list(range(3, 43))
+    llm = make_engine(llama_dir, kv_cache_bytes=16 * 2048, host_bytes=0)
+    try:
+        llm.generate([prompt], GREEDY)  # its 9 full blocks are now device hits
+        out = llm.generate([prompt], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, n=8))[0]
+        m = out.metrics
+        assert m.num_preemptions > 0 and m.num_generated_tokens == 8 * 20
+        assert m.cached_tokens == {"device": 4 * full_blocks(prompt), "host": 0, "disk": 0}
+        assert m.num_computed_tokens == len(prompt) - 4 * full_blocks(prompt)
+        assert m.num_recomputed_tokens > 0
+        llm.check_integrity()
+    finally:
+        llm.close()
+
+
 @pytest.mark.timeout(180)
 def test_prefills_stalled_on_a_full_pool_preempt_instead_of_waiting_forever(llama_dir: Path, tmp_path: Path) -> None:
     # Three conversations growing 10 tokens a turn over a 16-block pool: by the fourth turn

@@ -1,8 +1,10 @@
 """Real ``kvstore engine`` processes for the server tests: started on a free port, ready when
-/health answers, stopped by SIGTERM (or killed)."""
+/health answers, stopped by SIGTERM (or killed). ``InProcessServer``: the same app on a real
+uvicorn server in a thread of the test, for tests that need to reach the engine it serves."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -112,3 +114,39 @@ def reference_engine() -> Any:
 
     return LLMEngine(None, random_model=TINY, seed=3, block_size=BLOCK, max_model_len=MAX_MODEL_LEN,
                      kv_cache_bytes=4 << 20, host_bytes=0, dtype=torch.float32)
+
+
+class InProcessServer:
+    """``kvstore engine --random-model`` (the tests' model, seed and block size) built as the
+    process builds it, served by uvicorn on a free loopback port from a thread; ``llm`` is the
+    engine it serves. ``kv_cache_bytes`` sizes the device pool (small: preemption)."""
+
+    def __init__(self, kv_cache_bytes: int = 4 << 20) -> None:
+        from engine.serve.app import create_app
+        from engine.serve.config import ServeConfig
+        from engine.serve.server import build_state
+        from kvstore.http_serving import bind, uvicorn_server, where
+
+        config = ServeConfig(random_config=TINY, port=0, host_bytes=8 << 20, kv_cache_bytes=kv_cache_bytes,
+                             block_size=BLOCK, max_model_len=MAX_MODEL_LEN, seed=3)
+        self.state = build_state(config)
+        self.llm = self.state.loop.llm
+        sock = bind("127.0.0.1", 0)
+        self.url = f"http://{where(sock)}"
+        self.server = uvicorn_server(create_app(self.state))
+        self.thread = threading.Thread(target=lambda: asyncio.run(self.server.serve(sockets=[sock])), daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < deadline and self.thread.is_alive(), "uvicorn did not start"
+            time.sleep(0.01)
+
+    def client(self) -> Any:
+        import openai
+
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+        self.state.loop.stop()

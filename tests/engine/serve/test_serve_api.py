@@ -1,7 +1,8 @@
 """``kvstore engine --random-model`` as a real process on a real port, driven with the official
 ``openai`` client (and httpx for raw checks): completions and chat, whole and streamed, n > 1,
 stop strings, concurrent clients, greedy parity with LLMEngine.generate, cached tokens of a
-second turn, disconnects, bad requests, the router endpoints and /metrics."""
+second turn, disconnects, bad requests (one never hurts another), null fields, the router
+endpoints and /metrics."""
 
 from __future__ import annotations
 
@@ -139,6 +140,41 @@ def test_stop_strings(server: EngineServer) -> None:
     server.wait_idle()  # the stopped request was aborted in the engine, not run to max_tokens
 
 
+def test_a_sample_that_hits_a_stop_string_is_freed_while_its_sibling_runs(server: EngineServer) -> None:
+    server.wait_idle()
+    body: dict[str, Any] = {"prompt": PROMPT + " samples", "max_tokens": 400, "temperature": 1.0, "seed": 7, "n": 2,
+                            "ignore_eos": True}
+    first, second = (c["text"] for c in httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+                     .json()["choices"])
+    stop = next(first[i : i + 3] for i in range(len(first) - 3)
+                if "\ufffd" not in first[i : i + 3] and first[i : i + 3] not in second)
+    assert first.find(stop) < 100  # sample 0 stops early; sample 1 has hundreds of tokens to go
+    texts = {0: "", 1: ""}
+    stopped, finished = threading.Event(), threading.Event()
+
+    def stream() -> None:
+        with httpx.stream("POST", f"{server.url}/v1/completions", json={**body, "stop": stop, "stream": True},
+                          timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    (choice,) = json.loads(line.removeprefix("data: "))["choices"]
+                    texts[choice["index"]] += choice["text"]
+                    if choice["finish_reason"] is not None:
+                        (stopped if choice["index"] == 0 else finished).set()
+
+    t = threading.Thread(target=stream)
+    t.start()
+    assert stopped.wait(30)
+    running = [server.load()["running"]]
+    while running[-1] != 1 and not finished.is_set():
+        time.sleep(0.01)
+        running.append(server.load()["running"])
+    freed_early = not finished.is_set()
+    t.join(60)
+    assert freed_early, f"sample 0 stopped, yet the engine ran both samples until the end: {running}"
+    assert texts[0] == first[: first.find(stop)] and finished.is_set()
+
+
 def test_concurrent_clients(server: EngineServer) -> None:
     prompts = [f"client {i} asks something" for i in range(8)]
     alone = [greedy(server.client(), p, max_tokens=8).choices[0].text for p in prompts]
@@ -198,7 +234,10 @@ BAD = [
     ({"prompt": 42}, 400, "prompt"),
     ({"prompt": "hi", "n": 0}, 400, "n"),
     ({"prompt": "hi", "stop": [""]}, 400, "stop"),
-    ({"prompt": "hi", "echo": True}, 400, None),
+    ({"prompt": "hi", "echo": True}, 400, "echo"),
+    ({"prompt": "hi", "logprobs": 1}, 400, "logprobs"),
+    ({"prompt": "hi", "seed": 2**64}, 400, "seed"),
+    ({"prompt": "hi", "seed": -(2**63) - 1}, 400, "seed"),
     ({"prompt": "hi", "model": "gpt-4"}, 404, "model"),
     ({}, 400, "prompt"),
 ]
@@ -223,11 +262,93 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server: Eng
     assert greedy(server.client(), "still serving", max_tokens=3).usage.completion_tokens == 3
 
 
+def test_invalid_unicode_is_a_400_naming_the_param(server: EngineServer) -> None:
+    # JSON can carry a lone surrogate ("\\ud800"), which no tokenizer can encode
+    for path, raw, param in (
+        ("/v1/completions", b'{"prompt": "a\\ud800", "max_tokens": 2}', "prompt"),
+        ("/v1/completions", b'{"prompt": ["ok", "\\udfff"], "max_tokens": 2}', "prompt"),
+        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\ud800"}]}', "messages"),
+        ("/v1/kvstore/tokenize", b'{"prompt": "\\ud800"}', "prompt"),
+        ("/v1/kvstore/tokenize", b'{"messages": [{"role": "user", "content": "\\ud800"}]}', "messages"),
+    ):
+        r = httpx.post(f"{server.url}{path}", content=raw, headers={"content-type": "application/json"})
+        assert r.status_code == 400, (path, raw, r.text)
+        error = r.json()["error"]
+        assert error["type"] == "invalid_request_error" and error["param"] == param, error
+        assert "lone surrogate U+D" in error["message"], error
+    assert "Traceback" not in server.output
+
+
+def test_null_means_the_default(server: EngineServer) -> None:
+    client = server.client()
+    chat = client.chat.completions.create(model="random", messages=[{"role": "user", "content": "hi"}],
+                                          max_tokens=4, temperature=None, top_p=None, n=None, stream=None,
+                                          stop=None, seed=None, presence_penalty=None, frequency_penalty=None,
+                                          user=None, stream_options=None, logprobs=None)
+    assert len(chat.choices) == 1 and chat.usage.completion_tokens <= 4
+    nulls = dict.fromkeys(("temperature", "top_p", "n", "stream", "stop", "seed", "presence_penalty",
+                           "frequency_penalty", "user", "stream_options", "model", "top_k", "ignore_eos",
+                           "echo", "logprobs", "suffix", "logit_bias"))
+    body = {"prompt": PROMPT, "seed": 5}
+    with_nulls = httpx.post(f"{server.url}/v1/completions", json={**nulls, **body, "max_tokens": None}).json()
+    defaults = httpx.post(f"{server.url}/v1/completions", json={**body, "max_tokens": 16, "temperature": 1.0,
+                                                                 "top_p": 1.0, "n": 1}).json()
+    assert [c["text"] for c in with_nulls["choices"]] == [c["text"] for c in defaults["choices"]]
+    assert with_nulls["usage"] == defaults["usage"]  # max_tokens null is completions' 16 (or an EOS before)
+    streamed = httpx.post(f"{server.url}/v1/completions",
+                          json={"prompt": "hi", "max_tokens": 2, "stream": True,
+                                "stream_options": {"include_usage": None}})
+    assert streamed.text.endswith("data: [DONE]\n\n") and '"usage":null' not in streamed.text
+
+
+def test_an_out_of_range_seed_is_refused_and_hurts_no_one(server: EngineServer) -> None:
+    """Sample i of n draws from seed + i modulo 2**64, so no accepted seed overflows inside a
+    step (which would abort every request then running); a seed torch cannot take is a 400."""
+    events: list[str] = []
+    first = threading.Event()
+
+    def victim() -> None:
+        body = {"prompt": PROMPT + " victim", "max_tokens": 250, "temperature": 0, "ignore_eos": True,
+                "stream": True, "stream_options": {"include_usage": True}}
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line:
+                    events.append(line)
+                    first.set()
+
+    t = threading.Thread(target=victim)
+    t.start()
+    assert first.wait(30)
+    client = server.client()
+    top = client.completions.create(model="random", prompt=PROMPT, max_tokens=8, seed=2**64 - 1, n=2,
+                                    extra_body={"ignore_eos": True})
+    assert [c.index for c in top.choices] == [0, 1]
+    for seed in (2**64, -(2**63) - 1):
+        r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "hi", "max_tokens": 3, "seed": seed, "n": 2})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "seed", r.text
+    tiny = httpx.post(f"{server.url}/v1/completions", json={"prompt": "hi", "max_tokens": 3, "temperature": 1e-300,
+                                                                    "ignore_eos": True})
+    assert tiny.status_code == 200, tiny.text  # the argmax, never nan probabilities inside a step
+    t.join(60)
+    assert not any('"error"' in e for e in events), events[-2:]
+    usage = json.loads(events[-2].removeprefix("data: "))["usage"]
+    assert usage["completion_tokens"] == 250 and events[-1] == "data: [DONE]"
+    # the seed wraps: sample 1 of seed 2**64 - 1 is sample 0 of seed 0
+    zero = client.completions.create(model="random", prompt=PROMPT, max_tokens=8, seed=0,
+                                     extra_body={"ignore_eos": True})
+    assert top.choices[1].text == zero.choices[0].text
+    assert tiny.json()["choices"][0]["text"] == greedy(client, "hi", max_tokens=3).choices[0].text
+
+
 def test_tokenize_and_load_endpoints(server: EngineServer) -> None:
     r = httpx.post(f"{server.url}/v1/kvstore/tokenize", json={"prompt": "héllo"})
     assert r.json() == {"tokens": list("héllo".encode())}
     assert httpx.post(f"{server.url}/v1/kvstore/tokenize", json={"prompt": [3, 4]}).json() == {"tokens": [3, 4]}
     assert httpx.post(f"{server.url}/v1/kvstore/tokenize", json={}).status_code == 400
+    # the ids the engine would run, so ids it would refuse are refused as completions refuse them
+    for body in ({"prompt": [99999, -5]}, {"prompt": []}, {"prompt": ""}, {"prompt": "x" * (MAX_MODEL_LEN + 1)}):
+        r = httpx.post(f"{server.url}/v1/kvstore/tokenize", json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", (body, r.text)
     load = server.wait_idle()
     assert set(load) == {"running", "waiting", "loading", "queued_prefill_tokens", "running_decode_seqs",
                          "kv_usage", "num_free_blocks"}

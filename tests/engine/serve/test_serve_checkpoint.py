@@ -78,3 +78,13 @@ def test_text_prompts_get_the_tokenizers_bos(server: EngineServer, checkpoint: t
     assert tokens == [1, *checkpoint[1].encode("w7 w8 w9", add_special_tokens=False).ids]
     r = server.client().completions.create(model="tiny-chat", prompt="w7 w8 w9", max_tokens=3)
     assert r.usage.prompt_tokens == 4
+
+
+def test_a_lone_surrogate_is_a_400_not_a_tokenizer_crash(server: EngineServer) -> None:
+    for path, raw, param in (("/v1/completions", b'{"prompt": "w1 \\ud800"}', "prompt"),
+                             ("/v1/kvstore/tokenize", b'{"prompt": "\\udfff"}', "prompt"),
+                             ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\ud800"}]}',
+                              "messages")):
+        r = httpx.post(f"{server.url}{path}", content=raw, headers={"content-type": "application/json"})
+        assert r.status_code == 400, (path, r.text)
+        assert r.json()["error"]["param"] == param and "lone surrogate" in r.json()["error"]["message"]

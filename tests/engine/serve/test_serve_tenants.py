@@ -1,9 +1,12 @@
-"""Tenants of ``kvstore engine --tokens FILE --router-token SECRET``: a Bearer token names the
-tenant, the tenant salts the keys, so tenants never see each other's cached tokens; a router
-names the tenant in X-KVStore-Tenant only with the router token; off loopback needs tokens."""
+"""Tenants of ``kvstore engine --tokens FILE --router-token SECRET`` (here the secret comes from
+KVSTORE_ROUTER_TOKEN, off the command line): a Bearer token names the tenant, the tenant salts
+the keys, so tenants never see each other's cached tokens; a router names the tenant in
+X-KVStore-Tenant only with the router token; off loopback needs tokens; secrets stay out of
+logs, errors, metrics and the config's repr."""
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -13,6 +16,8 @@ from typing import Any
 import httpx
 import openai
 import pytest
+
+from engine.serve.config import ServeConfig
 
 from serve_helpers import BLOCK, ROOT, EngineServer
 
@@ -25,7 +30,7 @@ def server(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped
     tokens = tmp_path_factory.mktemp("tenants") / "tokens.toml"
     tokens.write_text('[[tenant]]\nname = "acme"\ntokens = ["tok-acme"]\n\n'
                       '[[tenant]]\nname = "globex"\ntokens = ["tok-globex", "tok-globex-2"]\n')
-    srv = EngineServer("--tokens", str(tokens), "--router-token", ROUTER)
+    srv = EngineServer("--tokens", str(tokens), env={"KVSTORE_ROUTER_TOKEN": ROUTER})
     yield srv
     srv.kill()
 
@@ -69,9 +74,18 @@ def test_bad_tokens_get_401_and_secrets_stay_out(server: EngineServer) -> None:
     assert ROUTER not in metrics and "tok-acme" not in metrics and ROUTER not in server.output
 
 
+def test_secrets_stay_out_of_the_config_repr() -> None:
+    config = ServeConfig(store="unix:///tmp/kvstore.sock", store_token="store-secret-42", router_token=ROUTER,
+                         remote_url="redis://:pw-secret@127.0.0.1:6379")
+    assert config.router_token == ROUTER
+    text = repr(config)
+    assert "store-secret-42" not in text and ROUTER not in text and "pw-secret" not in text
+
+
 def test_off_loopback_without_tokens_is_refused(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "KVSTORE_ROUTER_TOKEN"}  # a token would let it bind
     proc = subprocess.run([sys.executable, "-m", "kvstore.cli", "engine", "--random-model", "--host", "0.0.0.0"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+                          cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 2 and "off loopback" in proc.stderr
 
 
