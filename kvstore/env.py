@@ -18,6 +18,12 @@ def token() -> str | None:
     return os.environ.get("KVSTORE_TOKEN") or None
 
 
+def router_token() -> str | None:
+    """``KVSTORE_ROUTER_TOKEN``: the secret a router and its replicas share (``--router-token``),
+    kept off the command line."""
+    return os.environ.get("KVSTORE_ROUTER_TOKEN") or None
+
+
 def shm_disabled() -> bool:
     """``KVSTORE_NO_SHM=1``: clients never use the daemon's shared-memory path."""
     return os.environ.get("KVSTORE_NO_SHM", "").strip() not in ("", "0")

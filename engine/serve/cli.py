@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 from kvstore import env
+from kvstore.argtypes import port
 from kvstore.errors import ConfigError
 
 
@@ -32,7 +32,7 @@ def run_engine(args: argparse.Namespace) -> int:
             store_token=(args.store_token or env.token()) if args.store else None,
             host_bytes=parse_size(args.host_mem), disk_path=args.disk_path,
             disk_bytes=parse_size(args.disk) if args.disk_path else 0, tokens_file=args.tokens,
-            router_token=args.router_token or os.environ.get("KVSTORE_ROUTER_TOKEN") or None,
+            router_token=args.router_token or env.router_token(),
             kv_events=args.kv_events, kv_events_replay=args.kv_events_replay, remote_url=args.remote,
             drain_s=args.drain_s, device=args.device,
             dtype=DTYPES_BY_NAME[args.dtype], kv_cache_bytes=parse_size(args.kv_cache), block_size=args.block_size,
@@ -62,7 +62,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="the model name clients use (default: the directory name, or 'random')")
     p.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1; off loopback needs "
                    "--tokens or --router-token)")
-    p.add_argument("--port", type=int, default=8000, help="listen port (default 8000; 0: any free port)")
+    p.add_argument("--port", type=port, default=8000, help="listen port (default 8000; 0: any free port)")
     p.add_argument("--store", default=None, help="a kvstore daemon as the host/disk tiers: unix:///path or tcp://h:p")
     p.add_argument("--store-token", default=None, help="the daemon token (default KVSTORE_TOKEN)")
     p.add_argument("--host-mem", default="1GiB", help="embedded store's host RAM tier (default 1GiB; 0: none)")

@@ -116,7 +116,10 @@ class RouteState:
             if not isinstance(prompt, str):
                 return []
             if self.recipe.tokenizer_kind == "bytes":
-                return list(prompt.encode("utf-8"))
+                try:
+                    return list(prompt.encode("utf-8"))
+                except UnicodeEncodeError:  # a lone surrogate: no text the replica can run
+                    return []
             request: dict[str, Any] = {"prompt": prompt}
         else:
             if not isinstance(body.get("messages"), list):

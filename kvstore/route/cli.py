@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
+from kvstore import env
 from kvstore.argtypes import port
 from kvstore.errors import ConfigError
 from kvstore.routing.config import POLICIES
@@ -20,7 +20,7 @@ def run_route(args: argparse.Namespace) -> int:
         routing = RouterConfig(policy=args.policy, gate_min_requests=args.gate_min_requests,
                                pending_ttl_s=args.pending_ttl, shared_remote=args.shared_remote)
         config = RouteConfig(tuple(args.replica or ()), host=args.host, port=args.port, tokens_file=args.tokens,
-                             router_token=args.router_token or os.environ.get("KVSTORE_ROUTER_TOKEN") or None,
+                             router_token=args.router_token or env.router_token(),
                              routing=routing, health_interval_s=args.health_interval, dead_after_s=args.dead_after,
                              drain_s=args.drain_s)
         return serve(config)

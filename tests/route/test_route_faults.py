@@ -134,6 +134,17 @@ def test_bad_token_ids_are_routed_without_a_prefix_and_answered_by_the_replica(
         assert router.close() == 0
 
 
+def test_a_prompt_no_tokenizer_can_encode_is_routed_without_a_prefix(fake: FakeReplica) -> None:
+    fake.answer = completion(status=400)  # the engine: "prompt: a lone surrogate U+D800 ..."
+    router = start_router([fake])
+    try:
+        response = httpx.post(f"{router.url}/v1/completions", content=b'{"prompt": "\\ud800"}',
+                              headers={"content-type": "application/json"}, timeout=5)
+        assert response.status_code == 400 and fake.bodies == [{"prompt": "\ud800"}]
+    finally:
+        assert router.close() == 0
+
+
 @pytest.mark.parametrize("reply", [Response(b"<html>bad gateway</html>", media_type="text/html"),
                                    JSONResponse({"tokens": ["a", 1]}), JSONResponse({"tokens": [-3, 4]}),
                                    JSONResponse({"tokens": [2**32]}), JSONResponse([1, 2]),
