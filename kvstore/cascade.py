@@ -12,6 +12,10 @@ block no level holds any more is forgotten (and remembered as seen once, for "se
 admission). Promotion: the read path reserves host slots, copies lower-level blocks into
 them outside the lock, and publishes the good copies on host.
 
+A block being read (``readers > 0``) is never evicted or deleted, and the slot a reader took
+is never reused before its last reader is done, even when a put replaces that copy meanwhile
+(``discard_copy`` retires the slot; ``end_read`` frees it).
+
 Below the indexed levels sit the shared ones (``shared``, the remote tier): asked, never
 indexed (kvstore/levels/shared.py). Blocks that leave the last local level are offered to
 the shared levels that take demotions, before their local copy is dropped.
@@ -31,7 +35,7 @@ from typing import cast
 
 import torch
 
-from kvstore.errors import CapacityError, KVStoreError
+from kvstore.errors import CapacityError, KVStoreError, TierError
 from kvstore.eviction import EvictionPolicy
 from kvstore.index import BlockEntry, BlockIndex
 from kvstore.levels.base import Level
@@ -56,10 +60,18 @@ class Cascade:
         self.index = BlockIndex(tuple(level.name for level in levels))
         self.listeners = Listeners()
         self.reserved_host = 0  # host slots handed out for promotions or leases, not yet published
+        # Host slots of copies replaced while being read (see discard_copy), by id(entry):
+        # neither free nor any entry's slot, freed when the entry's last reader is done.
+        self._retired: dict[int, tuple[BlockEntry, list[int]]] = {}
         self._seen_once: OrderedDict[bytes, None] = OrderedDict()
         self.closed = False
-        for level in levels[1:]:
-            self._recover(level)
+        try:
+            for level in levels[1:]:
+                self._recover(level)
+        except BaseException:  # a refused directory: its lock and files are let go
+            for level in reversed(levels):
+                level.close()
+            raise
 
     def check_open(self) -> None:
         if self.closed:
@@ -114,8 +126,17 @@ class Cascade:
             self._seen_once.popitem(last=False)
 
     def forget_if_unheld(self, entry: BlockEntry) -> None:
-        if entry.readers == 0 and not entry.is_held and entry.key in self.index.entries:
+        if entry.readers == 0 and not entry.is_held and self.index.entries.get(entry.key) is entry:
             self.forget(entry)
+
+    def end_read(self, entry: BlockEntry) -> None:
+        """One reader of ``entry`` (a copy outside the lock, a read lease, a put in flight) is
+        done; after the last one, the host slots its replaced copies kept are free."""
+        entry.readers -= 1
+        if entry.readers == 0 and self._retired:
+            retired = self._retired.pop(id(entry), None)
+            if retired is not None:
+                self.host.release(retired[1])
 
     # ----------------------------------------------------------------------------- demotion
 
@@ -134,8 +155,8 @@ class Cascade:
                 readable = [(v, p) for v, p in zip(demoted, payloads, strict=True) if p is not None]
                 self.store(below.rank, [v for v, _ in readable], [p for _, p in readable], source_rank=rank)
         self.offer_leaving(level, victims)
-        self._drop(level, victims)
-        level.counters.evictions += len(victims)
+        if self._drop(level, victims):
+            level.counters.evictions += len(victims)
 
     def offer_leaving(self, level: Level, entries: list[BlockEntry]) -> None:
         """Offer the blocks of ``entries`` that no other local level holds (they are about to
@@ -165,15 +186,26 @@ class Cascade:
             victims.append(entries[key])  # type: ignore[index]
         return victims
 
-    def _drop(self, level: Level, entries: list[BlockEntry]) -> None:
-        """``entries`` (already out of ``level``'s policy) leave ``level``."""
+    def _drop(self, level: Level, entries: list[BlockEntry]) -> bool:
+        """``entries`` (victims, tail first, already out of ``level``'s policy) leave ``level``.
+        False when its medium failed to let them go (a catalog that cannot commit): then
+        they stay there, fully indexed and back in the policy (their bytes are intact; the
+        catalog, the truth after a restart, still names them), the failure is counted, and
+        no room was made."""
         rank = level.rank
-        level.drop([e.key for e in entries], [e.slots[rank] for e in entries])  # type: ignore[misc]
+        try:
+            level.drop([e.key for e in entries], [e.slots[rank] for e in entries])  # type: ignore[misc]
+        except TierError:
+            level.counters.errors += 1
+            chain = entries[::-1]
+            level.policy.insert([e.key for e in chain], [e.parent for e in chain])
+            return False
         for entry in entries:
             entry.slots[rank] = None
         self.listeners.removed(level.name, [e.key for e in entries])
         for entry in entries:
             self.forget_if_unheld(entry)
+        return True
 
     def store(self, rank: int, entries: list[BlockEntry], payloads: torch.Tensor | Sequence[torch.Tensor],
               source_rank: int | None = None) -> int:
@@ -247,12 +279,20 @@ class Cascade:
 
     def discard_copy(self, rank: int, entry: BlockEntry) -> None:
         """Level ``rank`` gives up ``entry``'s copy (e.g. a decoded copy making way for the
-        bytes put); the entry stays indexed even if no level holds it now."""
+        bytes put); the entry stays indexed even if no level holds it now.
+
+        A host copy being read (``readers > 0``: a copy outside the lock, a read lease) keeps
+        its slot: the slot is retired, neither free nor the entry's, and reused only after
+        the entry's last reader is done (``end_read``). So a reader never sees its slot hold
+        another block, while new readers already find the copy that replaces it."""
         level = self.levels[rank]
         slot = entry.slots[rank]
         assert slot is not None
+        if rank == 0 and entry.readers:
+            self._retired.setdefault(id(entry), (entry, []))[1].append(slot)
+        else:
+            level.drop([entry.key], [slot])
         level.policy.remove(entry.key)
-        level.drop([entry.key], [slot])
         entry.slots[rank] = None
         self.listeners.removed(level.name, [entry.key])
 
@@ -269,11 +309,11 @@ class Cascade:
         """Remove ``entries`` (none pinned or being read) from every level and the index."""
         for level in self.levels:
             held = [e for e in entries if e.slots[level.rank] is not None]
-            for entry in held:
-                level.policy.remove(entry.key)
             if held:
+                # dropped first: a medium that fails (TierError) leaves this level as it was
                 level.drop([e.key for e in held], [e.slots[level.rank] for e in held])  # type: ignore[misc]
                 for entry in held:
+                    level.policy.remove(entry.key)
                     entry.slots[level.rank] = None
                 self.listeners.removed(level.name, [e.key for e in held])
         for entry in entries:
@@ -348,6 +388,10 @@ class Cascade:
         for entry in entries:
             assert entry.is_held, f"block {entry.key.hex()} indexed but in no tier"
             assert entry.pins >= 0 and entry.readers >= 0, f"block {entry.key.hex()} negative counts"
+        retired: list[int] = []  # host slots of replaced copies still being read
+        for entry, slots in self._retired.values():
+            assert entry.readers > 0, f"block {entry.key.hex()}: retired host slots {slots} outlive its readers"
+            retired += slots
         for level in self.levels:
             rank = level.rank
             held = {e.key: e.slots[rank] for e in entries if e.slots[rank] is not None}
@@ -357,7 +401,10 @@ class Cascade:
                 )
             assert len(level.policy) == len(held)
             level.policy.check_integrity()
-            if rank > 0 or self.reserved_host == 0:  # reserved host slots are in neither list
+            if rank == 0 and self.reserved_host == 0:  # reserved host slots are in neither list
+                # retired slots count as used: free or another block's, a reader would see it
+                self.host.check_integrity(held, retired)  # type: ignore[arg-type]
+            elif rank > 0:
                 level.check_integrity(held)  # type: ignore[arg-type]
 
     # ----------------------------------------------------------------------------- lifecycle

@@ -1,7 +1,9 @@
 """Host-slot leases: zero-copy access to host RAM for a process that maps the shared pool.
 
 The daemon's shared-memory path is their only user. A read lease holds blocks like an
-in-flight get (``readers += 1``: never evicted, never deleted); a write lease is a set of
+in-flight get (``readers += 1``: never evicted, never deleted, and the slot handed out is
+never reused until the release, even when a put replaces the block's host copy meanwhile:
+Cascade.discard_copy); a write lease is a set of
 reserved free slots that hold no block until ``commit`` publishes them, so no lookup can see
 a half-written slot.
 """
@@ -97,7 +99,7 @@ class HostLeases:
             for key in keys:
                 entry = cascade.index.entries[key]
                 assert entry.readers > 0, f"block {key.hex()} released but not held"
-                entry.readers -= 1
+                cascade.end_read(entry)
                 cascade.forget_if_unheld(entry)
         return True
 

@@ -2,9 +2,9 @@
 
 Three phases:
 
-  1. under the lock: resolve the leading run of keys, mark each block as being read
-     (``readers += 1``: no eviction or delete can take its slot), and reserve host slots
-     for promoting the blocks found only in lower levels;
+  1. under the lock: resolve the leading run of keys and take the slot of each, mark each
+     block as being read (``readers += 1``: no eviction, delete or replaced copy frees
+     that slot), and reserve host slots for promoting the blocks found only in lower levels;
   2. without the lock: copy host blocks into the destination, one copy per run; read each
      lower level's blocks (verified) into the reserved host slots, or straight into the
      destination when no slot could be reserved;
@@ -108,17 +108,22 @@ class ReadPath:
                 plan = [(entry, 0) for entry in host_entries]
             for entry, _rank in plan:
                 entry.readers += 1
+            # The slots to read are taken here, under the lock: a put may give a block being
+            # read a new host copy meanwhile (Cascade.discard_copy); the slot taken now keeps
+            # this reader's copy until its readers are done.
+            slots_read: list[int] = host_slots if len(plan) == num_host else \
+                [entry.slots[rank] for entry, rank in plan]  # type: ignore[misc]
             lower = [(e, r) for e, r in plan if r > 0]
             promo_slots = cascade.reserve_host(len(lower)) if lower and self.promote else []
         if not lower and (len(plan) == len(keys) or not cascade.shared):
             # all in host RAM, but too much to copy under the lock
             try:
                 if dst is not None and plan:
-                    self._copy_host(plan, dst)
+                    self._copy_host(slots_read, dst)
             finally:
                 with cascade.lock:
                     for entry, _rank in plan:
-                        entry.readers -= 1
+                        cascade.end_read(entry)
                         if entry.readers == 0 and entry.slots[0] is None:  # deleted or evicted meanwhile
                             cascade.forget_if_unheld(entry)
             return FetchResult(len(plan), (names[0],) * len(plan))
@@ -127,7 +132,7 @@ class ReadPath:
         ok: dict[bytes, bool] = {}
         unplaced: set[bytes] = set()
         try:
-            ok, unplaced = self._copy(plan, lower, promo_slots, dst)
+            ok, unplaced = self._copy(plan, slots_read, lower, promo_slots, dst)
         finally:
             with cascade.lock:
                 self._finish(plan, lower, promo_slots, ok, unplaced)
@@ -206,28 +211,30 @@ class ReadPath:
             for entry in placed:
                 cascade.forget_if_unheld(entry)
 
-    def _copy_host(self, plan: list[tuple[BlockEntry, int]], dst: torch.Tensor) -> None:
-        """Copy host-resident ``plan`` into ``dst``'s leading rows, one copy per run of slots."""
+    def _copy_host(self, slots: list[int], dst: torch.Tensor) -> None:
+        """Copy host ``slots`` (taken under the lock) into ``dst``'s leading rows, one copy per
+        run of slots."""
         host = self.cascade.host
-        host.read_rows([e.slots[0] for e, _r in plan], dst[: len(plan)])  # type: ignore[misc]
-        host.counters.bytes_read += len(plan) * host.payload_bytes
+        host.read_rows(slots, dst[: len(slots)])
+        host.counters.bytes_read += len(slots) * host.payload_bytes
 
-    def _copy(self, plan: list[tuple[BlockEntry, int]], lower: list[tuple[BlockEntry, int]],
+    def _copy(self, plan: list[tuple[BlockEntry, int]], slots_read: list[int], lower: list[tuple[BlockEntry, int]],
               promo_slots: list[int], dst: torch.Tensor | None) -> tuple[dict[bytes, bool], set[bytes]]:
-        """Move the bytes; returns per lower block whether it was read, and the keys read but
-        not placed in their promotion slot."""
+        """Move the bytes of ``plan`` from ``slots_read`` (taken under the lock, one per block);
+        returns per lower block whether it was read, and the keys read but not placed in their
+        promotion slot."""
         cascade = self.cascade
         host = cascade.host
         ok: dict[bytes, bool] = {}
         rows = {e.key: i for i, (e, _r) in enumerate(plan)}
-        host_items = [(rows[e.key], e.slots[0]) for e, r in plan if r == 0]
+        host_items = [(i, slots_read[i]) for i, (_e, r) in enumerate(plan) if r == 0]
         if dst is not None and host_items:
             idx, slots = zip(*host_items, strict=True)
             if list(idx) == list(range(idx[0], idx[0] + len(idx))):
                 host.read_rows(slots, dst[idx[0] : idx[0] + len(idx)])
             else:
                 for i, slot in host_items:
-                    host.read_rows([slot], dst[i : i + 1])  # type: ignore[list-item]
+                    host.read_rows([slot], dst[i : i + 1])
             host.counters.bytes_read += len(host_items) * host.payload_bytes
         unplaced: set[bytes] = set()
         if not lower:
@@ -242,7 +249,7 @@ class ReadPath:
             mine = [(e, out) for (e, r), out in targets if r == level.rank]
             if not mine:
                 continue
-            flags = level.read([e.key for e, _ in mine], [e.slots[level.rank] for e, _ in mine],  # type: ignore[misc]
+            flags = level.read([e.key for e, _ in mine], [slots_read[rows[e.key]] for e, _ in mine],
                                [out for _, out in mine])
             for (entry, _out), good in zip(mine, flags, strict=True):
                 ok[entry.key] = good
@@ -289,7 +296,7 @@ class ReadPath:
         if promoted:
             cascade.publish(0, promoted, promoted_slots, exact)
         for entry, _rank in plan:
-            entry.readers -= 1
+            cascade.end_read(entry)
             cascade.forget_if_unheld(entry)
 
 

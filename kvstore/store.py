@@ -31,6 +31,7 @@ from kvstore.listeners import StoreListener
 from kvstore.reads import ReadPath
 from kvstore.transfer import FetchHandle, FetchResult
 from kvstore.writes import WritePath
+from tiers.records import check_name
 
 
 class TieredStore:
@@ -91,11 +92,18 @@ class TieredStore:
 
         Raises:
             LayoutMismatchError: wrong shape, dtype or count.
+            ValueError: ``tenant`` is not a str of at most 255 UTF-8 bytes.
             CodecError: a tier's lossy codec could not store a block (NaN or Inf in it, or a
                 value past the codec's range); nothing is stored.
-            CapacityError: host RAM has no evictable slot left (everything pinned or in flight).
+            CapacityError: host RAM has no evictable slot left (everything pinned or in flight),
+                or under write-through the disk has none.
+            TierError: under write-through, the disk failed to store the blocks (TierFullError:
+                no space; TierIOError: I/O or catalog failure).
+            Under write-through, a put that raises is not acknowledged: its blocks that did not
+            reach the disk are not kept in any tier (WritePath.put).
         """
         keys = self._check_keys(keys)
+        _check_tenant(tenant)
         src = self.layout.input_blocks(blocks, len(keys))
         for coding in self._codings:  # refused now, not at a later demotion
             coding.check_encodable(blocks)
@@ -287,7 +295,14 @@ class TieredStore:
 
         With ``blocking=False`` the commit happens only if it waits on nothing (it stays in
         memory: no write-through, no shared level taking puts; and the store lock is free);
-        otherwise nothing is done (the slots stay reserved) and it returns False."""
+        otherwise nothing is done (the slots stay reserved) and it returns False.
+
+        Raises:
+            ValueError: a bad ``tenant`` (as for put), or not one slot per key.
+            CapacityError, TierError: under write-through, as for put. On any error nothing
+                is published and the slots stay reserved (give them back with cancel_host).
+        """
+        _check_tenant(tenant)
         return self._leases.commit(self._check_keys(keys), slots, tenant, blocking=blocking)
 
     # ----------------------------------------------------------------------------- events
@@ -383,3 +398,7 @@ class TieredStore:
                     raise TypeError(f"keys must be {n}-byte strings from block_keys(), got {key!r:.60}")
         return keys
 
+
+def _check_tenant(tenant: str) -> None:
+    """Refuse a tenant the disk catalog could not record (it would fail a later demotion)."""
+    check_name("tenant", tenant)

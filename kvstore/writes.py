@@ -2,9 +2,11 @@
 
 Blocks land in host RAM (rank 0). Making room there demotes host victims down the cascade;
 tails of a put that find no evictable host slot (everything pinned or being read) go straight
-to the level below. Under write-through the new blocks also reach the level below host before
-the call returns. Shared levels that take puts (the remote tier with ``remote_writes="put"``)
-are offered every block new to host: a copy is queued, the network is never waited for.
+to the level below. Under write-through the new blocks are stored in the level below host
+first, then published on host: a put (or commit) that returns is durable, and one whose
+blocks did not all reach that level raises and publishes none of those on host. Shared
+levels that take puts (the remote tier with ``remote_writes="put"``) are offered every block
+new to host: a copy is queued, the network is never waited for.
 Every method runs with the store lock held.
 """
 
@@ -16,7 +18,7 @@ from collections.abc import Sequence
 import torch
 
 from kvstore.cascade import Cascade
-from kvstore.errors import CapacityError, KVStoreError
+from kvstore.errors import CapacityError, KVStoreError, TierError
 from kvstore.index import BlockEntry
 from kvstore.layout import raw_rows
 from kvstore.levels.shared import SharedLevel
@@ -43,7 +45,11 @@ class WritePath:
         CPU) under ``keys[start:stop]``.
 
         Raises:
-            CapacityError: some blocks found no slot in any level (nothing of them is kept).
+            CapacityError: some blocks found no slot in any level (nothing of them is kept),
+                or (write-through) no evictable slot in the level below host.
+            TierError: (write-through) the level below host failed to store them.
+            Under write-through, after either error the blocks that did not reach the level
+            below are in no level (nothing of them is kept); those that did stay there.
         """
         cascade = self.cascade
         now = time.time()
@@ -56,13 +62,16 @@ class WritePath:
             for entry in busy:
                 entry.readers += 1
         try:
+            if fresh and self.write_through:
+                raw_src = raw_rows(src)
+                self._write_down(entries, [raw_src[i] for i in fresh])
             if fresh:
                 self._store_fresh(entries, fresh, src, refreshed)
             elif refreshed:
                 cascade.host.policy.access(refreshed)
         finally:
             for entry in busy:
-                entry.readers -= 1
+                cascade.end_read(entry)
 
     def _entries_for(self, keys: list[bytes], start: int, stop: int, tenant: str, now: float,
                      refreshed: list[bytes]) -> tuple[list[BlockEntry], list[int]]:
@@ -94,7 +103,9 @@ class WritePath:
                 fresh.append(i)
                 entries.append(entry)
             elif entry.slots[0] is None or not (entry.is_exact(0) or cascade.host.lossy):
-                if entry.slots[0] is not None:  # a copy decoded from a lossy level: replaced
+                if entry.slots[0] is not None:
+                    # a copy decoded from a lossy level: replaced by the bytes put, in another
+                    # slot; a slot being read is kept for its readers (Cascade.discard_copy)
                     cascade.discard_copy(0, entry)
                 fresh.append(i)
                 entries.append(entry)
@@ -162,12 +173,45 @@ class WritePath:
             if not entry.is_held:
                 cascade.index.discard(entry.key)
 
+    def _write_down(self, entries: list[BlockEntry], payloads: Sequence[torch.Tensor]) -> None:
+        """Write-through: store ``entries`` (chain order; ``payloads[i]``, the bytes put) in
+        the level below host, where it does not hold them yet, before host publishes them.
+
+        Raises:
+            TierError: the level below failed to store them (its medium's error, with the
+                numbers), or CapacityError: it has no evictable slot for them (the rest pinned
+                or being read). Either way the put is not acknowledged, and the blocks that
+                did not reach the level below leave the index where no level holds them (the
+                caller places nothing on host then).
+        """
+        cascade = self.cascade
+        below = cascade.levels[1]
+        todo = [(e, p) for e, p in zip(entries, payloads, strict=True) if e.slots[below.rank] is None]
+        if not todo:
+            return
+        num_errors = below.counters.errors
+        stored = cascade.store(below.rank, [e for e, _ in todo], [p for _, p in todo])
+        if stored == len(todo):
+            return
+        missing = [e for e, _ in todo[stored:]]  # store() keeps the heads it has room for
+        for entry in missing:
+            if not entry.is_held and cascade.index.get(entry.key) is entry:
+                cascade.index.discard(entry.key)
+        what = (f"put not acknowledged under write-through: {len(missing)} of {len(entries)} blocks "
+                f"did not reach {below.name}")
+        # A level that records its medium's last failure (the disk) names it.
+        cause = getattr(below, "last_error", None) if below.counters.errors > num_errors else None
+        if isinstance(cause, TierError):
+            raise type(cause)(f"{what}: {cause}") from cause
+        raise CapacityError(f"{what}: need {len(missing)} {below.name} slots, {below.num_free} free of "
+                            f"{below.num_slots} (the rest pinned or being read)")
+
     def finish_on_host(self, placed: list[BlockEntry], refreshed: list[bytes],
                        raw: Sequence[torch.Tensor] | None = None) -> None:
-        """Announce ``placed`` (chain order; placed in host and their bytes written), then
-        touch ``refreshed``, the keys of the same chain host already held. ``raw``: the bytes
-        put, row per placed block, for the shared levels that take puts (None: host's copies,
-        raw where leases and commits apply)."""
+        """Announce ``placed`` (chain order; placed in host and their bytes written, and under
+        write-through already below host), then touch ``refreshed``, the keys of the same chain
+        host already held. ``raw``: the bytes put, row per placed block, for the shared levels
+        that take puts (None: host's copies, raw where leases and commits apply)."""
         cascade = self.cascade
         host = cascade.host
         host.counters.bytes_written += len(placed) * host.payload_bytes
@@ -176,10 +220,6 @@ class WritePath:
         # behind it, or LRU would cut the prefix at its head.
         if refreshed:
             host.policy.access(refreshed)
-        if self.write_through:
-            on_host = [e for e in placed if e.slots[1] is None]
-            payloads = host.export([e.key for e in on_host], [e.slots[0] for e in on_host])  # type: ignore[misc]
-            cascade.store(1, on_host, payloads, source_rank=0)  # type: ignore[arg-type]
         takers = self.takers
         if takers and placed:
             # the bytes put: the caller's rows, or (commit) the raw host slots it wrote
@@ -195,6 +235,10 @@ class WritePath:
         slot is freed), a copy decoded from a lossy level is replaced, a key given twice is
         stored once; under write-through the new blocks reach the level below before this
         returns.
+
+        Raises:
+            TierError, CapacityError: (write-through) as put's. Nothing is published then and
+                every slot stays reserved: the caller cancels them.
         """
         cascade = self.cascade
         now = time.time()
@@ -206,6 +250,18 @@ class WritePath:
             placed_slots = [slots[i] for i in fresh]
             taken = set(fresh)
             unused = [slot for i, slot in enumerate(slots) if i not in taken]
+        if self.write_through and placed:
+            # Durable before visible, and before the reservation ends. The reserved slots hold
+            # the raw bytes written (leases need a raw host); making room below must not
+            # evict what is being committed.
+            payloads = cascade.host.export([e.key for e in placed], placed_slots)
+            for entry in placed:
+                entry.readers += 1
+            try:
+                self._write_down(placed, payloads)  # type: ignore[arg-type]
+            finally:
+                for entry in placed:
+                    cascade.end_read(entry)
         cascade.end_reservation(len(slots), unused)
         cascade.place(0, placed, placed_slots)
         self.finish_on_host(placed, refreshed)

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvstore import CapacityError, ConfigError, KVStoreError, LayoutMismatchError, StoreConfig
-from kvstore.errors import CodecError
+from kvstore import CapacityError, ConfigError, KVLayout, KVStoreError, LayoutMismatchError, StoreConfig
+from kvstore.errors import CodecError, TierError
 
 from factories import SLOT, SMALL_LAYOUT, blocks_for, chain, make_store
 
@@ -342,6 +342,47 @@ def test_tenants_never_share_blocks(tmp_path: Path) -> None:
     store.put(a, blocks_for(a))
     assert store.lookup(b).num_blocks == 0
     assert set(a).isdisjoint(b)
+
+
+def test_a_tenant_the_disk_catalog_cannot_record_is_refused_at_put(tmp_path: Path) -> None:
+    store = make_store(tmp_path, host_blocks=2, disk_blocks=8)
+    for bad in ("é" * 128, "t" * 300, 7):  # 256 and 300 UTF-8 bytes, and not a str
+        keys = chain(store, 2, salt=1)
+        with pytest.raises(ValueError, match="tenant must be a str of at most 255 UTF-8 bytes"):
+            store.put(keys, blocks_for(keys), tenant=bad)  # type: ignore[arg-type]
+        slots = store.reserve_host(1)
+        with pytest.raises(ValueError, match="tenant must be a str"):
+            store.commit_host(keys[:1], slots, tenant=bad)  # type: ignore[arg-type]
+        store.cancel_host(slots)  # still reserved: nothing was published
+    assert len(store) == 0
+    longest = "é" * 127  # 254 bytes: the disk catalog records it
+    keys = chain(store, 2, tenant=longest)
+    store.put(keys, blocks_for(keys), tenant=longest)
+    other = chain(store, 2, salt=2)
+    store.put(other, blocks_for(other))  # demotes the first chain to disk
+    assert store.lookup(keys).tiers == ("disk", "disk")
+    assert store.block_info(keys[0])["tenant"] == longest  # type: ignore[index]
+    store.check_integrity()
+    store.close()
+
+
+def test_a_disk_directory_of_another_namespace_is_refused_and_left_intact(tmp_path: Path) -> None:
+    store = make_store(tmp_path, host_blocks=2, disk_blocks=8, write_policy="write_through")
+    keys = chain(store, 4)
+    store.put(keys, blocks_for(keys))
+    store.close()
+    # the same bytes per block, so the slab's geometry alone cannot tell them apart
+    other = KVLayout(num_layers=1, num_kv_heads=2, head_dim=8, block_size=4, dtype=torch.float32)
+    assert other.bytes_per_block == SMALL_LAYOUT.bytes_per_block
+    for overrides in ({"layout": other}, {"model_id": "another-model"}):
+        with pytest.raises(TierError, match=r"holds 4 blocks of layout '\w+', not this store's \('\w+'\); "
+                                            r"use another path or delete the directory"):
+            make_store(tmp_path, host_blocks=2, disk_blocks=8, **overrides)  # type: ignore[arg-type]
+    again = make_store(tmp_path, host_blocks=2, disk_blocks=8)  # the refused opens let the directory go
+    assert again.lookup(keys).tiers == ("disk",) * 4
+    assert_exact(again, keys)
+    again.check_integrity()
+    again.close()
 
 
 def test_contains_and_delete(tmp_path: Path) -> None:

@@ -1,4 +1,5 @@
-"""TieredStore under faults: kill -9 mid-put, flipped bytes in the slab, a failing disk."""
+"""TieredStore under faults: kill -9 mid-put, flipped bytes in the slab, a failing disk, a
+full filesystem under write-through, a catalog that cannot commit a delete."""
 
 from __future__ import annotations
 
@@ -7,11 +8,18 @@ import multiprocessing
 import os
 import random
 import signal
+import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
+
+import tiers.catalog as catalog_module
+from kvstore import CapacityError
+from kvstore.index import BlockEntry
+from tiers.errors import TierFullError
 
 from factories import blocks_for, chain, make_store
 
@@ -132,5 +140,130 @@ def test_disk_errors_are_counted_and_host_keeps_working(tmp_path: Path, monkeypa
     more = chain(store, 2, salt=9)
     store.put(more, blocks_for(more))
     assert store.stats()["disk"]["num_blocks"] == 2  # the disk works again
+    store.check_integrity()
+    store.close()
+
+
+@pytest.fixture
+def tiny_fs(tmp_path: Path) -> Iterator[Path]:
+    """A 1 MiB tmpfs: a real filesystem that runs out of space."""
+    mount_point = tmp_path / "tiny"
+    mount_point.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount_point)],
+                          capture_output=True, check=False)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+    yield mount_point
+    subprocess.run(["umount", "-l", str(mount_point)], check=False)
+
+
+def _fill(fs: Path) -> Path:
+    """Take every free block of ``fs`` (the slab is preallocated; the catalog has to grow)."""
+    filler = fs / "filler"
+    with open(filler, "wb", buffering=0) as f:
+        try:
+            while True:
+                f.write(b"\0" * 4096)
+        except OSError as e:
+            assert e.errno == errno.ENOSPC
+    return filler
+
+
+def test_a_write_through_put_the_full_disk_cannot_take_raises_and_keeps_nothing(tiny_fs: Path) -> None:
+    store = make_store(tiny_fs, host_blocks=4, disk_blocks=16, write_policy="write_through")
+    filler = _fill(tiny_fs)
+    keys = chain(store, 2)
+    with pytest.raises(TierFullError, match=r"put not acknowledged under write-through: 2 of 2 blocks did not "
+                                            r"reach disk: catalog at .*: no space left on device"):
+        store.put(keys, blocks_for(keys))
+    assert store.lookup(keys).num_blocks == 0  # not acknowledged, and not kept in host RAM either
+    assert store.stats()["disk"]["errors"] >= 1
+    store.check_integrity()
+    filler.unlink()
+    store.put(keys, blocks_for(keys))  # acknowledged: on disk before it returned
+    assert [store.block_info(k)["tiers"] for k in keys] == [["host", "disk"]] * 2  # type: ignore[index]
+    store.check_integrity()
+    store.close()
+
+
+def _pinned_full_disk(tmp_path: Path):  # type: ignore[no-untyped-def]
+    """A write-through store whose 2-slot disk holds 2 pinned blocks: nothing it can evict."""
+    store = make_store(tmp_path, host_blocks=4, disk_blocks=2, write_policy="write_through")
+    held = chain(store, 2, salt=1)
+    store.put(held, blocks_for(held))
+    store.pin(held)
+    return store, held
+
+
+def test_a_write_through_put_with_no_evictable_disk_slot_raises_capacity_error(tmp_path: Path) -> None:
+    store, held = _pinned_full_disk(tmp_path)
+    keys = chain(store, 1)
+    with pytest.raises(CapacityError, match=r"put not acknowledged under write-through: 1 of 1 blocks did not "
+                                            r"reach disk: need 1 disk slots, 0 free of 2 \(the rest pinned"):
+        store.put(keys, blocks_for(keys))
+    assert store.lookup(keys).num_blocks == 0
+    store.check_integrity()
+    store.unpin(held)
+    store.put(keys, blocks_for(keys))
+    assert store.block_info(keys[0])["tiers"] == ["host", "disk"]  # type: ignore[index]
+    store.check_integrity()
+    store.close()
+
+
+def test_a_write_through_commit_that_cannot_reach_disk_publishes_nothing(tmp_path: Path) -> None:
+    store, _held = _pinned_full_disk(tmp_path)
+    keys = chain(store, 1)
+    slots = store.reserve_host(1)
+    payload = store.layout.bytes_per_block
+    store.level("host").tier.pool[slots[0], :payload].copy_(blocks_for(keys).view(torch.uint8).reshape(-1))  # type: ignore[union-attr]
+    with pytest.raises(CapacityError, match="put not acknowledged under write-through"):
+        store.commit_host(keys, slots)
+    assert store.lookup(keys).num_blocks == 0
+    store.cancel_host(slots)  # the slots stayed reserved, as the daemon expects when a commit raises
+    store.check_integrity()
+    store.close()
+
+
+def test_a_batch_the_disk_tier_refuses_frees_its_slots(tmp_path: Path) -> None:
+    store = make_store(tmp_path, host_blocks=2, disk_blocks=8)
+    disk = store.level("disk")
+    entry = BlockEntry(b"k" * 32, None, "t" * 300, 0.0, [None, None])  # a tenant no catalog records
+    slots = disk.allocate(1)  # type: ignore[union-attr]
+    row = torch.zeros(disk.raw_bytes, dtype=torch.uint8)  # type: ignore[union-attr]
+    assert disk.write([entry], slots, [row]) is False  # type: ignore[union-attr]
+    assert (disk.num_free, disk.tier.num_reserved, disk.counters.errors) == (8, 0, 1)  # type: ignore[union-attr]
+    store.check_integrity()
+    store.close()
+
+
+def test_a_catalog_that_cannot_drop_during_eviction_keeps_the_index_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = make_store(tmp_path, host_blocks=4, disk_blocks=8)
+    keys = [k for s in range(12) for k in chain(store, 1, salt=s)]
+    for key in keys:
+        store.put([key], blocks_for([key]))  # host holds 4, the disk the 8 before them
+    on_disk = [k for k in keys if store.lookup([k]).tiers == ("disk",)]
+    assert len(on_disk) == 8
+
+    def fail(self: object, keys: object) -> None:
+        raise TierFullError("catalog at X: no space left on device (injected)")
+
+    monkeypatch.setattr(catalog_module.Catalog, "delete", fail)
+    more = chain(store, 1, salt=12)
+    store.put(more, blocks_for(more))  # a host victim finds no room on disk: it is dropped
+    assert store.stats()["disk"]["errors"] == 1 and store.stats()["disk"]["evictions"] == 0
+    store.check_integrity()
+    with pytest.raises(TierFullError, match="injected"):
+        store.delete(on_disk[:1])
+    store.check_integrity()
+    assert [store.lookup([k]).tiers for k in on_disk] == [("disk",)] * 8  # all still there, whole
+    for key in on_disk:
+        assert torch.equal(store.get([key]), blocks_for([key]))
+    store.check_integrity()
+    monkeypatch.undo()
+    later = chain(store, 8, salt=13)
+    store.put(later, blocks_for(later))  # the disk evicts again
+    assert store.stats()["disk"]["evictions"] > 0
     store.check_integrity()
     store.close()

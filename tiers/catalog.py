@@ -26,6 +26,53 @@ _ENTRY_ESTIMATE_BYTES = 512  # generous: a 64-byte key and a ~100-byte value in 
 _T = TypeVar("_T")
 _STAMP = struct.Struct("<d")
 
+# LMDB 0.9's meta page (lmdb/mdb.c, 64-bit builds), one at page 0 and one at page 1:
+#   0  MDB_page header (16 bytes)   16 mm_magic u32   20 mm_version u32
+#   40 mm_dbs[FREE_DBI].md_pad u32: the page size     136 mm_last_pg u64   144 mm_txnid u64
+_META_MAGIC, _META_VERSION = 0xBEEFC0DE, 1
+_META_HEAD = struct.Struct("<II")  # at 16: magic, version
+_META_PSIZE = struct.Struct("<I")  # at 40
+_META_TAIL = struct.Struct("<QQ")  # at 136: last page number, transaction id
+_META_BYTES = 152
+
+
+def check_data_file(path: str) -> None:
+    """Refuse an LMDB data file shorter than its newest meta page says: mapping it would die
+    of SIGBUS at the first touch of a page past the end (a truncated or half-copied file).
+
+    A missing or empty file (a new environment), or one whose meta pages this reader does not
+    know, is left to LMDB, which reports what it finds as an error.
+
+    Raises:
+        TierIOError: naming the file, its size and the size its meta page needs.
+    """
+    if struct.calcsize("P") != 8:  # the offsets above are a 64-bit build's
+        return
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            first = f.read(_META_BYTES)
+            if len(first) < _META_BYTES or _META_HEAD.unpack_from(first, 16) != (_META_MAGIC, _META_VERSION):
+                return
+            psize = _META_PSIZE.unpack_from(first, 40)[0]
+            if psize < _META_BYTES or psize & (psize - 1):
+                return
+            f.seek(psize)
+            second = f.read(_META_BYTES)
+    except FileNotFoundError:
+        return
+    except OSError as e:
+        raise TierIOError(f"cannot read the LMDB catalog file {path}: {e}") from e
+    metas = [_META_TAIL.unpack_from(page, 136) for page in (first, second)
+             if len(page) == _META_BYTES and _META_HEAD.unpack_from(page, 16) == (_META_MAGIC, _META_VERSION)]
+    last_pg, _txnid = max(metas, key=lambda meta: meta[1])  # LMDB opens the newest
+    need = (last_pg + 1) * psize
+    if size < need:
+        raise TierIOError(
+            f"LMDB catalog file {path} is truncated: {size} bytes, its newest meta page needs {need} "
+            f"({last_pg + 1} pages of {psize}); restore it or delete the disk tier directory"
+        )
+
 
 def initial_map_bytes(num_slots: int) -> int:
     """A map size that holds ``num_slots`` entries without growing, page-rounded."""
@@ -39,6 +86,7 @@ class Catalog:
     def __init__(self, path: str, *, map_bytes: int, max_map_bytes: int, sync: bool) -> None:
         self.path = path
         self.max_map_bytes = max_map_bytes
+        check_data_file(os.path.join(path, "data.mdb"))
         try:
             # lock=True: LMDB's reader table guards readers against the writer; readahead off
             # because lookups are random; meminit off because freed pages hold no secrets here.

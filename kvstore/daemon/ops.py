@@ -26,7 +26,15 @@ from kvstore.daemon.pool_map import MappedPool
 from kvstore.daemon.protocol import VERSION, Code, ProtocolError, field_of, split_keys
 from kvstore.daemon.registry import AuthError, NamespaceState, Principal, Registry, layout_from_dict
 from kvstore.daemon.shm import Lease, Leases
-from kvstore.errors import CapacityError, ConfigError, KVStoreError, LayoutMismatchError
+from kvstore.errors import (
+    CapacityError,
+    CodecError,
+    ConfigError,
+    KVStoreError,
+    LayoutMismatchError,
+    TierError,
+    TierFullError,
+)
 
 MAX_KEYS = 1 << 16  # keys in one request
 META_ROOM = 1 << 16  # bytes of a frame kept for its meta when sizing block batches
@@ -145,11 +153,15 @@ class Ops:
             code, message = exc.code, exc.message
         except KeyError as exc:
             code, message = Code.NOT_FOUND, str(exc.args[0] if exc.args else exc)
-        except CapacityError as exc:
+        except (CapacityError, TierFullError) as exc:  # a full disk is no room, as a full pool is
             code, message = Code.CAPACITY, str(exc)
         except (LayoutMismatchError, ConfigError) as exc:
             code, message = Code.LAYOUT, str(exc)
-        except KVStoreError as exc:
+        except TierError as exc:  # e.g. a write-through put whose disk write failed: not acknowledged
+            code, message = Code.STORAGE, str(exc)
+        except CodecError as exc:  # a block the store's codec refuses (NaN, a scale out of range)
+            code, message = Code.BAD_REQUEST, str(exc)
+        except KVStoreError as exc:  # the store is closed: the daemon is going away
             code, message = Code.SHUTDOWN, str(exc)
         except (TypeError, ValueError) as exc:
             code, message = Code.BAD_REQUEST, str(exc)

@@ -44,6 +44,7 @@ class Code(enum.IntEnum):
     BUSY = 12  # too many connections
     SHUTDOWN = 13  # the daemon is draining
     INTERNAL = 14  # a bug: the message says what; the daemon keeps serving
+    STORAGE = 15  # the store's medium failed (an I/O error, a corrupt catalog): the op was not done
 
 
 class ProtocolError(Exception):

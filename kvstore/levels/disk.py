@@ -30,7 +30,13 @@ CODED_SUFFIX = "/coded"  # catalog layout id suffix of encoded blocks
 
 class DiskLevel(SlotLevel):
     """The disk tier as a level. Writes are durable before they are published (the tier
-    syncs payloads before its catalog commits); the catalog is the truth after a restart."""
+    syncs payloads before its catalog commits); the catalog is the truth after a restart.
+
+    Attributes:
+        last_error: the medium's failure behind the last write that returned False or the
+            last drop that raised (None before any), for a caller that must report why its
+            blocks are not on disk (write-through).
+    """
 
     def __init__(self, tier: DiskTier, rank: int, policy: EvictionPolicy, admission: str,
                  namespace_id: str, coding: LevelCodec | None = None) -> None:
@@ -38,6 +44,9 @@ class DiskLevel(SlotLevel):
         self.tier = tier
         self.namespace_id = namespace_id
         self.layout_id = namespace_id if coding is None else f"{namespace_id}{CODED_SUFFIX}"
+        # this namespace's layout ids, raw and encoded: a directory holding only these is ours
+        self.sibling_ids = (namespace_id, f"{namespace_id}{CODED_SUFFIX}")
+        self.last_error: TierError | None = None
         self._staging = Staging(tier.slot_bytes) if coding is not None else None
 
     def write(self, entries: Sequence[BlockEntry], slots: Sequence[int],
@@ -48,9 +57,10 @@ class DiskLevel(SlotLevel):
             with self._staging.rows(len(rows)) as staging:
                 try:
                     self.coding.encode(rows, staging)
-                except CodecError:  # checked at put, so not expected: the blocks are not demoted
+                except CodecError as e:  # checked at put, so not expected: the blocks are not demoted
                     self.tier.release(slots)
                     self.counters.errors += 1
+                    self.last_error = TierError(f"the disk codec refused {len(rows)} blocks: {e}")
                     return False
                 return self._write(entries, slots, staging)
         return self._write(entries, slots, rows)
@@ -59,8 +69,14 @@ class DiskLevel(SlotLevel):
         try:
             self.tier.write([e.key for e in entries], slots, rows, [e.tenant for e in entries],
                             self.layout_id)
-        except TierError:  # the tier freed the slots
+        except TierError as e:  # the tier freed the slots
             self.counters.errors += 1
+            self.last_error = _detached(e)
+            return False
+        except ValueError as e:  # a batch the tier refuses (a tenant it cannot record): nothing written
+            self.tier.release(slots)
+            self.counters.errors += 1
+            self.last_error = TierError(f"the disk tier refused {len(entries)} blocks: {e}")
             return False
         return True
 
@@ -102,11 +118,29 @@ class DiskLevel(SlotLevel):
         return flags
 
     def drop(self, keys: Sequence[bytes], slots: Sequence[int]) -> None:
-        self.tier.delete(keys)
+        try:
+            self.tier.delete(keys)
+        except TierError as e:  # the catalog did not commit: every block stays (the caller's to handle)
+            self.last_error = _detached(e)
+            raise
 
     def recover(self) -> list[Recovered]:
+        """As Level.recover. Blocks of this namespace's other representation (raw vs encoded)
+        never reach a reader: they are deleted, counted as refused.
+
+        Raises:
+            TierError: the directory holds blocks of another namespace (another model or
+                layout of the same block size): it is not this store's, and nothing is deleted.
+        """
         entries = list(self.tier.entries())
-        # Blocks of the other representation (raw vs encoded) never reach a reader: misses.
+        others = {d.layout_id for d in entries if d.layout_id not in self.sibling_ids}
+        if others:
+            theirs = sum(d.layout_id in others for d in entries)
+            raise TierError(
+                f"disk tier at {self.tier.path} holds {theirs} blocks of layout {sorted(others)[0]!r}"
+                f"{f' (and {len(others) - 1} other layouts)' if len(others) > 1 else ''}, not this store's "
+                f"({self.layout_id!r}); use another path or delete the directory"
+            )
         foreign = [d.key for d in entries if d.layout_id != self.layout_id]
         if foreign:
             self.counters.refused += len(foreign)
@@ -128,3 +162,9 @@ class DiskLevel(SlotLevel):
         if self._staging is not None:
             self._staging.close()
         self.tier.close()
+
+
+def _detached(error: TierError) -> TierError:
+    """``error``'s kind and message without its traceback, whose frames would keep the I/O
+    buffers they used alive (the slab could not free them at close)."""
+    return type(error)(str(error))

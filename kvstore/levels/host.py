@@ -104,8 +104,10 @@ class HostLevel(SlotLevel):
     def drop(self, keys: Sequence[bytes], slots: Sequence[int]) -> None:
         self.tier.release(slots)
 
-    def check_integrity(self, held: dict[bytes, int]) -> None:
-        self.tier.check_integrity(list(held.values()))
+    def check_integrity(self, held: dict[bytes, int], retired: Sequence[int] = ()) -> None:
+        """As Level.check_integrity; ``retired``: slots no block holds any more that are kept
+        for their readers (Cascade.discard_copy), used all the same."""
+        self.tier.check_integrity([*held.values(), *retired])
 
     def close(self) -> None:
         self.tier.close()

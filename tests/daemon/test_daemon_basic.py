@@ -164,3 +164,38 @@ def test_host_ram_defaults_when_left_out_and_zero_is_refused(tmp_path: Path) -> 
                            "--listen", "", "--http", "", "--host-mem", "0"],
                           cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "every put lands in host RAM" in proc.stderr, proc.stderr
+
+
+def test_a_put_the_full_disk_cannot_take_is_refused_not_acknowledged(tmp_path: Path) -> None:
+    """The daemon writes through to disk: a put whose blocks the full filesystem refuses comes
+    back as an error the client raises (CapacityError: a full disk is no room), not as an
+    acknowledgement, and the daemon logs no traceback; once there is room again puts work."""
+    fs = tmp_path / "fs"
+    fs.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(fs)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+    try:
+        d = DaemonProc(fs / "data", "--no-shm")
+        try:
+            with d.connect() as s:
+                first = s.block_keys(prompt(1, 2))
+                s.put(first, blocks(first))  # the namespace's files exist now
+                filler = fs / "filler"
+                with open(filler, "wb", buffering=0) as f, pytest.raises(OSError):  # ENOSPC
+                    while True:
+                        f.write(b"\0" * (64 << 10))
+                keys = s.block_keys(prompt(2, 8))
+                with pytest.raises(CapacityError, match="not acknowledged under write-through"):
+                    s.put(keys, blocks(keys))
+                assert s.lookup(keys).num_blocks == 0
+                filler.unlink()
+                s.put(keys, blocks(keys))
+                assert s.lookup(keys).num_blocks == 8 and torch.equal(s.get(keys), blocks(keys))
+        finally:
+            assert d.stop() == 0
+        assert d.proc.stdout is not None
+        log = "".join(d.lines) + d.proc.stdout.read()  # all it printed, to its exit
+        assert "Traceback" not in log, log  # an error reply, not a bug report
+    finally:
+        subprocess.run(["umount", "-l", str(fs)], check=False)

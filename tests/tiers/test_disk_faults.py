@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
+import shutil
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -351,6 +352,34 @@ def test_use_after_fork_is_refused_in_the_child(tmp_path: Path) -> None:
     assert read_all(tier, keys, slots) == [True]  # the parent is unaffected
     put(tier, [make_key(1)])
     tier.check_integrity()
+    tier.close()
+
+
+def test_a_truncated_catalog_is_refused_at_open_not_a_crash(tmp_path: Path) -> None:
+    tier = DiskTier(tmp_path / "d", 64 * SLOT, PAYLOAD, sync=False)
+    put(tier, [make_key(i) for i in range(64)])
+    tier.close()
+    data = tmp_path / "d" / "catalog" / "data.mdb"
+    assert data.stat().st_size > 4 * 4096
+    os.truncate(data, 2 * 4096)  # both meta pages survive; the pages they point into do not
+    pid = os.fork()  # LMDB maps the file: opening it could kill the process with SIGBUS
+    if pid == 0:
+        try:
+            DiskTier(tmp_path / "d", 64 * SLOT, PAYLOAD).close()
+            os._exit(1)
+        except TierIOError:
+            os._exit(0)
+        except BaseException:
+            os._exit(2)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, f"the open ended with status {os.waitstatus_to_exitcode(status)}"
+    with pytest.raises(TierIOError, match=r"LMDB catalog file .*data.mdb is truncated: 8192 bytes, its newest "
+                                          r"meta page needs \d+ \(\d+ pages of 4096\)"):
+        DiskTier(tmp_path / "d", 64 * SLOT, PAYLOAD)
+    # the refused open let the directory go: deleting the catalog starts it afresh
+    shutil.rmtree(data.parent)
+    tier = DiskTier(tmp_path / "d", 64 * SLOT, PAYLOAD)
+    assert tier.num_used == 0
     tier.close()
 
 
