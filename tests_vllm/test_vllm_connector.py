@@ -16,13 +16,18 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from conftest import ROOT, run_plan
 
+from kvstore.redis_local import RedisServer
 from tests.daemon.daemon_helpers import DaemonProc
+from tests.remote.conftest import require_redis
 
 BLOCK = 128
 P = [(i * 7919) % 997 + 2 for i in range(600)]  # 4 loadable blocks
 Q = [(i * 104729) % 991 + 3 for i in range(400)]  # 3 loadable blocks
+P2 = P + Q[:256]  # 6 loadable blocks, P's 4 first
+SLOT_BYTES = 2 * 2 * BLOCK * 2 * 32 * 4  # a disk slot: 2 layers x (K, V) x 128 tokens x 2 heads x 32 dims, fp32
 
 
 def llm(model: str, extra: dict[str, Any] | None) -> dict[str, Any]:
@@ -116,11 +121,10 @@ def test_a_corrupt_block_is_recomputed(model_dir: str, reference: dict[str, list
     disk = tmp_path / "kv"
     store = {"host_bytes": "16MiB", "disk_path": str(disk), "disk_bytes": "32MiB", "write_policy": "write_through",
              "async_when_idle": async_when_idle}
-    slot_bytes = 2 * 2 * BLOCK * 2 * 32 * 4  # 2 layers x (K, V) x 128 tokens x 2 heads x 32 dims, fp32
     _, (a,), _, _, _, (b,) = run_plan([
         llm(model_dir, store), gen((P, None)),
         llm(model_dir, None),  # the first instance is gone: its store closed, the blocks are on disk only
-        {"flip": {"path": str(disk / "slab-000.bin"), "offset": 2 * slot_bytes + 1000}},
+        {"flip": {"path": str(disk / "slab-000.bin"), "offset": 2 * SLOT_BYTES + 1000}},
         llm(model_dir, store), gen((P, None)),
     ])
     assert a["counters"]["saved_blocks"] == 4
@@ -131,3 +135,68 @@ def test_a_corrupt_block_is_recomputed(model_dir: str, reference: dict[str, list
     assert b["counters"]["async_loads"] == (1 if async_when_idle else 0)
     assert b["counters"]["loaded_blocks"] == 2 and b["counters"]["load_errors"] >= 1
     # (vLLM's num_cached_tokens still counts the 4 blocks: it is recorded when the load is planned.)
+
+
+def test_kv_computed_over_a_block_that_failed_to_load_is_never_stored(model_dir: str, tmp_path: Path) -> None:
+    """P is stored, its third block corrupt; P2 extends P by two blocks. The step that loads P's
+    first blocks into vLLM also computes blocks 4 and 5, attending to the two it could not load:
+    that KV is wrong under the right keys, and the store keeps the first copy of a key. Every
+    block the store holds in the end must be a clean run's (to float noise: a recompute batches
+    differently, ~1e-6; the wrong KV was off by ~0.2)."""
+    def store(path: Path) -> dict[str, Any]:
+        return {"host_bytes": "16MiB", "disk_path": str(path), "disk_bytes": "32MiB", "write_policy": "write_through"}
+
+    disk = tmp_path / "kv"
+    results = run_plan([
+        llm(model_dir, store(tmp_path / "clean")), gen((P2, None)),
+        {"stored": {"ids": P2, "path": str(tmp_path / "clean.pt")}},
+        llm(model_dir, store(disk)), gen((P, None)),
+        llm(model_dir, None),
+        {"flip": {"path": str(disk / "slab-000.bin"), "offset": 2 * SLOT_BYTES + 1000}},
+        llm(model_dir, store(disk)), gen((P2, None)),  # loads in the step (alone): 2 of 4 blocks arrive
+        {"stored": {"ids": P2, "path": str(tmp_path / "after.pt")}},
+    ])
+    (clean_run,), held_clean, (run,), held = results[1], results[2], results[8], results[9]
+    assert held_clean == list(range(6))
+    assert run["tokens"] == clean_run["tokens"]
+    assert run["counters"]["loaded_blocks"] == 2 and run["counters"]["load_errors"] >= 1
+    assert run["counters"]["async_loads"] == 0  # the case at hand: a load inside the step
+    assert held == list(range(6))  # the blocks computed after the load are saved once it is settled
+    clean, after = torch.load(tmp_path / "clean.pt"), torch.load(tmp_path / "after.pt")
+    diffs = {i: float((after[i] - clean[i]).abs().max()) for i in held}
+    assert all(d < 1e-3 for d in diffs.values()), f"wrong KV stored, max abs difference per block: {diffs}"
+
+
+def test_a_remote_tier_hit_is_counted_and_loaded(model_dir: str, reference: dict[str, list[int]],
+                                                 tmp_path: Path) -> None:
+    """An embedded store's remote tier (a real redis-server) shared by two instances in turn; vLLM's
+    stats on (as in vllm serve), so it asks get_external_cache_hit_sources about a remote hit."""
+    require_redis()
+    redis = RedisServer.start(tmp_path / "redis")
+    try:
+        store = {"host_bytes": "16MiB", "remote_url": redis.url}
+        _, _, _, _, (b,) = run_plan([
+            llm(model_dir, store), gen((P, None)),
+            llm(model_dir, None),  # the first store closed: its blocks flushed to the remote tier
+            {"llm": {"model": model_dir, "extra": store, "options": {"disable_log_stats": False}}}, gen((P, None)),
+        ])
+    finally:
+        redis.close()
+    assert b["tokens"] == reference["P"]
+    assert b["cached"] == 4 * BLOCK and b["counters"]["loaded_blocks"] == 4 and b["counters"]["load_errors"] == 0
+
+
+def test_prompt_embeddings_pass_through_uncached(model_dir: str, tmp_path: Path) -> None:
+    """vLLM allows prompt embeddings with a connector; their token ids are placeholders (0), and
+    keys of them would name every embeddings prompt of a length alike: kvstore neither looks them
+    up nor saves them (before, the lookup's len(prompt_token_ids) killed the engine core)."""
+    store = {"host_bytes": "16MiB"}
+    _, out = run_plan([
+        {"llm": {"model": model_dir, "extra": store, "options": {"enable_prompt_embeds": True}}},
+        {"generate": [{"embeds": {"n": 300, "seed": 1}}, {"embeds": {"n": 300, "seed": 2}}, {"ids": P}]},
+    ])
+    first, second, tokens = out
+    assert first["tokens"] and second["tokens"]
+    for r in (first, second):
+        assert r["counters"]["lookups"] == 0 and r["counters"]["saved_blocks"] == 0
+    assert tokens["counters"]["saved_blocks"] == 4  # requests of token ids are saved as ever

@@ -1,10 +1,17 @@
 """Run a plan of vLLM instances in this process and print one JSON result line (for the tests).
 
 ``python tests_vllm/vllm_run.py PLAN_JSON``. A plan is a list of steps:
-  {"llm": {"model": DIR, "extra": {...} | null}}   start an LLM (null: no connector), closing the last
-  {"generate": [{"ids": [...], "salt": str | null}, ...], "max_tokens": N}
-  {"kill": PID}                                      SIGKILL a process (a daemon), and wait for it
-  {"flip": {"path": FILE, "offset": N}}              flip one byte of a file (corrupt a block)
+  {"llm": {"model": DIR, "extra": {...} | null, "options": {...}}}
+                                          start an LLM (null: no connector; options: more LLM(...)
+                                          arguments), closing the last
+  {"generate": [{"ids": [...], "salt": str | null, "embeds": {"n": N, "seed": S}}, ...], "max_tokens": N}
+                                          ("embeds": a prompt of N random embeddings instead of ids)
+  {"kill": PID}                           SIGKILL a process (a daemon), and wait for it
+  {"flip": {"path": FILE, "offset": N}}   flip one byte of a file (corrupt a block)
+  {"stored": {"ids": [...], "path": FILE}}
+                                          the blocks the embedded store holds for the unsalted prompt
+                                          ``ids``: torch.save({block index: tensor}) to FILE; reports
+                                          the indices held
 Each generate step reports, per prompt: tokens, num_cached_tokens, and the connector counters'
 change over the step.
 """
@@ -22,11 +29,11 @@ from typing import Any
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # scheduler and worker in this process
 
 
-def make_llm(model: str, extra: dict[str, Any] | None) -> Any:
+def make_llm(model: str, extra: dict[str, Any] | None, **options: Any) -> Any:
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
-    kwargs: dict[str, Any] = {}
+    kwargs: dict[str, Any] = dict(options)
     if extra is not None:
         kwargs["kv_transfer_config"] = KVTransferConfig(
             kv_connector="KVStoreConnector", kv_connector_module_path="kvstore.integrations.vllm",
@@ -44,6 +51,32 @@ def counters() -> dict[str, int]:
     return module.counters()  # type: ignore[no-any-return]
 
 
+def stored_blocks(ids: list[int], path: str) -> list[int]:
+    """Save the embedded store's blocks of the unsalted prompt ``ids`` (see the module); their indices."""
+    import torch
+
+    from kvstore.integrations.vllm import backend
+
+    (store,) = [entry[0] for entry in backend._EMBEDDED.values()]
+    keys = store.block_keys(ids)
+    held = [i for i, is_held in enumerate(store.contains(keys)) if is_held]
+    torch.save({i: store.get([keys[i]])[0].clone() for i in held}, path)
+    return held
+
+
+def prompt_of(p: dict[str, Any], llm: Any) -> dict[str, Any]:
+    if "embeds" in p:
+        import torch
+
+        hidden = llm.llm_engine.model_config.get_hidden_size()
+        gen = torch.Generator().manual_seed(p["embeds"]["seed"])
+        return {"prompt_embeds": torch.randn(p["embeds"]["n"], hidden, generator=gen)}
+    prompt: dict[str, Any] = {"prompt_token_ids": p["ids"]}
+    if p.get("salt"):
+        prompt["cache_salt"] = p["salt"]
+    return prompt
+
+
 def main(plan: list[dict[str, Any]]) -> list[Any]:
     from vllm import SamplingParams
 
@@ -54,7 +87,7 @@ def main(plan: list[dict[str, Any]]) -> list[Any]:
             llm = None
             gc.collect()  # the previous instance's connectors shut down, its store closes
             started = time.perf_counter()
-            llm = make_llm(step["llm"]["model"], step["llm"].get("extra"))
+            llm = make_llm(step["llm"]["model"], step["llm"].get("extra"), **step["llm"].get("options", {}))
             results.append({"start_s": time.perf_counter() - started})
         elif "generate" in step:
             assert llm is not None, "generate before llm"
@@ -62,10 +95,7 @@ def main(plan: list[dict[str, Any]]) -> list[Any]:
             out = []
             for p in step["generate"]:  # one at a time: each prompt's counters are its own
                 before = counters()
-                prompt: dict[str, Any] = {"prompt_token_ids": p["ids"]}
-                if p.get("salt"):
-                    prompt["cache_salt"] = p["salt"]
-                r = llm.generate([prompt], params, use_tqdm=False)[0]
+                r = llm.generate([prompt_of(p, llm)], params, use_tqdm=False)[0]
                 after = counters()
                 out.append({"tokens": list(r.outputs[0].token_ids), "cached": r.num_cached_tokens,
                             "counters": {k: v - before.get(k, 0) for k, v in after.items()}})
@@ -80,6 +110,8 @@ def main(plan: list[dict[str, Any]]) -> list[Any]:
                 f.seek(step["flip"]["offset"])
                 f.write(bytes([byte[0] ^ 0xFF]))
             results.append({"flipped": step["flip"]})
+        elif "stored" in step:
+            results.append(stored_blocks(step["stored"]["ids"], step["stored"]["path"]))
     llm = None
     gc.collect()
     return results

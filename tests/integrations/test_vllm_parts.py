@@ -5,6 +5,9 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -42,6 +45,24 @@ def test_settings_validate_and_never_show_the_token() -> None:
         ConnectorSettings(async_tiers=("tape",))
     with pytest.raises(ConfigError, match="async_when_idle must be true or false"):
         ConnectorSettings(async_when_idle="yes")  # type: ignore[arg-type]
+    assert ConnectorSettings(async_tiers="remote").async_tiers == ("remote",)
+    assert ConnectorSettings().async_tiers == ("disk", "remote")
+
+
+@pytest.mark.parametrize(("extra", "match"), [
+    ({"store": None}, "store must be"), ({"store": 5}, "store must be"), ({"store": "tcp://"}, "store must be"),
+    ({"store": "tcp://host"}, "store must be"), ({"store": "unix://"}, "store must be"),
+    ({"async_tiers": 5}, "async_tiers must be"), ({"async_tiers": [None]}, "async_tiers must be"),
+    ({"hash_algo": ["sha256"]}, "hash_algo must be"), ({"write_policy": ["write_back"]}, "write_policy must be"),
+    ({"retry_s": float("nan")}, "retry_s must be a positive, finite"), ({"timeout_s": float("inf")}, "timeout_s"),
+    ({"lookup_timeout_s": 0}, "lookup_timeout_s"), ({"host_bytes": None}, "host_bytes: size None"),
+    ({"disk_path": 3, "disk_bytes": "1MiB"}, "disk_path must be"), ({"remote_url": ""}, "remote_url must be"),
+    ({"model_id": ["m"]}, "model_id must be"), ({"token": 1234}, "token must be a string, got a int"),
+])
+def test_a_bad_setting_is_a_config_error_naming_it(extra: dict[str, object], match: str) -> None:
+    with pytest.raises(ConfigError, match=match) as caught:
+        ConnectorSettings.from_extra_config(extra)
+    assert "1234" not in str(caught.value)  # a token never shows
 
 
 def test_paged_gather_then_scatter_moves_whole_blocks_per_layer() -> None:
@@ -124,7 +145,7 @@ def test_guarded_store_turns_a_dead_daemon_into_misses(tmp_path: Path) -> None:
     blocks = torch.randn(2, *LAYOUT.block_shape)
     assert store.put(keys, blocks) and store.lookup(keys).num_blocks == 2
     daemon.stop()
-    daemon.start()  # a restart under a live connection: the next call reconnects at once
+    daemon.start()  # a restart under a live connection: a fetch reconnects at once and retries
     out = torch.empty_like(blocks)
     assert store.fetch(keys, out).result(10).num_blocks == 2 and torch.equal(out, blocks)
     assert store.lookup(keys).num_blocks == 2
@@ -132,12 +153,46 @@ def test_guarded_store_turns_a_dead_daemon_into_misses(tmp_path: Path) -> None:
     assert store.lookup(keys).num_blocks == 0 and store.failures >= 1
     assert store.fetch(keys, out).result(10).num_blocks == 0
     assert not store.put(keys, blocks)
-    daemon.start()  # back on the same socket; lookups wait out retry_s, but a fetch reconnects
-    assert store.lookup(keys).num_blocks == 0
+    daemon.start()  # back on the same socket: a fetch reconnects (the background waits out its backoff)
     assert store.fetch(keys, out).result(10).num_blocks == 2 and torch.equal(out, blocks)
     assert store.is_up and store.lookup(keys).num_blocks == 2  # the daemon kept them (write-through)
     store.close()
     daemon.stop()
     never = GuardedStore(ConnectorSettings(store=f"unix://{tmp_path}/nothing.sock"), LAYOUT, "m")
     assert never.block_keys([1] * 16, "") is None  # a daemon's tenant is unknown while it is down
+    assert never.tenant_for("salt") is None
     assert never.lookup([b"\0" * 32]).num_blocks == 0 and never.failures >= 1
+    never.close()
+
+
+def test_a_daemon_that_stops_answering_stalls_lookups_once_per_outage(tmp_path: Path) -> None:
+    """SIGSTOP: the daemon accepts connections and never answers. The scheduler's lookups run on
+    vLLM's scheduling thread: one waits out lookup_timeout_s, then every lookup misses at once
+    while the reconnection retries in the background; after SIGCONT the hits come back."""
+    daemon = DaemonProc(tmp_path / "data", host_mem="2MiB", disk="2MiB")
+    settings = ConnectorSettings(store=daemon.unix, retry_s=0.2, lookup_timeout_s=0.5)
+    store = GuardedStore(settings, LAYOUT, "m", timeout_s=settings.lookup_timeout_s)  # as the connector does
+    try:
+        keys = store.block_keys(list(range(16)), "")
+        assert keys is not None and store.put(keys, torch.randn(2, *LAYOUT.block_shape))
+        assert store.lookup(keys).num_blocks == 2
+        os.kill(daemon.proc.pid, signal.SIGSTOP)
+        started = time.monotonic()
+        assert store.lookup(keys).num_blocks == 0
+        assert time.monotonic() - started < 0.5 + 1.0  # the lookup timeout (and a busy machine's slack)
+        worst, deadline = 0.0, time.monotonic() + 2.0  # ten reconnection periods, each attempt timing out
+        while time.monotonic() < deadline:
+            started = time.monotonic()
+            assert store.lookup(keys).num_blocks == 0 and store.block_keys([1] * 16, "") is None
+            worst = max(worst, time.monotonic() - started)
+            time.sleep(0.02)
+        assert worst < 0.1, f"a lookup waited {worst:.2f} s for a stalled daemon"
+        os.kill(daemon.proc.pid, signal.SIGCONT)
+        deadline = time.monotonic() + 10
+        while not store.is_up and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert store.lookup(keys).num_blocks == 2
+    finally:
+        os.kill(daemon.proc.pid, signal.SIGCONT)
+        store.close()
+        daemon.stop()

@@ -1,10 +1,13 @@
 """The connector's store: a daemon client or an embedded TieredStore, behind one guard.
 
 ``GuardedStore`` is the only place the connector touches a store. A store that fails (the
-daemon died, a socket timed out, a disk error) is dropped: until ``retry_s`` has passed every
-lookup is a miss, every fetch delivers nothing and every put is skipped, then the guard
-reconnects. So a dead store costs hits, never a request. An embedded store is shared by the
-connectors of one process (vLLM builds a scheduler-side and a worker-side connector).
+daemon died or stopped answering, a socket timed out, a disk error) is dropped, and a
+background thread reconnects: the first attempt at once, then after waits that double from
+RETRY_FIRST_S up to ``retry_s``. Until it is back every lookup is a miss, every fetch delivers
+nothing and every put is skipped, at once: no caller on vLLM's scheduling thread ever waits for
+a connection attempt, so a dead store costs hits, never a request, and a daemon that stops
+answering stalls the engine for one lookup timeout per outage. An embedded store is shared by
+the connectors of one process (vLLM builds a scheduler-side and a worker-side connector).
 """
 
 from __future__ import annotations
@@ -12,7 +15,6 @@ from __future__ import annotations
 import atexit
 import logging
 import threading
-import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -31,6 +33,8 @@ from kvstore.transfer import FetchHandle, FetchResult
 logger = logging.getLogger("kvstore.vllm")
 
 _T = TypeVar("_T")
+RETRY_FIRST_S = 0.1  # the first wait between reconnection attempts; each later one doubles, up to retry_s
+SALT_SEPARATOR = "\x00cache_salt\x00"  # tenant + this + vLLM's cache_salt: a salted request's chain tenant
 _EMBEDDED: dict[tuple[str, str], list[Any]] = {}  # (model id, disk path) -> [store, users]
 _EMBEDDED_LOCK = threading.Lock()
 
@@ -76,88 +80,137 @@ def _close_all_embedded() -> None:
 class GuardedStore:
     """A store whose failures are misses. Thread-safe.
 
-    Counts ``failures`` (store errors seen) and exposes ``is_up``. Keys are computed locally
-    (same recipe as the store), salted with the request's tenant; with a daemon an empty
-    tenant salts with the token's tenant, as ``StoreClient.block_keys`` does.
+    Counts ``failures`` (store errors and failed connection attempts) and exposes ``is_up``.
+    Keys are computed locally (same recipe as the store), salted with the request's tenant
+    (``tenant_for``). ``timeout_s`` bounds one daemon request (default: the settings'); the
+    scheduler-side guard passes ``lookup_timeout_s``, as it runs on vLLM's scheduling thread.
     """
 
     def __init__(self, settings: ConnectorSettings, layout: KVLayout, model_id: str,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 timeout_s: float | None = None) -> None:
         self.settings = settings
         self.layout = layout
         self.model_id = model_id
+        self.timeout_s = settings.timeout_s if timeout_s is None else timeout_s
         self.hasher = BlockHasher(Namespace(model_id, layout, settings.hash_algo))
         self.failures = 0
-        self._clock = clock
         self._lock = threading.Lock()
         self._store: Any = None
         self._tenant = ""
-        self._next_try = 0.0
         self._closed = False
+        self._quiet = False  # a failed attempt was logged: the next ones log at debug level
+        self._wake = threading.Event()  # set by close(): the reconnect thread stops waiting
+        self._reconnector: threading.Thread | None = None
         self._executor = ThreadPoolExecutor(2, thread_name_prefix="kvstore-vllm")
-        self._connect()
+        if self._attempt() is None:  # the first attempt in vLLM's startup, so the first request can hit
+            self._reconnect_later(RETRY_FIRST_S)
 
     # -------------------------------------------------------------------- lifecycle
 
-    def _connect(self, force: bool = False) -> Any:
-        """The store, (re)connecting when it is down and ``retry_s`` has passed (or ``force``).
+    def _open(self) -> Any:
+        """A new store (no lock held: a daemon that accepts but never answers blocks timeout_s).
 
         Outside inference mode: vLLM may call in from its forward, and the client's shared-memory
         pool (or the embedded store's host pool) made there would be an inference tensor that
         the transfer threads may not write.
         """
-        with self._lock, torch.inference_mode(False):
-            if self._store is not None or self._closed or (not force and self._clock() < self._next_try):
-                return self._store
-            try:
-                if self.settings.is_daemon:
-                    from kvstore.daemon.client import connect
+        with torch.inference_mode(False):
+            if self.settings.is_daemon:
+                from kvstore.daemon.client import connect
 
-                    client = connect(self.settings.store, self.settings.token, layout=self.layout,
-                                     model_id=self.model_id, hash_algo=self.settings.hash_algo,
-                                     timeout=self.settings.timeout_s)
-                    self._tenant = client.tenant
-                    self._store = client
-                else:
-                    self._store = _open_embedded(self.settings, self.layout, self.model_id)
-                logger.info("kvstore: connected to %s, namespace %s", self.settings.describe(),
-                            self.hasher.namespace.id)
-            except Exception as exc:  # any failure to open is a store that is down
-                self._next_try = self._clock() + self.settings.retry_s
+                return connect(self.settings.store, self.settings.token, layout=self.layout,
+                               model_id=self.model_id, hash_algo=self.settings.hash_algo, timeout=self.timeout_s)
+            return _open_embedded(self.settings, self.layout, self.model_id)
+
+    def _attempt(self) -> Any:
+        """One connection attempt in this thread: the store now in use, or None."""
+        try:
+            store = self._open()
+        except Exception as exc:  # any failure to open is a store that is down
+            with self._lock:
                 self.failures += 1
-                logger.warning("kvstore: %s is unavailable (%s: %s); no hits until it is back, "
-                               "next try in %.0f s", self.settings.describe(), type(exc).__name__, exc,
-                               self.settings.retry_s)
-            return self._store
+                quiet, self._quiet = self._quiet, True
+            (logger.debug if quiet else logger.warning)(
+                "kvstore: %s is unavailable (%s: %s); no hits until it is back, retrying in the background",
+                self.settings.describe(), type(exc).__name__, exc)
+            return None
+        with self._lock:
+            spare = store if self._closed or self._store is not None else None  # closed, or another thread won
+            if spare is None:
+                self._store, self._quiet = store, False
+                self._tenant = getattr(store, "tenant", "")
+            current = self._store
+        if spare is not None:
+            self._release(spare)
+        else:
+            logger.info("kvstore: connected to %s, namespace %s", self.settings.describe(), self.hasher.namespace.id)
+        return current
 
-    def _fail(self, store: Any, exc: BaseException, reconnect_now: bool = False) -> None:
-        """Drop ``store`` after an error (once, whichever thread sees it first). With
-        ``reconnect_now`` the next call reconnects at once (a restarted daemon), else after retry_s."""
+    def _reconnect_later(self, first_wait: float = 0.0) -> None:
+        """Start the background reconnection, unless it runs already (or the guard is closed)."""
+        with self._lock:
+            if self._closed or self._store is not None or self._reconnector is not None:
+                return
+            self._reconnector = threading.Thread(target=self._reconnect_loop, args=(first_wait,),
+                                                 name="kvstore-vllm-reconnect", daemon=True)
+            self._reconnector.start()
+
+    def _reconnect_loop(self, wait: float) -> None:
+        while not self._wake.wait(wait):
+            self._attempt()
+            with self._lock:  # one section with the check: a failure right after starts a new thread
+                if self._closed or self._store is not None:
+                    self._reconnector = None
+                    return
+            wait = min(max(2 * wait, RETRY_FIRST_S), self.settings.retry_s)
+        with self._lock:
+            self._reconnector = None
+
+    def _fail(self, store: Any, exc: BaseException) -> None:
+        """Drop ``store`` after an error (once, whichever thread sees it first)."""
         with self._lock:
             self.failures += 1
             if self._store is not store:
                 return
             self._store = None
-            self._next_try = 0.0 if reconnect_now else self._clock() + self.settings.retry_s
-        if reconnect_now:
-            logger.info("kvstore: %s failed (%s: %s); reconnecting", self.settings.describe(), type(exc).__name__, exc)
-        else:
-            logger.warning("kvstore: %s failed (%s: %s); serving without it for %.0f s", self.settings.describe(),
-                           type(exc).__name__, exc, self.settings.retry_s)
+        logger.warning("kvstore: %s failed (%s: %s); serving without it while it reconnects",
+                       self.settings.describe(), type(exc).__name__, exc)
         self._release(store)
 
-    def _call(self, op: Callable[[Any], _T], default: _T, force: bool = False) -> _T:
-        """``op(store)``; on an error reconnect once and retry, then give ``default``. ``force``
-        tries to connect even while backing off."""
-        for attempt in range(2):
-            store = self._connect(force)
-            if store is None:
+    def _call(self, op: Callable[[Any], _T], default: _T, retry: bool = False, connect: bool = False) -> _T:
+        """``op(store)``, or ``default`` at once while the store is down or when op fails.
+
+        ``retry``: after a broken connection (not a timeout), reconnect in this thread and try
+        once more (a restarted daemon then costs nothing). ``connect``: while down, try to
+        connect in this thread first. Neither is for vLLM's scheduling thread.
+        """
+        store = self._current()
+        if store is None and connect:
+            store = self._attempt()
+        if store is None:
+            self._reconnect_later()
+            return default
+        try:
+            return op(store)
+        except Exception as exc:
+            self._fail(store, exc)
+            if not retry or isinstance(exc, TimeoutError):  # a stalled daemon: never wait for it twice
+                self._reconnect_later()
                 return default
-            try:
-                return op(store)
-            except Exception as exc:
-                self._fail(store, exc, reconnect_now=attempt == 0)
-        return default
+        store = self._attempt()
+        if store is None:
+            self._reconnect_later()
+            return default
+        try:
+            return op(store)
+        except Exception as exc:
+            self._fail(store, exc)
+            self._reconnect_later()
+            return default
+
+    def _current(self) -> Any:
+        with self._lock:
+            return self._store
 
     def _release(self, store: Any) -> None:
         try:
@@ -170,43 +223,66 @@ class GuardedStore:
 
     @property
     def is_up(self) -> bool:
-        return self._connect() is not None
+        return self._current() is not None
 
     def close(self) -> None:
         with self._lock:
             store, self._store, self._closed = self._store, None, True
+        self._wake.set()  # a reconnect thread inside an attempt releases what it opens, then ends
         self._executor.shutdown(wait=True)
         if store is not None:
             self._release(store)
 
     # -------------------------------------------------------------------- the store API
 
+    def tenant_for(self, cache_salt: str | None) -> str | None:
+        """The chain tenant of a request: the daemon token's tenant ("" for an embedded store),
+        and vLLM's ``cache_salt`` after SALT_SEPARATOR when the request has one, so a salt never
+        names the unsalted chain of a tenant, whatever its text. None while a daemon's tenant is
+        unknown (the daemon is down)."""
+        tenant = ""
+        if self.settings.is_daemon:
+            with self._lock:
+                if self._store is None:
+                    tenant_known = False
+                else:
+                    tenant_known, tenant = True, self._tenant
+            if not tenant_known:
+                self._reconnect_later()
+                return None
+        return tenant + SALT_SEPARATOR + cache_salt if cache_salt else tenant
+
     def block_keys(self, token_ids: Sequence[int], tenant: str,
                    extra_keys: Sequence[Sequence[ExtraKey] | None] | None = None,
                    parent: bytes | None = None) -> list[bytes] | None:
-        """The chained keys of the full blocks, or None while a daemon's tenant is unknown."""
+        """The chained keys of the full blocks; with a daemon an empty tenant is the token's,
+        and None while it is unknown."""
         if self.settings.is_daemon and not tenant:
-            if self._connect() is None:
+            known = self.tenant_for(None)
+            if known is None:
                 return None
-            tenant = self._tenant
+            tenant = known
         return self.hasher.block_keys(token_ids, tenant, extra_keys, parent)
 
     def lookup(self, keys: Sequence[bytes]) -> PrefixMatch:
+        """The leading run the store holds; a miss at once while it is down (never reconnects here:
+        this runs on vLLM's scheduling thread)."""
         if not keys:
             return PrefixMatch(0)
         return self._call(lambda store: store.lookup(keys), PrefixMatch(0))
 
     def fetch(self, keys: Sequence[bytes], into: torch.Tensor) -> FetchHandle:
-        """Like TieredStore.fetch, on this guard's thread: a failure reconnects and retries once,
-        then delivers 0 blocks (the caller reports them; vLLM recomputes). A fetch connects even
-        while backing off: it follows a lookup that the store (over another connection) answered."""
+        """Like TieredStore.fetch, on this guard's thread: a broken connection reconnects and
+        retries once, else 0 blocks are delivered (the caller reports them; vLLM recomputes). A
+        fetch connects even while the store is down here: it follows a lookup that the store
+        (over the scheduler's connection) answered."""
 
         def op(store: Any) -> FetchResult:
             # Views made inside vLLM's inference mode could not be written by the store's threads.
             with torch.inference_mode(False):
                 return store.fetch(keys, into).result()
 
-        return FetchHandle(self._executor.submit(self._call, op, FetchResult(0, ()), True), len(keys))
+        return FetchHandle(self._executor.submit(self._call, op, FetchResult(0, ()), True, True), len(keys))
 
     def put(self, keys: Sequence[bytes], blocks: torch.Tensor) -> bool:
         """Store the blocks; False when the store is down or refused them."""
@@ -222,7 +298,7 @@ class GuardedStore:
                 return False
             return True
 
-        return self._call(put, False)
+        return self._call(put, False, retry=True)
 
     def stats(self) -> dict[str, dict[str, int]]:
         return self._call(lambda store: store.stats(), {})

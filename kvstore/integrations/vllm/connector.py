@@ -20,12 +20,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvstore.integrations.vllm.backend import GuardedStore
 from kvstore.integrations.vllm.identity import model_identity
-from kvstore.integrations.vllm.metadata import KVStoreMetadata
+from kvstore.integrations.vllm.metadata import KVStoreMetadata, KVStoreWorkerMeta
 from kvstore.integrations.vllm.scheduler import SchedulerSide
 from kvstore.integrations.vllm.settings import ConnectorSettings
 from kvstore.integrations.vllm.worker import WorkerSide
@@ -41,7 +42,9 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = logging.getLogger("kvstore.vllm")
-_SOURCES = {"host": CacheHitSource.HOST, "disk": CacheHitSource.DISK}
+# kvstore tier -> vLLM's label; vLLM 0.32 has no REMOTE: its fallback is documented as "remote store"
+HIT_SOURCES = {"host": CacheHitSource.HOST, "disk": CacheHitSource.DISK,
+               "remote": CacheHitSource.EXTERNAL_UNSPECIFIED}
 
 
 class KVStoreConnector(KVConnectorBase_V1):
@@ -54,13 +57,19 @@ class KVStoreConnector(KVConnectorBase_V1):
         config = self._kv_transfer_config
         self.settings = ConnectorSettings.from_extra_config(config.kv_connector_extra_config)
         self.identity = model_identity(vllm_config, kv_cache_config, self.settings.model_id)
-        if config.kv_load_failure_policy != "recompute" and role == KVConnectorRole.SCHEDULER:
+        is_scheduler = role == KVConnectorRole.SCHEDULER
+        if config.kv_load_failure_policy != "recompute" and is_scheduler:
             logger.warning("kvstore: kv_load_failure_policy=%r fails a request whose block is corrupt or "
                            "vanished; 'recompute' makes it a miss", config.kv_load_failure_policy)
-        self.store = GuardedStore(self.settings, self.identity.layout, self.identity.model_id)
+        if self.settings.token is not None and is_scheduler:
+            logger.warning("kvstore: the daemon token is set in kv_connector_extra_config, which vLLM logs at "
+                           "INFO with its non-default arguments; set KVSTORE_TOKEN instead")
+        # the scheduler side only looks up, on vLLM's scheduling thread: a short timeout of its own
+        self.store = GuardedStore(self.settings, self.identity.layout, self.identity.model_id,
+                                  timeout_s=self.settings.lookup_timeout_s if is_scheduler else None)
         self.scheduler_side: SchedulerSide | None = None
         self.worker_side: WorkerSide | None = None
-        if role == KVConnectorRole.SCHEDULER:
+        if is_scheduler:
             self.scheduler_side = SchedulerSide(self.store, self.identity.layout.block_size, self.settings.async_tiers,
                                                 load=config.is_kv_consumer, save=config.is_kv_producer,
                                                 async_when_idle=self.settings.async_when_idle)
@@ -72,6 +81,12 @@ class KVStoreConnector(KVConnectorBase_V1):
     @property
     def requires_kv_delivery(self) -> bool:
         return False  # a cache: a save that never happens is a future miss, never an error
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        # Loads and saves run in wait_for_layer_load / save_kv_layer, between the layers' graph
+        # pieces; a full CUDA graph replay would skip them (no load, no save, stale KV).
+        return True
 
     # ============================================================ worker side
 
@@ -106,6 +121,9 @@ class KVStoreConnector(KVConnectorBase_V1):
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker().load_errors()
 
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        return self._worker().report(self._meta()) if self.has_connector_metadata() else None
+
     def shutdown(self) -> None:
         if self.worker_side is not None:
             self.worker_side.shutdown()
@@ -121,8 +139,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         return self._scheduler().get_num_new_matched_tokens(request, num_computed_tokens)
 
     def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[CacheHitSource, int]:
-        tiers = self._scheduler().hit_tiers(request.request_id, num_external_tokens)
-        return {_SOURCES[tier]: n for tier, n in tiers.items() if n}
+        return hit_sources(self._scheduler().hit_tiers(request.request_id, num_external_tokens))
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         if num_external_tokens > 0:
@@ -132,9 +149,21 @@ class KVStoreConnector(KVConnectorBase_V1):
         return self._scheduler().build_connector_meta(scheduler_output)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        if connector_output.invalid_block_ids:
-            self._scheduler().note_load_errors(set(connector_output.invalid_block_ids))
+        report = connector_output.kv_connector_worker_meta
+        steps = report.sync_load_steps if isinstance(report, KVStoreWorkerMeta) else frozenset()
+        self._scheduler().note_worker_output(set(connector_output.invalid_block_ids or ()), steps)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._scheduler().request_finished(request)
         return False, None
+
+
+def hit_sources(tiers: dict[str, int]) -> dict[CacheHitSource, int]:
+    """Tokens per kvstore tier -> tokens per vLLM CacheHitSource (a tier vLLM has no label for
+    counts as EXTERNAL_UNSPECIFIED)."""
+    out: dict[CacheHitSource, int] = {}
+    for tier, n in tiers.items():
+        if n:
+            source = HIT_SOURCES.get(tier, CacheHitSource.EXTERNAL_UNSPECIFIED)
+            out[source] = out.get(source, 0) + n
+    return out

@@ -26,7 +26,8 @@ class ModelIdentity:
 
     Attributes:
         model_id: checkpoint (name or resolved path, with a digest of a local config.json),
-            revision, vLLM's KV dtype and block geometry; the namespace's model id.
+            revision, vLLM's KV spec and head size, and the pipeline stage; the namespace's
+            model id.
         layout: a kvstore layout of exactly one vLLM block of every layer.
         layer_names: vLLM's attention layers, in the order their bytes sit in a block.
         layer_bytes: bytes of one vLLM block of one layer.
@@ -40,12 +41,13 @@ class ModelIdentity:
 
 def model_identity(vllm_config: Any, kv_cache_config: Any, override: str | None = None) -> ModelIdentity:
     """Derive the identity; ConfigError for models kvstore cannot hold (several KV cache groups,
-    non-attention state, a KV dtype kvstore does not know)."""
+    anything but plain full attention, a KV dtype kvstore does not know, context parallelism)."""
     groups = list(kv_cache_config.kv_cache_groups)
     if len(groups) != 1:
         raise ConfigError(f"the kvstore connector supports one KV cache group, this model has {len(groups)} "
                           "(sliding-window or hybrid models are not supported)")
     spec = groups[0].kv_cache_spec
+    _check_full_attention(spec)
     for attr in ("block_size", "num_kv_heads", "head_size", "dtype", "page_size_bytes"):
         if not hasattr(spec, attr):
             raise ConfigError(f"KV cache spec {type(spec).__name__} is not attention KV (no {attr})")
@@ -60,8 +62,13 @@ def model_identity(vllm_config: Any, kv_cache_config: Any, override: str | None 
                           f"2 x {block_size} tokens x {heads} heads x {dtype.itemsize} bytes")
     head_dim = layer_bytes // per_token_head  # head_size, or more where the backend pads
     parallel = vllm_config.parallel_config
+    for name in ("prefill_context_parallel_size", "decode_context_parallel_size"):
+        if int(getattr(parallel, name, 1)) > 1:  # a block's tokens spread over ranks: not vLLM's block
+            raise ConfigError(f"the kvstore connector does not support context parallelism ({name}="
+                              f"{getattr(parallel, name)})")
+    tp_rank, pp_rank = _ranks(parallel)
     layout = KVLayout(num_layers=len(groups[0].layer_names), num_kv_heads=heads, head_dim=head_dim,
-                      block_size=block_size, dtype=dtype, tp_rank=_tp_rank(parallel),
+                      block_size=block_size, dtype=dtype, tp_rank=tp_rank,
                       tp_size=int(parallel.tensor_parallel_size))
     model = vllm_config.model_config
     if override:
@@ -71,12 +78,38 @@ def model_identity(vllm_config: Any, kv_cache_config: Any, override: str | None 
         config_json = Path(name) / "config.json"
         if config_json.is_file():  # a local checkpoint: its path and its config's digest
             name = f"{Path(name).resolve()}#{hashlib.sha256(config_json.read_bytes()).hexdigest()[:16]}"
-    model_id = (f"vllm:{name}@{model.revision or '-'}:{type(spec).__name__}:head{head_size}"
-                f":pp{int(parallel.pipeline_parallel_size)}")
+    # Each pipeline stage holds other layers under the same keys: its own namespace. (One stage
+    # keeps the "pp1" it had before stages were named, so its stored blocks stay valid.)
+    pp_size = int(parallel.pipeline_parallel_size)
+    stage = f"pp{pp_rank}of{pp_size}" if pp_size > 1 else "pp1"
+    model_id = f"vllm:{name}@{model.revision or '-'}:{type(spec).__name__}:head{head_size}:{stage}"
     return ModelIdentity(model_id, layout, tuple(groups[0].layer_names), layer_bytes)
 
 
-def _tp_rank(parallel: Any) -> int:
-    """This worker's tensor-parallel rank (the scheduler, rank 0's view, asks only for keys)."""
-    size = int(parallel.tensor_parallel_size)
-    return int(getattr(parallel, "rank", 0)) % size if size > 1 else 0
+def _check_full_attention(spec: Any) -> None:
+    """ConfigError unless vLLM's spec is plain full attention (by name: no vLLM import here).
+
+    A sliding-window, chunked-local or MLA layer keeps other bytes per block than the K and V
+    of every token (vLLM without its hybrid allocator, as with a connector, hands a model mixing
+    such layers with full ones over as full attention with the window set). A non-causal
+    (prefix-LM) block's KV depends on later tokens, which its prefix key does not name.
+    """
+    kind = type(spec).__name__
+    if "MLA" in kind:
+        raise ConfigError(f"the kvstore connector does not support MLA models (KV cache spec {kind})")
+    window = getattr(spec, "sliding_window", None) or getattr(spec, "attention_chunk_size", None)
+    if kind != "FullAttentionSpec" or window is not None:
+        detail = f", window {window}" if window is not None else ""
+        raise ConfigError(f"the kvstore connector supports plain full attention only, this model's KV cache "
+                          f"spec is {kind}{detail} (sliding-window, chunked-local and MLA models are not supported)")
+    if getattr(spec, "non_causal", False):
+        raise ConfigError("the kvstore connector does not support non-causal (prefix-LM) attention: a block's KV "
+                          "depends on the tokens after it")
+
+
+def _ranks(parallel: Any) -> tuple[int, int]:
+    """This worker's (tensor-parallel, pipeline-parallel) rank; vLLM orders a worker's ``rank``
+    as PP x PCP x TP (PCP refused above). The scheduler, rank 0's view, asks only for keys."""
+    tp_size, pp_size = int(parallel.tensor_parallel_size), int(parallel.pipeline_parallel_size)
+    rank = int(getattr(parallel, "rank", 0))
+    return rank % tp_size, (rank // tp_size) % pp_size

@@ -1,10 +1,10 @@
-"""What the scheduler-side connector tells the worker-side one each step (plain data)."""
+"""What the scheduler-side connector and the worker-side ones tell each other each step (plain data)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
 
 @dataclass(frozen=True)
@@ -32,5 +32,28 @@ class SaveSpec:
 
 @dataclass
 class KVStoreMetadata(KVConnectorMetadata):
+    """One step's plan; ``step`` numbers the scheduler's steps (KVStoreWorkerMeta echoes it)."""
+
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
+    step: int = 0
+
+    @property
+    def has_sync_loads(self) -> bool:
+        return any(not load.is_async for load in self.loads)
+
+
+@dataclass
+class KVStoreWorkerMeta(KVConnectorWorkerMetadata):
+    """Worker -> scheduler: the steps whose synchronous loads this output settled.
+
+    Every load error of those steps is in the same output's ``invalid_block_ids``, which
+    vLLM unions over all ranks (as it aggregates this metadata), so once the scheduler sees a
+    step here it knows whether any rank missed a block of it.
+    """
+
+    sync_load_steps: frozenset[int] = frozenset()
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        assert isinstance(other, KVStoreWorkerMeta), f"unexpected worker metadata {type(other).__name__}"
+        return KVStoreWorkerMeta(self.sync_load_steps | other.sync_load_steps)

@@ -3,8 +3,19 @@
 Per request it keeps the chained keys of its full blocks (prompt first, then generated
 tokens as blocks fill), the vLLM block ids, and how many leading blocks the store is known
 to hold. A load covers the blocks kvstore holds beyond vLLM's own prefix-cache hit; a save
-covers each block the step completes that the store does not hold yet, so a request's
+covers each block the request has computed that the store does not hold yet, so a request's
 blocks are in kvstore as soon as they are computed (a finished request leaves nothing to do).
+
+A block computed while a synchronous load it may read from is unconfirmed is not saved yet:
+if that load missed a block on any rank, the forward attended to a block nobody filled, and
+the result (wrong KV under the right key) would stay in the store, which keeps the first copy
+of a key. Such a load's blocks stay "in doubt" from the step that runs it until the worker's
+report of that step comes back (``KVStoreWorkerMeta``, in the output that carries the step's
+load errors from every rank, after vLLM has rewound the requests they touch); until then a
+request whose blocks include one in doubt plans no save. The first step after that saves what
+it computed meanwhile (from vLLM's blocks, still the request's) or, after a miss, what vLLM
+recomputes. A request that finishes while in doubt leaves those blocks unsaved (a future miss).
+Prompt-embedding requests are neither looked up nor saved: their token ids are placeholders.
 """
 
 from __future__ import annotations
@@ -25,7 +36,9 @@ logger = logging.getLogger("kvstore.vllm")
 @dataclass
 class _Tracked:
     request: Any  # vLLM's Request (its all_token_ids grow as tokens are sampled)
-    tenant: str
+    salt: str | None  # vLLM's cache_salt
+    is_cacheable: bool = True  # False: prompt embeddings (token ids are placeholders), never keyed
+    tenant: str | None = None  # the chain's tenant (GuardedStore.tenant_for), once known
     keys: list[bytes] | None = None  # keys of the full blocks hashed so far; None: store down
     num_held: int = 0  # leading blocks the store holds (from the lookup, then our saves)
     tiers: tuple[str, ...] = ()
@@ -48,19 +61,25 @@ class SchedulerSide:
         self.can_load, self.can_save = load, save
         self._tracked: dict[str, _Tracked] = {}
         self._loads: list[LoadSpec] = []
+        self._step = 0
+        self._in_doubt: dict[int, frozenset[int]] = {}  # step -> vLLM blocks of its sync loads, unconfirmed
+        self._doubtful: frozenset[int] = frozenset()  # the union of _in_doubt's blocks
 
     # --------------------------------------------------------------------------- keys
 
     def _extra_keys(self, request: Any, first: int, stop: int) -> list[list[ExtraKey] | None] | None:
-        """Per block in [first, stop): the LoRA name and the multimodal items it overlaps."""
+        """Per block in [first, stop): the LoRA adapter (name and path, as vLLM's own prefix
+        cache keys it: a name re-pointed at another adapter never reuses its KV) and the
+        multimodal items the block overlaps."""
         lora = getattr(request, "lora_request", None)
         features = getattr(request, "mm_features", None) or []
         if lora is None and not features:
             return None
         b = self.block_size
+        adapter: list[ExtraKey] = [] if lora is None else ["lora", lora.lora_name, getattr(lora, "lora_path", "")]
         out: list[list[ExtraKey] | None] = []
         for i in range(first, stop):
-            extras: list[ExtraKey] = [f"lora:{lora.lora_name}"] if lora is not None else []
+            extras = list(adapter)
             for f in features:
                 pos = f.mm_position
                 if pos.offset < (i + 1) * b and pos.offset + pos.length > i * b:
@@ -71,10 +90,12 @@ class SchedulerSide:
     def _extend_keys(self, t: _Tracked, num_blocks: int) -> list[bytes] | None:
         """Make ``t.keys`` cover ``num_blocks`` full blocks of the request's tokens."""
         b = self.block_size
-        if t.keys is None:
-            t.keys = self.store.block_keys([], t.tenant)  # the tenant is known once the store is up
-            if t.keys is None:
+        if t.tenant is None:
+            t.tenant = self.store.tenant_for(t.salt)  # known once the store is up
+            if t.tenant is None:
                 return None
+        if t.keys is None:
+            t.keys = []
         have = len(t.keys)
         if num_blocks > have:
             tokens = t.request.all_token_ids[have * b : num_blocks * b]
@@ -99,7 +120,13 @@ class SchedulerSide:
     def _matched(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         t = self._tracked.get(request.request_id)
         if t is None:
-            t = self._tracked[request.request_id] = _Tracked(request, getattr(request, "cache_salt", None) or "")
+            # A prompt of embeddings (all or some of it) has placeholder token ids: keys of those
+            # would name every such prompt alike. It is tracked only to count in-flight requests.
+            cacheable = getattr(request, "prompt_embeds", None) is None and request.prompt_token_ids is not None
+            t = self._tracked[request.request_id] = _Tracked(request, getattr(request, "cache_salt", None),
+                                                             is_cacheable=cacheable)
+        if not t.is_cacheable:
+            return 0, False
         usable = (len(request.prompt_token_ids) - 1) // self.block_size
         keys = self._extend_keys(t, usable) if usable > 0 else None
         if keys is None:
@@ -118,7 +145,7 @@ class SchedulerSide:
         return (match.num_blocks - first) * self.block_size, t.is_async
 
     def hit_tiers(self, request_id: str, num_external_tokens: int) -> dict[str, int]:
-        """Tokens per tier ("host"/"disk") of the load planned for the request."""
+        """Tokens per tier ("host", "disk", "remote") of the load planned for the request."""
         t = self._tracked.get(request_id)
         if t is None or num_external_tokens <= 0:
             return {}
@@ -140,16 +167,28 @@ class SchedulerSide:
         t.loading = frozenset(block_ids[first:stop])
         self._loads.append(LoadSpec(request.request_id, t.keys[first:stop], list(block_ids[first:stop]), t.is_async))
 
-    def note_load_errors(self, block_ids: set[int]) -> None:
-        """Blocks the worker could not load: their requests load nothing more (vLLM recomputes)."""
+    def note_worker_output(self, invalid_block_ids: set[int], sync_load_steps: frozenset[int]) -> None:
+        """One step's output from every worker: the blocks they could not load (their requests
+        load nothing more; vLLM recomputes them), and the steps whose synchronous loads are
+        settled, every error of theirs included (their blocks are no longer in doubt)."""
         for t in self._tracked.values():
-            if t.loading & block_ids:
+            if t.loading & invalid_block_ids:
                 t.load_failed = True
+        if sync_load_steps & self._in_doubt.keys():
+            for step in sync_load_steps:
+                self._in_doubt.pop(step, None)
+            self._doubtful = frozenset().union(*self._in_doubt.values())
 
     def build_connector_meta(self, scheduler_output: Any) -> KVStoreMetadata:
-        """This step's loads (planned since the last call) and saves (blocks the step completes)."""
-        meta = KVStoreMetadata(loads=self._loads)
+        """This step's loads (planned since the last call) and saves (blocks computed and not
+        in doubt, see the module)."""
+        self._step += 1
+        meta = KVStoreMetadata(loads=self._loads, step=self._step)
         self._loads = []
+        sync_blocks = frozenset(i for load in meta.loads if not load.is_async for i in load.block_ids)
+        if sync_blocks:
+            self._in_doubt[self._step] = sync_blocks
+            self._doubtful |= sync_blocks
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             t = self._tracked.get(new.req_id)
@@ -171,7 +210,7 @@ class SchedulerSide:
 
     def _plan_save(self, meta: KVStoreMetadata, req_id: str, t: _Tracked, num_computed: int,
                    num_scheduled: int) -> None:
-        if not self.can_save:
+        if not self.can_save or not t.is_cacheable:
             return
         # vLLM recomputing blocks the lookup found (a load failed, or they were evicted since):
         # the store lost them, so the step that recomputes them saves them again.
@@ -180,6 +219,8 @@ class SchedulerSide:
         full = min(full, len(t.block_ids))
         if full <= t.num_held:
             return
+        if self._doubtful and not self._doubtful.isdisjoint(t.block_ids[:full]):
+            return  # computed over a block an unconfirmed load fills: saved once it is confirmed
         keys = self._extend_keys(t, full)
         if keys is None:
             return

@@ -5,16 +5,19 @@ Imports nothing from vLLM, so the settings can be checked (and documented) witho
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
 from kvstore.config import WRITE_POLICIES
+from kvstore.daemon.client import parse_address
 from kvstore.daemon.config import parse_size
 from kvstore.errors import ConfigError
 from kvstore.keys import HASHES
 
-TIERS = ("host", "disk")
+TIERS = ("host", "disk", "remote")
+_TEXT = ("disk_path", "remote_url", "model_id")  # optional text settings: unset or a non-empty str
 
 
 @dataclass(frozen=True)
@@ -34,13 +37,19 @@ class ConnectorSettings:
         model_id: the namespace's model identity, when the checkpoint path is not stable
             across machines (default: derived from vLLM's model config, see identity.py).
         hash_algo: the key hash ("sha256"; "xxh3_128" only where one tenant sends prompts).
-        async_tiers: loads touching one of these tiers run asynchronously (the request waits
-            while others run); loads from faster tiers run inside the step that needs them.
+        async_tiers: loads touching one of these tiers ("host", "disk", "remote") run
+            asynchronously (the request waits while others run); loads from the other tiers
+            run inside the step that needs them.
         async_when_idle: load asynchronously even when no other request is in flight
             (default: such a load runs inside the step, as nothing else would wait for it,
             and an asynchronous one costs vLLM's loop extra steps to notice).
-        retry_s: after a store failure, seconds before the next connection attempt.
-        timeout_s: seconds one daemon request may take before the store counts as down.
+        retry_s: the longest wait between reconnection attempts after a store failure (they
+            run on a background thread, the first at once, then after waits doubling from
+            0.1 s, backend.RETRY_FIRST_S, up to retry_s).
+        timeout_s: seconds one daemon request of the worker (a fetch, a put) may take before
+            the store counts as down.
+        lookup_timeout_s: the same for the scheduler's lookups, which run on vLLM's
+            scheduling thread: a daemon that stops answering stalls the engine this long, once.
     """
 
     store: str = "embedded"
@@ -52,32 +61,48 @@ class ConnectorSettings:
     remote_url: str | None = None
     model_id: str | None = None
     hash_algo: str = "sha256"
-    async_tiers: tuple[str, ...] = ("disk",)
+    async_tiers: tuple[str, ...] = ("disk", "remote")
     async_when_idle: bool = False
     retry_s: float = 10.0
     timeout_s: float = 10.0
+    lookup_timeout_s: float = 1.0
 
     def __post_init__(self) -> None:
-        if self.store != "embedded" and not self.store.startswith(("unix://", "tcp://")):
+        if not isinstance(self.store, str):
             raise ConfigError(f"store must be 'embedded', unix:///path or tcp://host:port, got {self.store!r}")
+        if self.store != "embedded":
+            try:
+                parse_address(self.store)
+            except ValueError:
+                raise ConfigError(f"store must be 'embedded', unix:///path or tcp://host:port, "
+                                  f"got {self.store!r}") from None
+        if self.token is not None and not isinstance(self.token, str):
+            raise ConfigError(f"token must be a string, got a {type(self.token).__name__}")  # never the value
+        for name in _TEXT:
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ConfigError(f"{name} must be a non-empty string or unset, got {value!r}")
         for name in ("host_bytes", "disk_bytes"):
-            object.__setattr__(self, name, parse_size(getattr(self, name)))
+            try:
+                object.__setattr__(self, name, parse_size(getattr(self, name)))
+            except ConfigError as exc:
+                raise ConfigError(f"{name}: {exc}") from None
         if self.disk_path is not None and self.disk_bytes <= 0:
             raise ConfigError(f"disk_path={self.disk_path!r} needs disk_bytes > 0")
-        if self.write_policy not in WRITE_POLICIES:
+        if not isinstance(self.write_policy, str) or self.write_policy not in WRITE_POLICIES:
             raise ConfigError(f"write_policy must be one of {list(WRITE_POLICIES)}, got {self.write_policy!r}")
-        if self.hash_algo not in HASHES:
+        if not isinstance(self.hash_algo, str) or self.hash_algo not in HASHES:
             raise ConfigError(f"hash_algo must be one of {sorted(HASHES)}, got {self.hash_algo!r}")
-        tiers = (self.async_tiers,) if isinstance(self.async_tiers, str) else tuple(self.async_tiers)
-        if any(t not in TIERS for t in tiers):
-            raise ConfigError(f"async_tiers must name tiers among {list(TIERS)}, got {list(tiers)}")
-        object.__setattr__(self, "async_tiers", tiers)
+        tiers = (self.async_tiers,) if isinstance(self.async_tiers, str) else self.async_tiers
+        if not isinstance(tiers, list | tuple) or any(not isinstance(t, str) or t not in TIERS for t in tiers):
+            raise ConfigError(f"async_tiers must be a list of tiers among {list(TIERS)}, got {self.async_tiers!r}")
+        object.__setattr__(self, "async_tiers", tuple(tiers))
         if not isinstance(self.async_when_idle, bool):
             raise ConfigError(f"async_when_idle must be true or false, got {self.async_when_idle!r}")
-        for name in ("retry_s", "timeout_s"):
+        for name in ("retry_s", "timeout_s", "lookup_timeout_s"):
             value = getattr(self, name)
-            if not isinstance(value, int | float) or isinstance(value, bool) or value <= 0:
-                raise ConfigError(f"{name} must be a positive number of seconds, got {value!r}")
+            if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
+                raise ConfigError(f"{name} must be a positive, finite number of seconds, got {value!r}")
 
     @property
     def is_daemon(self) -> bool:

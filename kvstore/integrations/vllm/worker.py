@@ -9,7 +9,9 @@ the CPU.) Saves gather each layer into a staging buffer of their own as ``save_k
 hands it over (so vLLM's blocks are free to be reused once the step ends), and
 ``wait_for_save`` hands them to a saver thread: the put (and a daemon's write-through to disk)
 never delays the step. At most MAX_PENDING_SAVES wait. A block a load could not deliver
-(corrupt, vanished, store down) is reported by ``load_errors`` and vLLM recomputes it.
+(corrupt, vanished, store down) is reported by ``load_errors`` and vLLM recomputes it; ``report``
+then tells the scheduler which steps' synchronous loads that output settles (it plans no save
+over their blocks until then, see scheduler.py).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import torch
 
 from kvstore.integrations.vllm.backend import GuardedStore
 from kvstore.integrations.vllm.counters import COUNTERS, save_finished, save_started
-from kvstore.integrations.vllm.metadata import KVStoreMetadata, LoadSpec, SaveSpec
+from kvstore.integrations.vllm.metadata import KVStoreMetadata, KVStoreWorkerMeta, LoadSpec, SaveSpec
 from kvstore.integrations.vllm.paged import PagedKV
 from kvstore.transfer import FetchHandle
 
@@ -182,9 +184,19 @@ class WorkerSide:
         return {load.spec.req_id for load in fetched}
 
     def load_errors(self) -> set[int]:
+        """Blocks not delivered since the last call, every synchronous load of this step's included
+        (settled here too: vLLM may ask before ``wait_for_save`` when it defers that call)."""
+        for load in self._loads:
+            self._settle(load)
         with self._lock:
             errors, self._errors = self._errors, set()
         return errors
+
+    def report(self, meta: KVStoreMetadata) -> KVStoreWorkerMeta | None:
+        """The step's report to the scheduler, after ``load_errors``: its synchronous loads are
+        settled, their errors in the same output. From the metadata alone, so that every rank
+        reports every such step, whatever happened to its loads."""
+        return KVStoreWorkerMeta(frozenset({meta.step})) if meta.has_sync_loads else None
 
     def shutdown(self) -> None:
         for load in self._loads:
