@@ -2,9 +2,10 @@
 
 Blocks land in host RAM (rank 0). Making room there demotes host victims down the cascade;
 tails of a put that find no evictable host slot (everything pinned or being read) go straight
-to the level below. Under write-through the new blocks are stored in the level below host
-first, then published on host: a put (or commit) that returns is durable, and one whose
-blocks did not all reach that level raises and publishes none of those on host. Shared
+to the level below. Under write-through the new blocks reach the level below host before the
+store lock is let go (so before any reader sees them): a put (or commit) that returns is
+durable, and one whose blocks did not all reach that level raises and leaves none of those
+on host. Shared
 levels that take puts (the remote tier with ``remote_writes="put"``) are offered every block
 new to host: a copy is queued, the network is never waited for.
 Every method runs with the store lock held.
@@ -62,9 +63,6 @@ class WritePath:
             for entry in busy:
                 entry.readers += 1
         try:
-            if fresh and self.write_through:
-                raw_src = raw_rows(src)
-                self._write_down(entries, [raw_src[i] for i in fresh])
             if fresh:
                 self._store_fresh(entries, fresh, src, refreshed)
             elif refreshed:
@@ -140,6 +138,20 @@ class WritePath:
         if not written:  # only a host codec refuses, and put checked the blocks first
             self._unstore(entries, placed, slots)
             raise KVStoreError(f"host RAM's codec could not store {n_host} blocks")
+        if self.write_through and placed:
+            # Durable before the lock is let go (no reader has seen the host copies yet):
+            # written from the host slots, page-aligned, so a direct-I/O disk needs no
+            # staging copy; under a host codec, from the rows put (its slots hold codes).
+            if host.coding is None:
+                payloads: Sequence[torch.Tensor | None] = host.export([e.key for e in placed], slots)
+            else:
+                raw_src = raw_rows(src)
+                payloads = [raw_src[i] for i in rows]
+            try:
+                self._write_down(placed, payloads)  # type: ignore[arg-type]
+            except BaseException:
+                self._unstore(entries, placed, slots)
+                raise
         # the bytes put, for the shared levels that take puts (made only when one does)
         raw: list[torch.Tensor] | None = None
         if self.takers:
@@ -175,7 +187,7 @@ class WritePath:
 
     def _write_down(self, entries: list[BlockEntry], payloads: Sequence[torch.Tensor]) -> None:
         """Write-through: store ``entries`` (chain order; ``payloads[i]``, the bytes put) in
-        the level below host, where it does not hold them yet, before host publishes them.
+        the level below host, where it does not hold them yet, before any reader sees them.
 
         Raises:
             TierError: the level below failed to store them (its medium's error, with the
