@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from typing import Any
 
 import pytest
 import zmq
@@ -222,7 +223,9 @@ def test_garbage_on_the_replay_socket_changes_nothing(pub: EventPublisher) -> No
     bad.close(linger=0)
 
 
-def test_kvstore_events_prints_the_stream(pub: EventPublisher) -> None:
+def _kvstore_events_json(pub: EventPublisher, *args: str) -> list[dict[str, Any]]:
+    """Run ``kvstore events --json ARGS`` against ``pub`` (a DISK tier storing a block every
+    0.2 s until it exits); the batches it printed."""
     import json
     import subprocess
     import sys
@@ -230,7 +233,7 @@ def test_kvstore_events_prints_the_stream(pub: EventPublisher) -> None:
     tier = Tier(pub, "DISK")
     tier.store(2)
     proc = subprocess.Popen([sys.executable, "-m", "kvstore.cli", "events", pub.endpoint, "--replay-endpoint",
-                             str(pub.replay_endpoint), "--snapshot", "--json", "--count", "4", "--timeout", "30"],
+                             str(pub.replay_endpoint), "--json", "--timeout", "30", *args],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     time.sleep(0.5)
     for _ in range(100):  # keep publishing until it has seen enough (it may start late)
@@ -240,7 +243,11 @@ def test_kvstore_events_prints_the_stream(pub: EventPublisher) -> None:
         time.sleep(0.2)
     out, err = proc.communicate(timeout=30)
     assert proc.returncode == 0, err
-    docs = [json.loads(line) for line in out.splitlines()]
+    return [json.loads(line) for line in out.splitlines()]
+
+
+def test_kvstore_events_prints_the_stream(pub: EventPublisher) -> None:
+    docs = _kvstore_events_json(pub, "--snapshot", "--count", "4")
     snap = [d for d in docs if d["source"] == "snapshot"]
     assert snap and snap[0]["events"] == [{"type": "AllBlocksCleared"}] and snap[0]["epoch"] == pub.epoch
     stored = [e for d in snap for e in d["events"] if e["type"] == "BlockStored"]
@@ -473,23 +480,7 @@ def test_a_restarted_publisher_without_an_epoch_clears_the_view() -> None:
 
 
 def test_kvstore_events_prints_no_snapshot_unless_asked(pub: EventPublisher) -> None:
-    import json
-    import subprocess
-    import sys
-
-    tier = Tier(pub, "DISK")
-    tier.store(2)
-    proc = subprocess.Popen([sys.executable, "-m", "kvstore.cli", "events", pub.endpoint, "--replay-endpoint",
-                             str(pub.replay_endpoint), "--json", "--count", "2", "--timeout", "30"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    for _ in range(100):
-        if proc.poll() is not None:
-            break
-        tier.store(1)
-        time.sleep(0.2)
-    out, err = proc.communicate(timeout=30)
-    assert proc.returncode == 0, err
-    docs = [json.loads(line) for line in out.splitlines()]
+    docs = _kvstore_events_json(pub, "--count", "2")
     assert len(docs) == 2 and all(d["source"] != "snapshot" and d["events"] for d in docs), docs
 
 

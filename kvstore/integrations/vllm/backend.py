@@ -187,26 +187,18 @@ class GuardedStore:
         store = self._current()
         if store is None and connect:
             store = self._attempt()
-        if store is None:
-            self._reconnect_later()
-            return default
-        try:
-            return op(store)
-        except Exception as exc:
-            self._fail(store, exc)
-            if not retry or isinstance(exc, TimeoutError):  # a stalled daemon: never wait for it twice
-                self._reconnect_later()
-                return default
-        store = self._attempt()
-        if store is None:
-            self._reconnect_later()
-            return default
-        try:
-            return op(store)
-        except Exception as exc:
-            self._fail(store, exc)
-            self._reconnect_later()
-            return default
+        for last in (not retry, True):
+            if store is None:
+                break
+            try:
+                return op(store)
+            except Exception as exc:
+                self._fail(store, exc)
+                if last or isinstance(exc, TimeoutError):  # a stalled daemon: never wait for it twice
+                    break
+            store = self._attempt()  # a broken connection: once more, on a new one
+        self._reconnect_later()
+        return default
 
     def _current(self) -> Any:
         with self._lock:

@@ -29,6 +29,25 @@ ENGINE_ARGS = ["--random-model", "--random-config", json.dumps(TINY), "--block-s
                "--max-model-len", str(MAX_MODEL_LEN), "--host-mem", "8MiB", "--kv-cache", "4MiB", "--seed", "3"]
 
 
+def stream_in_background(url: str, body: dict[str, Any]) -> tuple[threading.Thread, list[str]]:
+    """POST the streamed completion ``body`` to ``url`` on a thread; returns once its first
+    line came: the thread (join it) and the non-empty lines read, filled as they come."""
+    lines: list[str] = []
+    first = threading.Event()
+
+    def read() -> None:
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line:
+                    lines.append(line)
+                    first.set()
+
+    thread = threading.Thread(target=read)
+    thread.start()
+    assert first.wait(30), "the stream sent nothing in 30 s"
+    return thread, lines
+
+
 class CliServer:
     """``python -m kvstore.cli ARGS`` in a subprocess, up once it printed a line ending in
     "ready" (``url`` is the http://host:port that line names); its output keeps being read."""

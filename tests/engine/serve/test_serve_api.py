@@ -20,7 +20,7 @@ from engine.serve.tokenizer import ByteTokenizer
 from kvstore.keys import Namespace
 from kvstore.layout import DTYPES_BY_NAME, KVLayout
 
-from serve_helpers import BLOCK, MAX_MODEL_LEN, EngineServer, reference_engine
+from serve_helpers import BLOCK, MAX_MODEL_LEN, EngineServer, reference_engine, stream_in_background
 
 PROMPT = "The quick brown fox jumps over the lazy dog"
 
@@ -304,21 +304,9 @@ def test_null_means_the_default(server: EngineServer) -> None:
 def test_an_out_of_range_seed_is_refused_and_hurts_no_one(server: EngineServer) -> None:
     """Sample i of n draws from seed + i modulo 2**64, so no accepted seed overflows inside a
     step (which would abort every request then running); a seed torch cannot take is a 400."""
-    events: list[str] = []
-    first = threading.Event()
-
-    def victim() -> None:
-        body = {"prompt": PROMPT + " victim", "max_tokens": 250, "temperature": 0, "ignore_eos": True,
-                "stream": True, "stream_options": {"include_usage": True}}
-        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:
-            for line in r.iter_lines():
-                if line:
-                    events.append(line)
-                    first.set()
-
-    t = threading.Thread(target=victim)
-    t.start()
-    assert first.wait(30)
+    victim = {"prompt": PROMPT + " victim", "max_tokens": 250, "temperature": 0, "ignore_eos": True,
+              "stream": True, "stream_options": {"include_usage": True}}
+    t, events = stream_in_background(server.url, victim)
     client = server.client()
     top = client.completions.create(model="random", prompt=PROMPT, max_tokens=8, seed=2**64 - 1, n=2,
                                     extra_body={"ignore_eos": True})

@@ -3,33 +3,20 @@ the engine closes and the process exits 0."""
 
 from __future__ import annotations
 
-import threading
 import time
 
 import httpx
 
-from serve_helpers import EngineServer
+from serve_helpers import EngineServer, stream_in_background
 
 
 def test_sigterm_drains_in_flight_requests() -> None:
     server = EngineServer("--drain-s", "60")
     try:
-        events: list[str] = []
         # 8 samples of 450 tokens: seconds of work, so the drain is still on when the checks run
         body = {"prompt": "drain me", "max_tokens": 450, "temperature": 0, "ignore_eos": True, "stream": True,
                 "n": 8}
-        first = threading.Event()
-
-        def stream() -> None:
-            with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:
-                for line in r.iter_lines():
-                    if line:
-                        events.append(line)
-                        first.set()
-
-        t = threading.Thread(target=stream)
-        t.start()
-        assert first.wait(30)
+        t, events = stream_in_background(server.url, body)
         server.proc.send_signal(15)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:  # the signal is handled between two awaits: poll for 503

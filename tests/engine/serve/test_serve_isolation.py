@@ -4,14 +4,13 @@ pool small enough that samples preempt each other."""
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
 
-from serve_helpers import BLOCK, InProcessServer
+from serve_helpers import BLOCK, InProcessServer, stream_in_background
 
 
 @pytest.fixture(scope="module")
@@ -73,20 +72,8 @@ def test_a_failed_step_fails_its_requests_as_a_server_error(server: InProcessSer
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """A step that raises (here a ValueError, as a bad seed once did inside step()) is the
     server's fault: the requests it aborts get a 500 server_error, never a 400."""
-    events: list[str] = []
-    first = threading.Event()
-
-    def stream() -> None:
-        body = {"prompt": "a long stream", "max_tokens": 400, "temperature": 0, "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:
-            for line in r.iter_lines():
-                if line:
-                    events.append(line)
-                    first.set()
-
-    t = threading.Thread(target=stream)
-    t.start()
-    assert first.wait(30)
+    body = {"prompt": "a long stream", "max_tokens": 400, "temperature": 0, "ignore_eos": True, "stream": True}
+    t, events = stream_in_background(server.url, body)
 
     def fail(*_args: Any) -> Any:
         raise ValueError("injected")
