@@ -12,20 +12,34 @@ is dropped from the page cache afterwards (POSIX_FADV_DONTNEED).
 
 Each run of consecutive slots moves with one ``preadv``/``pwritev`` per ``IOV_MAX`` iovecs or
 per bounce buffer's worth of blocks, whichever comes first.
+
+A read into memory that O_DIRECT cannot take in place (a torch tensor is 64-byte aligned, not
+4096) lands in a bounce buffer and is copied out. Over several chunks that copy runs on a
+helper thread while the next chunk is read into a second buffer, so it hides behind the I/O
+instead of adding to it:
+
+    I/O thread:   read 0 -> buf A | read 1 -> buf B | read 2 -> buf A (copy 0 done) | ...
+    copier:                       | copy A -> dests, on_chunk(0) | copy B -> dests, on_chunk(1) | ...
+
+``on_chunk`` hears of a chunk once its bytes are in the caller's memory: on the copier
+thread for such a read, on the caller's thread otherwise.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import errno
 import mmap
 import os
 import threading
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from tiers.buffers import ALIGN
 from tiers.errors import TierFullError, TierIOError
 
-BOUNCE_BYTES = 8 << 20  # per bounce buffer; at least one slot
+BOUNCE_BYTES = 4 << 20  # per bounce buffer (at least one slot); two per slab, made at open
 IOV_MAX = os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in os.sysconf_names else 1024
 _IoOp = Callable[[int, Sequence[memoryview], int], int]
 ChunkDone = Callable[[list[int], list[bool]], None]  # (block indices moved, per-block ok)
@@ -92,8 +106,9 @@ class Slab:
         self._zeros = memoryview(bytes(slot_bytes - payload_bytes))
         self._pad_sink = memoryview(bytearray(slot_bytes - payload_bytes))  # padding read and ignored
         self._blocks_per_bounce = max(1, BOUNCE_BYTES // slot_bytes)
-        self._bounce_pool = [self._new_bounce()]
+        self._bounce_pool = [self._new_bounce(), self._new_bounce()]  # a pipelined read takes both
         self._pool_lock = threading.Lock()
+        self._copier: ThreadPoolExecutor | None = None  # copies out of bounce buffers; started on demand
 
     def _preallocate(self, size: int, old_size: int) -> None:
         try:
@@ -130,7 +145,9 @@ class Slab:
             probe.close()
 
     def _new_bounce(self) -> mmap.mmap:
-        return mmap.mmap(-1, self._blocks_per_bounce * self.slot_bytes)  # anonymous: page aligned
+        # anonymous: page aligned; populated now, so a read does not fault its pages in
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
+        return mmap.mmap(-1, self._blocks_per_bounce * self.slot_bytes, flags=flags)
 
     def _acquire_bounce(self) -> mmap.mmap:
         with self._pool_lock:
@@ -139,6 +156,15 @@ class Slab:
     def _release_bounce(self, bounce: mmap.mmap) -> None:
         with self._pool_lock:
             self._bounce_pool.append(bounce)
+
+    def _copy_out_later(self, bounced: list[tuple[memoryview, memoryview]], chunk: list[int], ok: list[bool],
+                        on_chunk: ChunkDone | None) -> Future[None]:
+        """On the copier thread: copy a chunk's bounce segments into their destinations, then
+        tell ``on_chunk``."""
+        with self._pool_lock:
+            if self._copier is None:
+                self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="disk-tier-copy")
+            return self._copier.submit(_copy_out, bounced, chunk, ok, on_chunk)
 
     def read(
         self,
@@ -151,8 +177,9 @@ class Slab:
 
         ``in_place[i]`` says ``dests[i]`` may take the whole slot directly (O_DIRECT mode: it is
         4096-aligned and at least ``slot_bytes`` long); others are bounced. ``on_chunk(blocks,
-        ok)`` runs after each transfer with the block indices it completed, so the caller can
-        verify them while the next transfer is in flight.
+        ok)`` runs once the blocks of a transfer are in ``dests`` (on the copier thread when
+        their copy out of a bounce buffer ran there), so the caller can verify them while the
+        next transfer is in flight; every call has returned when ``read`` returns.
         """
         ok = [True] * len(slots)
         self._move(os.preadv, slots, dests, in_place, ok, on_chunk)
@@ -181,21 +208,45 @@ class Slab:
         ok: list[bool],
         on_chunk: ChunkDone | None,
     ) -> None:
-        """Transfer every block, one run of consecutive slots at a time."""
+        """Transfer every block, one run of consecutive slots at a time (a chunk per bounce
+        buffer's worth); a read's bounced chunks are copied out as the module docstring draws."""
         order = sorted(range(len(slots)), key=slots.__getitem__)
         cuts = _run_starts(slots, order)
-        bounce = self._acquire_bounce()
+        chunks = [chunk for r in range(len(cuts) - 1) for chunk in self._chunks(order[cuts[r] : cuts[r + 1]])]
+        pipelined = op is os.preadv and self.direct_io and len(chunks) > 1 and not all(in_place)
+        bounces = [self._acquire_bounce() for _ in range(2 if pipelined else 1)]
+        views = [memoryview(b) for b in bounces]
+        copies: list[Future[None]] = []  # chunk k's copy out of its bounce buffer, then its on_chunk
         try:
-            with memoryview(bounce) as bounce_view:
-                for r in range(len(cuts) - 1):
-                    run = order[cuts[r] : cuts[r + 1]]
-                    for start in range(0, len(run), self._blocks_per_bounce):
-                        chunk = run[start : start + self._blocks_per_bounce]
-                        self._move_chunk(op, chunk, slots[chunk[0]], buffers, in_place, bounce_view, ok)
-                        if on_chunk is not None:
-                            on_chunk(chunk, ok)
+            for k, chunk in enumerate(chunks):
+                if pipelined and k >= 2:  # chunk k reuses chunk k - 2's buffer: its copy must be done
+                    copies[k - 2].result()
+                bounced = self._move_chunk(op, chunk, slots[chunk[0]], buffers, in_place, views[k % len(views)], ok)
+                if pipelined:
+                    copies.append(self._copy_out_later(bounced, chunk, ok, on_chunk))
+                    continue
+                _copy_out(bounced)
+                if on_chunk is not None:
+                    on_chunk(chunk, ok)
+            for copy in copies:
+                copy.result()
         finally:
-            self._release_bounce(bounce)
+            for copy in copies:  # after an exception: no copy may still write once this returns
+                copy.exception()
+            copies.clear()  # a failed copy's exception would hold this frame (and the buffers) in a cycle
+            for view in views:
+                view.release()
+            for bounce in bounces:
+                self._release_bounce(bounce)
+
+    def _chunks(self, run: list[int]) -> list[list[int]]:
+        """A run cut into chunks of at most a bounce buffer's worth of blocks, of equal sizes
+        (a pipelined read's last copy, which nothing hides, is no larger than the others)."""
+        num_chunks = -(-len(run) // self._blocks_per_bounce)
+        if num_chunks == 0:
+            return []
+        size = -(-len(run) // num_chunks)
+        return [run[start : start + size] for start in range(0, len(run), size)]
 
     def _move_chunk(
         self,
@@ -206,15 +257,19 @@ class Slab:
         in_place: Sequence[bool],
         bounce_view: memoryview,
         ok: list[bool],
-    ) -> None:
+    ) -> list[tuple[memoryview, memoryview]]:
         """One ``preadv``/``pwritev`` for blocks ``chunk`` in consecutive slots from ``first_slot``.
 
         Iovecs per block: O_DIRECT in place ``[dest[:slot]]``; O_DIRECT bounced ``[segment]``
-        (copied in before a write, out after a read); buffered ``[buf[:payload], padding]``.
+        (copied in before a write); buffered ``[buf[:payload], padding]``.
+
+        Returns:
+            For a read, ``(destination, bounce segment)`` of each bounced block: the caller
+            copies them out (``_copy_out``) before the bounce buffer is reused.
         """
         pb, sb, is_read = self.payload_bytes, self.slot_bytes, op is os.preadv
         iovs: list[memoryview] = []
-        bounced: list[tuple[int, memoryview]] = []  # (block index, its bounce segment)
+        bounced: list[tuple[memoryview, memoryview]] = []  # (its destination, its bounce segment)
         for i in chunk:
             if not self.direct_io:
                 iovs.append(buffers[i][:pb])
@@ -227,7 +282,7 @@ class Slab:
                 if not is_read:
                     segment[:pb] = buffers[i][:pb]
                     segment[pb:] = self._zeros
-                bounced.append((i, segment))
+                bounced.append((buffers[i][:pb], segment[:pb]))
                 iovs.append(segment)
         try:
             _transfer(op, self.dfd, iovs, first_slot * sb)
@@ -235,12 +290,10 @@ class Slab:
             if not is_read:
                 raise
             self._read_one_by_one(chunk, first_slot, buffers, in_place, bounce_view, ok)
-            return
-        if is_read:
-            for i, segment in bounced:
-                buffers[i][:pb] = segment[:pb]
+            return []
         if is_read and not self.direct_io:
             os.posix_fadvise(self.fd, first_slot * sb, len(chunk) * sb, os.POSIX_FADV_DONTNEED)
+        return bounced if is_read else []
 
     def _read_one_by_one(
         self,
@@ -264,10 +317,32 @@ class Slab:
                 dests[i][: self.payload_bytes] = scratch[: self.payload_bytes]
 
     def close(self) -> None:
-        """Close the descriptors and free the bounce buffers."""
+        """Close the descriptors, stop the copier thread and free the bounce buffers."""
+        with self._pool_lock:
+            copier, self._copier = self._copier, None
+        if copier is not None:
+            copier.shutdown()
         if self.dfd != self.fd:
             os.close(self.dfd)
         os.close(self.fd)
         for bounce in self._bounce_pool:
-            bounce.close()
+            # a view still held (by the traceback of an exception a read raised, say) keeps
+            # the buffer mapped until it is collected
+            with contextlib.suppress(BufferError):
+                bounce.close()
         self._bounce_pool.clear()
+
+
+def _copy_out(bounced: list[tuple[memoryview, memoryview]], chunk: list[int] | None = None,
+              ok: list[bool] | None = None, on_chunk: ChunkDone | None = None) -> None:
+    """Copy each bounce segment into its destination (``ctypes.memmove``, which lets go of the
+    GIL: the I/O thread keeps issuing reads meanwhile), then tell ``on_chunk`` of ``chunk``."""
+    for dest, segment in bounced:
+        ctypes.memmove(_address(dest), _address(segment), len(segment))
+    if on_chunk is not None:
+        assert chunk is not None and ok is not None
+        on_chunk(chunk, ok)
+
+
+def _address(view: memoryview) -> int:
+    return ctypes.addressof(ctypes.c_char.from_buffer(view))

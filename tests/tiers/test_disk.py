@@ -19,6 +19,8 @@ from tiers.disk import DiskEntry, DiskTier
 from tiers.errors import TierFullError
 from tiers.records import Record, decode_record, encode_record
 
+from factories import require
+
 PAYLOAD = 6000  # not a multiple of 4096: slots are 8192 bytes with 2192 bytes of padding
 SLOT = 8192
 
@@ -351,3 +353,148 @@ def test_short_transfers_resume_inside_an_iovec() -> None:
     slab_module._transfer(stingy_read, -1, [memoryview(o) for o in outs], 100)
     assert bytes(outs[0] + outs[1] + outs[2]) == bytes(disk[100:4600])
     assert sum(moved) == 4500 and len(moved) == 6
+
+
+# --------------------------------------------------------------------- pipelined bounced reads
+
+
+def pipelined_tier(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, num_slots: int = 64) -> DiskTier:
+    """A direct-I/O tier whose bounce buffers hold 3 slots, so a read of a few blocks into
+    unaligned memory is a pipeline of several chunks."""
+    monkeypatch.setattr(slab_module, "BOUNCE_BYTES", 3 * SLOT)
+    tier = DiskTier(tmp_path / "d", num_slots * SLOT, PAYLOAD)
+    require(tier.direct_io, f"O_DIRECT on {tmp_path} (the pipeline serves direct-I/O reads only)")
+    return tier
+
+
+def test_bounced_read_copies_out_on_the_copier_thread_while_the_next_chunk_is_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tier = pipelined_tier(tmp_path, monkeypatch)
+    keys = [make_key(i) for i in range(20)]
+    slots = put(tier, keys)
+    assert slots == list(range(20))
+    events: list[tuple[str, str, int]] = []  # (what, thread, first slot or block)
+    second_read, third_read = threading.Event(), threading.Event()
+    overlapped: list[bool] = []
+    reused_early: list[bool] = []
+    real_preadv, real_copy_out = slab_module.os.preadv, slab_module._copy_out
+
+    def preadv(fd: int, buffers: list[memoryview], offset: int) -> int:
+        events.append(("read", threading.current_thread().name, offset // SLOT))
+        if offset // SLOT == 6:
+            third_read.set()
+        done = real_preadv(fd, buffers, offset)
+        if offset // SLOT == 3:
+            second_read.set()
+        return done
+
+    def copy_out(bounced: list[tuple[memoryview, memoryview]], chunk: list[int] | None = None,
+                 ok: list[bool] | None = None, on_chunk: object = None) -> None:
+        if chunk and chunk[0] == 0:  # the I/O thread reads the next chunk while this copy waits,
+            overlapped.append(second_read.wait(10))
+            reused_early.append(third_read.wait(0.3))  # but not the one after, into this buffer
+        events.append(("copy", threading.current_thread().name, chunk[0] if chunk else -1))
+        real_copy_out(bounced, chunk, ok, on_chunk)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(slab_module.os, "preadv", preadv)
+    monkeypatch.setattr(slab_module, "_copy_out", copy_out)
+    # two runs (slots 0-10 and 12-19), one block aligned (read in place), the rest bounced
+    pick = list(range(11)) + list(range(12, 20))
+    memory, rows = aligned_rows(1, SLOT)
+    outs = unaligned_outs(len(pick))
+    outs[4] = rows[0]
+    assert tier.read([keys[i] for i in pick], [slots[i] for i in pick], outs) == [True] * len(pick)
+    for i, out in zip(pick, outs, strict=True):
+        assert torch.equal(out[:PAYLOAD], payload_for(keys[i])), f"block {i} came back with other bytes"
+    reads = [first for what, _, first in events if what == "read"]
+    assert reads == [0, 3, 6, 9, 12, 15, 18], "runs cut into chunks of equal size, at most 3 slots"
+    copies = [(thread, first) for what, thread, first in events if what == "copy"]
+    assert [first for _, first in copies] == [0, 3, 6, 9, 11, 14, 17], "every chunk copied out, in order"
+    assert all(thread.startswith("disk-tier-copy") for thread, _ in copies)
+    assert overlapped == [True], "the second chunk was read while the first one's copy was pending"
+    assert reused_early == [False], "the third chunk waited for the first one's copy to free its buffer"
+    assert tier.errors == 0
+    tier.close()
+    memory.close()
+
+
+def test_pipelined_read_finds_a_corrupt_and_an_unreadable_block(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tier = pipelined_tier(tmp_path, monkeypatch)
+    keys = [make_key(i) for i in range(12)]
+    slots = put(tier, keys)
+    with open(tmp_path / "d" / "slab-000.bin", "r+b") as f:  # a flipped byte in the third chunk
+        f.seek(slots[7] * SLOT + 100)
+        byte = f.read(1)
+        f.seek(slots[7] * SLOT + 100)
+        f.write(bytes([byte[0] ^ 0x5A]))
+    real = slab_module.os.preadv
+    bad_offset = slots[4] * SLOT  # a media error in the second chunk
+
+    def failing(fd: int, buffers: list[memoryview], offset: int) -> int:
+        if offset <= bad_offset < offset + sum(len(b) for b in buffers):
+            raise OSError(errno.EIO, "injected media error")
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(slab_module.os, "preadv", failing)
+    outs = unaligned_outs(len(keys))
+    expected = [i not in (4, 7) for i in range(12)]
+    assert tier.read(keys, slots, outs) == expected
+    for i, (key, out) in enumerate(zip(keys, outs, strict=True)):
+        if expected[i]:
+            assert torch.equal(out, payload_for(key))
+    assert tier.errors == 2
+    assert {keys[4], keys[7]}.isdisjoint(e.key for e in tier.entries())
+    tier.check_integrity()
+    tier.close()
+
+
+def test_a_failing_chunk_callback_leaves_no_copy_running_and_the_buffers_pooled(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(slab_module, "BOUNCE_BYTES", 3 * SLOT)
+    slab = slab_module.Slab(str(tmp_path / "slab.bin"), 32, SLOT, PAYLOAD, direct_io=True)
+    require(slab.direct_io, f"O_DIRECT on {tmp_path}")
+    outs = unaligned_outs(12)
+    dests = [memoryview(o.numpy()) for o in outs]
+    seen: list[list[int]] = []
+
+    def on_chunk(blocks: list[int], ok: list[bool]) -> None:
+        seen.append(blocks)
+        if len(seen) == 2:
+            raise RuntimeError("the caller's check failed")
+
+    with pytest.raises(RuntimeError, match="check failed"):
+        slab.read(list(range(12)), dests, [False] * 12, on_chunk)
+    assert seen[:2] == [[0, 1, 2], [3, 4, 5]]
+    assert len(slab._bounce_pool) == 2, "both bounce buffers went back to the pool"
+    # the slab still serves, and closes cleanly (no copy holds a bounce buffer)
+    assert slab.read(list(range(12)), dests, [False] * 12) == [True] * 12
+    slab.close()
+
+
+def test_concurrent_pipelined_reads_each_get_their_bytes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tier = pipelined_tier(tmp_path, monkeypatch)
+    keys = [make_key(i) for i in range(30)]
+    slots = put(tier, keys)
+    failures: list[str] = []
+
+    def reader(k: int) -> None:
+        pick = keys[k::3] + keys[: k + 5]
+        where = [slots[keys.index(key)] for key in pick]
+        for _ in range(20):
+            outs = unaligned_outs(len(pick))
+            if tier.read(pick, where, outs) != [True] * len(pick):
+                failures.append("read failed")
+            elif not all(torch.equal(o, payload_for(key)) for key, o in zip(pick, outs, strict=True)):
+                failures.append("wrong bytes")
+
+    threads = [threading.Thread(target=reader, args=(k,)) for k in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert failures == []
+    tier.close()
