@@ -224,10 +224,8 @@ class Slab:
                 bounced = self._move_chunk(op, chunk, slots[chunk[0]], buffers, in_place, views[k % len(views)], ok)
                 if pipelined:
                     copies.append(self._copy_out_later(bounced, chunk, ok, on_chunk))
-                    continue
-                _copy_out(bounced)
-                if on_chunk is not None:
-                    on_chunk(chunk, ok)
+                else:
+                    _copy_out(bounced, chunk, ok, on_chunk)
             for copy in copies:
                 copy.result()
         finally:
@@ -333,14 +331,13 @@ class Slab:
         self._bounce_pool.clear()
 
 
-def _copy_out(bounced: list[tuple[memoryview, memoryview]], chunk: list[int] | None = None,
-              ok: list[bool] | None = None, on_chunk: ChunkDone | None = None) -> None:
+def _copy_out(bounced: list[tuple[memoryview, memoryview]], chunk: list[int], ok: list[bool],
+              on_chunk: ChunkDone | None) -> None:
     """Copy each bounce segment into its destination (``ctypes.memmove``, which lets go of the
     GIL: the I/O thread keeps issuing reads meanwhile), then tell ``on_chunk`` of ``chunk``."""
     for dest, segment in bounced:
         ctypes.memmove(_address(dest), _address(segment), len(segment))
     if on_chunk is not None:
-        assert chunk is not None and ok is not None
         on_chunk(chunk, ok)
 
 

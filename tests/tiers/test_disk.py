@@ -389,13 +389,13 @@ def test_bounced_read_copies_out_on_the_copier_thread_while_the_next_chunk_is_re
             second_read.set()
         return done
 
-    def copy_out(bounced: list[tuple[memoryview, memoryview]], chunk: list[int] | None = None,
-                 ok: list[bool] | None = None, on_chunk: object = None) -> None:
-        if chunk and chunk[0] == 0:  # the I/O thread reads the next chunk while this copy waits,
+    def copy_out(bounced: list[tuple[memoryview, memoryview]], chunk: list[int], ok: list[bool],
+                 on_chunk: slab_module.ChunkDone | None) -> None:
+        if chunk[0] == 0:  # the I/O thread reads the next chunk while this copy waits,
             overlapped.append(second_read.wait(10))
             reused_early.append(third_read.wait(0.3))  # but not the one after, into this buffer
-        events.append(("copy", threading.current_thread().name, chunk[0] if chunk else -1))
-        real_copy_out(bounced, chunk, ok, on_chunk)  # type: ignore[arg-type]
+        events.append(("copy", threading.current_thread().name, chunk[0]))
+        real_copy_out(bounced, chunk, ok, on_chunk)
 
     monkeypatch.setattr(slab_module.os, "preadv", preadv)
     monkeypatch.setattr(slab_module, "_copy_out", copy_out)
