@@ -75,3 +75,58 @@ def test_full_cuda_graphs_are_turned_piecewise() -> None:
     replay skips; vLLM asks the connector class before it picks the graph mode."""
     assert KVStoreConnector.requires_piecewise_for_cudagraph({}) is True
     assert KVStoreConnector.requires_piecewise_for_cudagraph({"store": "unix:///s"}) is True
+
+
+def test_a_save_buffer_is_reused_only_once_its_put_has_copied_it(tmp_path: Any) -> None:
+    """Saves gather into warm staging buffers: one still being put is never handed to the next
+    step's save, and each request's blocks reach the store as vLLM held them."""
+    import threading
+
+    from kvstore import KVLayout
+    from kvstore.integrations.vllm import flush
+    from kvstore.integrations.vllm.backend import GuardedStore
+    from kvstore.integrations.vllm.metadata import KVStoreMetadata, SaveSpec
+    from kvstore.integrations.vllm.settings import ConnectorSettings
+    from kvstore.integrations.vllm.worker import WorkerSide
+
+    layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, block_size=8, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(3)
+    kv = {name: torch.randn((10, 2, 8, 8), generator=gen) for name in LAYERS}  # like the CPU backend
+    store = GuardedStore(ConnectorSettings(host_bytes="1MiB"), layout, "m")
+    worker = WorkerSide(store, LAYERS, 2 * 8 * 2 * 4 * 4)
+    worker.register_kv_caches(kv)
+    first_put_may_run = threading.Event()
+    real_put = store.put
+
+    def put(keys: Any, blocks: torch.Tensor) -> bool:
+        if keys == saved["a"][0]:  # the first save's put is still copying when the second gathers
+            assert first_put_may_run.wait(10)
+        return real_put(keys, blocks)
+
+    store.put = put  # type: ignore[method-assign]
+    saved: dict[str, tuple[list[bytes], list[int]]] = {}
+    buffers: dict[str, int] = {}
+    for step, (req, block_ids) in enumerate((("a", [4, 1, 7]), ("b", [2, 9, 0]), ("c", [3, 5, 8]))):
+        if req == "c":  # both puts done: c takes one of their buffers back
+            first_put_may_run.set()
+            assert flush(10)
+        keys = store.block_keys(list(range(100 * step, 100 * step + 24)), "")
+        assert keys is not None
+        saved[req] = (keys, block_ids)
+        meta = KVStoreMetadata(saves=[SaveSpec(req, keys, block_ids)], step=step)
+        for layer in LAYERS:
+            worker.save_kv_layer(layer, meta)
+        buffers[req] = worker._saves[0].buffer.data_ptr()
+        worker.wait_for_save()
+    assert flush(10)
+    assert buffers["b"] != buffers["a"], "a buffer still being put was handed to the next save"
+    assert buffers["c"] in (buffers["a"], buffers["b"]), "a buffer whose put is done was not reused"
+    for keys, block_ids in saved.values():
+        out = torch.empty((3, *layout.block_shape))
+        assert store.fetch(keys, out).result(10).num_blocks == 3
+        for i, block in enumerate(block_ids):
+            parts = out[i].reshape(2, -1)
+            for layer, name in enumerate(LAYERS):
+                assert torch.equal(parts[layer], kv[name][block].flatten())
+    worker.shutdown()
+    store.close()

@@ -5,10 +5,11 @@ in layer by layer as ``wait_for_layer_load`` asks; asynchronous loads are fetche
 transfer thread, copied into every layer by ``get_finished`` on vLLM's own thread once the
 fetch is done, and reported in ``finished_recving`` there. (Copying on the transfer thread
 cost a GIL hand-over per torch call while vLLM's loop runs Python: ~0.4 s for 24 layers on
-the CPU.) Saves gather each layer into a staging buffer of their own as ``save_kv_layer``
-hands it over (so vLLM's blocks are free to be reused once the step ends), and
-``wait_for_save`` hands them to a saver thread: the put (and a daemon's write-through to disk)
-never delays the step. At most MAX_PENDING_SAVES wait. A block a load could not deliver
+the CPU.) Saves gather each layer into a staging buffer of their own (a warm one, reused once
+its put has copied it out: PagedKV.take_staging) as ``save_kv_layer`` hands it over (so
+vLLM's blocks are free to be reused once the step ends), and ``wait_for_save`` hands them to
+a saver thread: the put (and a daemon's write-through to disk) never delays the step. At
+most MAX_PENDING_SAVES wait. A block a load could not deliver
 (corrupt, vanished, store down) is reported by ``load_errors`` and vLLM recomputes it; ``report``
 then tells the scheduler which steps' synchronous loads that output settles (it plans no save
 over their blocks until then, see scheduler.py).
@@ -50,9 +51,13 @@ class _Load:
 @dataclass
 class _Save:
     spec: SaveSpec
-    staging: torch.Tensor
+    buffer: torch.Tensor  # a warm staging buffer (PagedKV.take_staging), given back after the put
     block_ids: torch.Tensor
     layers_done: set[str] = field(default_factory=set)
+
+    @property
+    def staging(self) -> torch.Tensor:
+        return self.buffer[: len(self.spec.keys)]
 
 
 class WorkerSide:
@@ -141,7 +146,7 @@ class WorkerSide:
             return
         started = time.perf_counter_ns()
         if not self._saves:
-            self._saves = [_Save(s, self.paged.staging(len(s.keys)), torch.tensor(s.block_ids, dtype=torch.long))
+            self._saves = [_Save(s, self.paged.take_staging(len(s.keys)), torch.tensor(s.block_ids, dtype=torch.long))
                            for s in meta.saves]
         for save in self._saves:
             self.paged.gather_layer(layer_name, save.block_ids, save.staging)
@@ -159,6 +164,7 @@ class WorkerSide:
         for save in saves:
             if len(save.layers_done) < len(self.layer_names):
                 COUNTERS.add(save_skipped=len(save.spec.keys))
+                self._give_back(save)
                 continue
             save_started()
             self._pending_saves.append(self._saver.submit(self._put, save))
@@ -172,7 +178,12 @@ class WorkerSide:
             ok = self.store.put(save.spec.keys, save.staging)
             COUNTERS.add(**{"saved_blocks" if ok else "save_skipped": len(save.spec.keys)})
         finally:
+            self._give_back(save)  # the put has copied the blocks out (every store's put does)
             save_finished()
+
+    def _give_back(self, save: _Save) -> None:
+        assert self.paged is not None
+        self.paged.give_staging(save.buffer)
 
     # ------------------------------------------------------------------------ reports
 
