@@ -130,3 +130,66 @@ def test_a_save_buffer_is_reused_only_once_its_put_has_copied_it(tmp_path: Any) 
                 assert torch.equal(parts[layer], kv[name][block].flatten())
     worker.shutdown()
     store.close()
+
+
+def test_a_load_buffer_is_reused_only_once_its_fetch_and_the_step_are_done(tmp_path: Any) -> None:
+    """A synchronous load's staging buffer goes back to the warm pool at ``wait_for_save``, after
+    its fetch is settled: while the fetch may still write it, no save of the step gets it."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kvstore import KVLayout
+    from kvstore.integrations.vllm import flush
+    from kvstore.integrations.vllm.backend import GuardedStore
+    from kvstore.integrations.vllm.metadata import KVStoreMetadata, LoadSpec, SaveSpec
+    from kvstore.integrations.vllm.settings import ConnectorSettings
+    from kvstore.integrations.vllm.worker import WorkerSide
+    from kvstore.transfer import FetchHandle
+
+    layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, block_size=8, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(4)
+    kv = {name: torch.randn((10, 2, 8, 8), generator=gen) for name in LAYERS}
+    store = GuardedStore(ConnectorSettings(host_bytes="1MiB"), layout, "m")
+    stored_keys = store.block_keys(list(range(24)), "")
+    assert stored_keys is not None
+    stored = torch.randn((3, *layout.block_shape), generator=gen)
+    assert store.put(stored_keys, stored)
+    worker = WorkerSide(store, LAYERS, 2 * 8 * 2 * 4 * 4)
+    worker.register_kv_caches(kv)
+    fetch_may_run = threading.Event()
+    slow = ThreadPoolExecutor(1)
+    real_fetch = store.fetch
+
+    def fetch(keys: Any, into: torch.Tensor) -> FetchHandle:
+        def run() -> Any:
+            assert fetch_may_run.wait(10)
+            return real_fetch(keys, into).result(10)
+        return FetchHandle(slow.submit(run), len(keys))
+
+    store.fetch = fetch  # type: ignore[method-assign]
+    save_keys = store.block_keys(list(range(500, 524)), "")
+    assert save_keys is not None
+    meta = KVStoreMetadata(loads=[LoadSpec("load", stored_keys, [6, 2, 8], is_async=False)],
+                           saves=[SaveSpec("save", save_keys, [1, 3, 5])], step=0)
+    worker.start_load_kv(meta)
+    load_buffer = worker._loads[0].buffer.data_ptr()
+    worker.save_kv_layer(LAYERS[0], meta)  # the fetch is still pending: the save takes another buffer
+    save_buffer = worker._saves[0].buffer.data_ptr()
+    assert save_buffer != load_buffer
+    fetch_may_run.set()
+    for layer in LAYERS:
+        worker.wait_for_layer_load(layer)
+        if layer != LAYERS[0]:
+            worker.save_kv_layer(layer, meta)
+    worker.wait_for_save()
+    assert flush(10)
+    for i, block in enumerate((6, 2, 8)):  # the load landed in vLLM's blocks
+        parts = stored[i].reshape(2, -1)
+        for layer, name in enumerate(LAYERS):
+            assert torch.equal(kv[name][block].flatten(), parts[layer])
+    # both buffers are back, warm, for the next step's loads and saves
+    assert worker.paged is not None
+    assert {b.data_ptr() for b in worker.paged._spares} == {load_buffer, save_buffer}
+    worker.shutdown()
+    slow.shutdown()
+    store.close()

@@ -5,9 +5,10 @@ layer l, byte for byte, whatever order the attention backend keeps inside a bloc
 backend stores K transposed). A copy is one gather or scatter per layer over all the blocks
 of a load or a save (kernels.gather_blocks / scatter_blocks: Triton on CUDA, torch on CPU).
 
-A save's staging buffer is gathered into inside vLLM's forward, so it is reused: a fresh one
-faults in every page there (a 2,048-token save of the bench model: 165 ms of gathers per
-step into fresh buffers, 21 ms into warm ones). Up to SPARE_BYTES of them wait between steps.
+Staging buffers are gathered into and scattered from inside vLLM's forward, so they are
+reused: a fresh one faults in every page there (a 2,048-token save of the bench model: 165 ms
+of gathers per step into fresh buffers, 21 ms into warm ones). Up to SPARE_BYTES of them wait
+between steps.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import kernels
 from kvstore.errors import LayoutMismatchError
 from kvstore.layout import KVLayout
 
-SPARE_BYTES = 1 << 30  # save staging buffers kept warm between steps, in all
+SPARE_BYTES = 1 << 30  # staging buffers kept warm between steps, in all
 
 
 class PagedKV:
@@ -49,7 +50,7 @@ class PagedKV:
         first = next(iter(self.layers.values()))
         self.device = first.device
         self.num_blocks = first.shape[0]
-        self._spares: list[torch.Tensor] = []  # save staging buffers no save holds
+        self._spares: list[torch.Tensor] = []  # staging buffers no load or save holds
         self._spares_lock = threading.Lock()  # taken on vLLM's thread, given back on the saver's
 
     def staging(self, num_blocks: int) -> torch.Tensor:
@@ -63,7 +64,7 @@ class PagedKV:
                                pin_memory=self.device.type == "cuda")
 
     def take_staging(self, num_blocks: int) -> torch.Tensor:
-        """A save's staging buffer of at least ``num_blocks`` blocks (use its first
+        """A staging buffer of at least ``num_blocks`` blocks (use its first
         ``num_blocks``): the smallest warm one that fits, else a new one. The caller hands it
         back with ``give_staging`` once nothing reads or writes it any more."""
         with self._spares_lock:

@@ -5,14 +5,15 @@ in layer by layer as ``wait_for_layer_load`` asks; asynchronous loads are fetche
 transfer thread, copied into every layer by ``get_finished`` on vLLM's own thread once the
 fetch is done, and reported in ``finished_recving`` there. (Copying on the transfer thread
 cost a GIL hand-over per torch call while vLLM's loop runs Python: ~0.4 s for 24 layers on
-the CPU.) Saves gather each layer into a staging buffer of their own (a warm one, reused once
-its put has copied it out: PagedKV.take_staging) as ``save_kv_layer`` hands it over (so
-vLLM's blocks are free to be reused once the step ends), and ``wait_for_save`` hands them to
-a saver thread: the put (and a daemon's write-through to disk) never delays the step. At
-most MAX_PENDING_SAVES wait. A block a load could not deliver
-(corrupt, vanished, store down) is reported by ``load_errors`` and vLLM recomputes it; ``report``
-then tells the scheduler which steps' synchronous loads that output settles (it plans no save
-over their blocks until then, see scheduler.py).
+the CPU.) Saves gather each layer into a staging buffer of their own as ``save_kv_layer``
+hands it over (so vLLM's blocks are free to be reused once the step ends), and
+``wait_for_save`` hands them to a saver thread: the put (and a daemon's write-through to disk)
+never delays the step. At most MAX_PENDING_SAVES wait. Loads and saves take warm staging
+buffers, given back once nothing reads or writes them any more (PagedKV.take_staging). A
+block a load could not deliver (corrupt, vanished, store down) is reported by
+``load_errors`` and vLLM recomputes it; ``report`` then tells the scheduler which steps'
+synchronous loads that output settles (it plans no save over their blocks until then, see
+scheduler.py).
 """
 
 from __future__ import annotations
@@ -41,11 +42,15 @@ MAX_PENDING_SAVES = 8  # beyond this, wait_for_save waits for the oldest (bounde
 @dataclass
 class _Load:
     spec: LoadSpec
-    staging: torch.Tensor
+    buffer: torch.Tensor  # a warm staging buffer, given back once the fetch and the scatters are done
     handle: FetchHandle
     block_ids: torch.Tensor
     delivered: int | None = None  # set once the fetch is waited for
     layers_done: set[str] = field(default_factory=set)
+
+    @property
+    def staging(self) -> torch.Tensor:
+        return self.buffer[: len(self.spec.keys)]
 
 
 @dataclass
@@ -86,8 +91,8 @@ class WorkerSide:
         if self.paged is None:
             return
         for spec in meta.loads:
-            staging = self.paged.staging(len(spec.keys))
-            load = _Load(spec, staging, self.store.fetch(spec.keys, staging),
+            buffer = self.paged.take_staging(len(spec.keys))
+            load = _Load(spec, buffer, self.store.fetch(spec.keys, buffer[: len(spec.keys)]),
                          torch.tensor(spec.block_ids, dtype=torch.long))
             if spec.is_async:
                 with self._lock:
@@ -127,6 +132,7 @@ class WorkerSide:
             logger.warning("kvstore: async load for %s failed: %s", load.spec.req_id, exc)
             with self._lock:
                 self._errors.update(load.spec.block_ids)
+        self._give_back(load.buffer)  # the fetch is done (it was handed over), and so are the copies
         with self._lock:
             self._pending_async -= 1
 
@@ -155,16 +161,18 @@ class WorkerSide:
 
     def wait_for_save(self) -> None:
         """Finish the step: queue every fully gathered save, and drop the step's loads."""
-        # A sync load whose layers were never asked for still reports what it missed.
+        # A sync load whose layers were never asked for still reports what it missed. Settled,
+        # its fetch is done, and so is the step's forward: no one uses its buffer any more.
         for load in self._loads:
             self._settle(load)
+            self._give_back(load.buffer)
         self._loads = []
         started = time.perf_counter_ns()
         saves, self._saves = self._saves, []
         for save in saves:
             if len(save.layers_done) < len(self.layer_names):
                 COUNTERS.add(save_skipped=len(save.spec.keys))
-                self._give_back(save)
+                self._give_back(save.buffer)
                 continue
             save_started()
             self._pending_saves.append(self._saver.submit(self._put, save))
@@ -178,12 +186,12 @@ class WorkerSide:
             ok = self.store.put(save.spec.keys, save.staging)
             COUNTERS.add(**{"saved_blocks" if ok else "save_skipped": len(save.spec.keys)})
         finally:
-            self._give_back(save)  # the put has copied the blocks out (every store's put does)
+            self._give_back(save.buffer)  # the put has copied the blocks out (every store's put does)
             save_finished()
 
-    def _give_back(self, save: _Save) -> None:
+    def _give_back(self, buffer: torch.Tensor) -> None:
         assert self.paged is not None
-        self.paged.give_staging(save.buffer)
+        self.paged.give_staging(buffer)
 
     # ------------------------------------------------------------------------ reports
 
