@@ -51,7 +51,7 @@ class PagedKV:
         self.device = first.device
         self.num_blocks = first.shape[0]
         self._spares: list[torch.Tensor] = []  # staging buffers no load or save holds
-        self._spares_lock = threading.Lock()  # taken on vLLM's thread, given back on the saver's
+        self._spares_lock = threading.Lock()  # taken on vLLM's thread, given back on others too
 
     def staging(self, num_blocks: int) -> torch.Tensor:
         """A host buffer of ``num_blocks`` kvstore blocks (pinned when the cache is on CUDA).
@@ -74,7 +74,7 @@ class PagedKV:
         return self.staging(num_blocks)
 
     def give_staging(self, buf: torch.Tensor) -> None:
-        """Keep ``buf`` (from ``take_staging``) warm for a later save, within SPARE_BYTES."""
+        """Keep ``buf`` (from ``take_staging``) warm for a later load or save, within SPARE_BYTES."""
         with self._spares_lock:
             if sum(b.nbytes for b in self._spares) + buf.nbytes <= SPARE_BYTES:
                 self._spares.append(buf)
