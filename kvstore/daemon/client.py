@@ -103,6 +103,7 @@ class StoreClient:
         self._max_frame = DEFAULT_MAX_FRAME
         self._mapped: MappedPool | None = None
         self._pool: torch.Tensor | None = None
+        self._pool_views: dict[tuple[torch.dtype, torch.Size], torch.Tensor] = {}  # see _pool_as
         self._generations: np.ndarray | None = None  # set: lock-free reads of cached slots
         self._slots: dict[bytes, tuple[int, int]] = {}  # key -> (slot, generation) of slots once held under a lease
         # write leases for the next puts, (lease, slots, deadline), up to two ahead; and the
@@ -255,11 +256,12 @@ class StoreClient:
         commit is sent: this client's next request is ordered after it (and reports its
         failure, if any); other clients see the blocks once the daemon has read the commit,
         or once ``flush()`` returns."""
-        src = raw_rows(self.layout.input_blocks(blocks, len(keys)))
+        src = self.layout.input_blocks(blocks, len(keys))
         for start in range(0, len(keys), self.max_blocks):
             stop = min(len(keys), start + self.max_blocks)
-            if self._pool is None or not self._put_shm(keys[start:stop], src[start:stop]):
-                data = src[start:stop].numpy().data.cast("B")
+            rows = src if stop - start == len(src) else src[start:stop]
+            if self._pool is None or not self._put_shm(keys[start:stop], rows):
+                data = raw_rows(rows).numpy().data.cast("B")
                 self._call({"op": "put", "keys": self._keys_blob(keys[start:stop])}, data)
 
     def _put_shm(self, keys: Sequence[bytes], src: torch.Tensor) -> bool:
@@ -277,7 +279,7 @@ class StoreClient:
         if time.monotonic() >= deadline:  # never start writing a slot past the lease
             self._notify({"op": "release", "lease": lease_id, "kind": "write"})  # unwritten: never commit it
             return False
-        _copy_runs(slots, src, self._pool, to_pool=True)
+        _copy_runs(slots, src, self._pool_as(src), to_pool=True)
         gens = self._generations_of(slots)  # stable: the lease still holds the slots
         with self._lock:
             self._settle()
@@ -385,7 +387,7 @@ class StoreClient:
         want = np.asarray(gens, dtype=np.uint64)
         n = _leading_true(gens_now[idx] == want)  # known stale before the copy: not copied
         if n:
-            _copy_runs(slots[:n], dst[:n], self._pool, to_pool=False)
+            _copy_runs(slots[:n], dst[:n], self._pool_as(dst), to_pool=False)
             n = _leading_true(gens_now[idx[:n]] == want[:n])  # after: the copy is valid
         for key in keys[n : len(slots)]:
             self._slots.pop(key, None)  # maybe stale: the next lease names the slot again
@@ -422,13 +424,25 @@ class StoreClient:
         copied = time.monotonic() < deadline  # never start copying past the lease
         gens = self._generations_of(reply["slots"]) if copied else []  # stable: the lease holds them
         if n and copied:
-            _copy_runs(reply["slots"], dst[:n], self._pool, to_pool=False)
+            _copy_runs(reply["slots"], dst[:n], self._pool_as(dst), to_pool=False)
         if copied and time.monotonic() < deadline:
             self._post({"op": "release", "lease": reply["lease"]})
         elif not self._call({"op": "release", "lease": reply["lease"]})[0]["valid"] or not copied:
             return 0
         self._remember(keys[:n], reply["slots"], gens)
         return n
+
+    def _pool_as(self, rows: torch.Tensor) -> torch.Tensor:
+        """The pool's payloads as rows of ``rows``' dtype and row shape (the padding after each
+        payload left out), made once per kind: a put copies typed blocks in with no byte view of
+        its own (each torch call costs microseconds with cold caches)."""
+        key = (rows.dtype, rows.shape[1:])
+        view = self._pool_views.get(key)
+        if view is None:
+            assert self._pool is not None
+            payloads = self._pool[:, : self._payload]
+            view = self._pool_views[key] = payloads.view(rows.dtype).view(payloads.shape[0], *rows.shape[1:])
+        return view
 
     def _generations_of(self, slots: list[int]) -> list[int]:
         """The generations of slots this client holds under a lease (so they cannot change),
@@ -531,16 +545,17 @@ def _leading_true(flags: np.ndarray) -> int:
 
 
 def _copy_runs(slots: list[int], rows: torch.Tensor, pool: torch.Tensor, *, to_pool: bool) -> None:
-    """Copy ``rows[i]`` <-> ``pool[slots[i]]`` one run of consecutive slots at a time."""
-    payload = rows.shape[1]
+    """Copy ``rows[i]`` <-> ``pool[slots[i]]`` (``pool``: the payloads as such rows, ``_pool_as``)
+    one run of consecutive slots at a time."""
     start = 0
     for i in range(1, len(slots) + 1):
         if i == len(slots) or slots[i] != slots[i - 1] + 1:
             first, count = slots[start], i - start
+            part = rows if count == len(rows) else rows[start:i]
             if to_pool:
-                pool[first : first + count, :payload].copy_(rows[start:i])
+                pool[first : first + count].copy_(part)
             else:
-                rows[start:i].copy_(pool[first : first + count, :payload])
+                part.copy_(pool[first : first + count])
             start = i
 
 
