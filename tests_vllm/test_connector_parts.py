@@ -189,7 +189,7 @@ def test_a_load_buffer_is_reused_only_once_its_fetch_and_the_step_are_done(tmp_p
             assert torch.equal(kv[name][block].flatten(), parts[layer])
     # both buffers are back, warm, for the next step's loads and saves
     assert worker.paged is not None
-    assert {b.data_ptr() for b in worker.paged._spares} == {load_buffer, save_buffer}
+    assert {worker.paged.take_staging(3).data_ptr() for _ in range(2)} == {load_buffer, save_buffer}
     worker.shutdown()
     slow.shutdown()
     store.close()

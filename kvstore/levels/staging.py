@@ -17,6 +17,7 @@ from contextlib import contextmanager
 
 import torch
 
+from kvstore.buffer_pool import BufferPool
 from kvstore.levels.coding import aligned_rows
 
 KEEP_BYTES = 64 << 20  # staging kept between calls, in all
@@ -36,34 +37,20 @@ class Staging:
     def __init__(self, width: int) -> None:
         self.width = width
         self._lock = threading.Lock()
-        self._free: list[torch.Tensor] = []
-        self._kept = 0
+        self._buffers = BufferPool(lambda n: aligned_rows(n, width), KEEP_BYTES)
         self._reader: ThreadPoolExecutor | None = None
-        warm = aligned_rows(max(1, WARM_BYTES // width), width)
+        warm = self._buffers.take(max(1, WARM_BYTES // width))
         warm.fill_(0)  # fault the pages in now, not during the first read
-        self._give(warm)
+        self._buffers.give(warm)
 
     @contextmanager
     def rows(self, n: int) -> Iterator[list[torch.Tensor]]:
         """``n`` page-aligned rows of ``width`` bytes, the caller's until the block ends."""
-        with self._lock:
-            fits = [b for b in self._free if b.shape[0] >= n]
-            buf = min(fits, key=lambda b: b.shape[0]) if fits else None
-            if buf is not None:
-                self._free.remove(buf)
-                self._kept -= buf.numel()
-        if buf is None:
-            buf = aligned_rows(n, self.width)
+        buf = self._buffers.take(n)
         try:
             yield list(buf[:n])
         finally:
-            self._give(buf)
-
-    def _give(self, buf: torch.Tensor) -> None:
-        with self._lock:
-            if self._kept + buf.numel() <= KEEP_BYTES:
-                self._free.append(buf)
-                self._kept += buf.numel()
+            self._buffers.give(buf)
 
     def pipelined(self, n: int, read: Callable[[range], list[bool]],
                   decode: Callable[[range, list[bool]], None]) -> None:

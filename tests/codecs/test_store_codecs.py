@@ -309,3 +309,23 @@ def test_a_commit_replaces_a_decoded_host_copy_with_the_bytes_written(tmp_path: 
     assert store.stats()["host"]["num_blocks"] == 2
     store.check_integrity()
     store.close()
+
+
+def test_reads_larger_than_the_warm_staging_reuse_it_read_after_read(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """An int8 disk reads through staging rows kept warm between reads. Two reads in a row
+    larger than the buffer made at open: the second takes the larger buffer the first one left
+    behind (picking it out of the pool once raised RuntimeError: tensors compared with ==)."""
+    import kvstore.levels.staging as staging_module
+
+    monkeypatch.setattr(staging_module, "WARM_BYTES", 2 * 100 << 10)  # room for two encoded blocks
+    store = _store(tmp_path, host_blocks=1, disk_blocks=16, disk_codec="int8", promotion="never")
+    keys = _keys(store, 6)
+    blocks = random_kv(LAYOUT, 6, seed=8)
+    store.put(keys, blocks)
+    assert store.lookup(keys).tiers == ("host",) + ("disk",) * 5
+    for _ in range(3):
+        got = store.get(keys)  # five disk blocks each time: more than the warm buffer holds
+        assert bool(((got.float() - blocks.float()).abs() <= int8_bound(blocks, LAYOUT.dtype)).all())
+    store.check_integrity()
+    store.close()

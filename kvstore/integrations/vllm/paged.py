@@ -13,12 +13,12 @@ between steps.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Sequence
 
 import torch
 
 import kernels
+from kvstore.buffer_pool import BufferPool
 from kvstore.errors import LayoutMismatchError
 from kvstore.layout import KVLayout
 
@@ -50,8 +50,7 @@ class PagedKV:
         first = next(iter(self.layers.values()))
         self.device = first.device
         self.num_blocks = first.shape[0]
-        self._spares: list[torch.Tensor] = []  # staging buffers no load or save holds
-        self._spares_lock = threading.Lock()  # taken on vLLM's thread, given back on others too
+        self._spares = BufferPool(self.staging, SPARE_BYTES)  # taken on vLLM's thread, given back on others too
 
     def staging(self, num_blocks: int) -> torch.Tensor:
         """A host buffer of ``num_blocks`` kvstore blocks (pinned when the cache is on CUDA).
@@ -67,17 +66,11 @@ class PagedKV:
         """A staging buffer of at least ``num_blocks`` blocks (use its first
         ``num_blocks``): the smallest warm one that fits, else a new one. The caller hands it
         back with ``give_staging`` once nothing reads or writes it any more."""
-        with self._spares_lock:
-            fits = [i for i, buf in enumerate(self._spares) if buf.shape[0] >= num_blocks]
-            if fits:
-                return self._spares.pop(min(fits, key=lambda i: self._spares[i].shape[0]))
-        return self.staging(num_blocks)
+        return self._spares.take(num_blocks)
 
     def give_staging(self, buf: torch.Tensor) -> None:
         """Keep ``buf`` (from ``take_staging``) warm for a later load or save, within SPARE_BYTES."""
-        with self._spares_lock:
-            if sum(b.nbytes for b in self._spares) + buf.nbytes <= SPARE_BYTES:
-                self._spares.append(buf)
+        self._spares.give(buf)
 
     def _rows(self, staging: torch.Tensor, layer: str) -> torch.Tensor:
         """Layer ``layer``'s part of each staged block: ``[n, layer_elems]``, rows contiguous."""
