@@ -44,7 +44,7 @@ class StoreView:
                       for rank, slot in enumerate(entry.slots) if slot is not None}
             return {
                 "key": key.hex(), "tier": tiers[0] if tiers else None, "tiers": tiers, "slots": slots,
-                "codecs": codecs, "lossy": bool(tiers) and not entry.is_exact(entry.slots.index(slots[tiers[0]])),
+                "codecs": codecs, "lossy": entry.best_rank is not None and not entry.is_exact(entry.best_rank),
                 "exact_tier": names[entry.exact_rank] if entry.exact_rank is not None else None,
                 "size": self.payload_bytes,
                 "tenant": entry.tenant, "created": entry.created,
