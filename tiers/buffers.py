@@ -34,6 +34,11 @@ def _tensor_view(tensor: Any) -> tuple[memoryview, int]:
     return (view if view.ndim == 1 else view.cast("B")), tensor.data_ptr()
 
 
+def address_of(view: memoryview) -> int:
+    """The address of the first byte of a writable, non-empty, contiguous byte view."""
+    return ctypes.addressof(ctypes.c_char.from_buffer(view))
+
+
 def byte_view(obj: Any, *, writable: bool) -> tuple[memoryview, int]:
     """Return a flat byte memoryview over ``obj``'s memory and the address of its first byte.
 
@@ -52,9 +57,7 @@ def byte_view(obj: Any, *, writable: bool) -> tuple[memoryview, int]:
             raise ValueError("expected a contiguous buffer")
         if view.ndim != 1 or view.format != "B":
             view = view.cast("B")
-        address = (
-            ctypes.addressof(ctypes.c_char.from_buffer(view)) if not view.readonly and view.nbytes else -1
-        )
+        address = address_of(view) if not view.readonly and view.nbytes else -1
     if writable and view.readonly:
         raise ValueError("expected writable memory, got a read-only buffer")
     return view, address

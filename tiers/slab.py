@@ -36,7 +36,7 @@ import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from tiers.buffers import ALIGN
+from tiers.buffers import ALIGN, address_of
 from tiers.errors import TierFullError, TierIOError
 
 BOUNCE_BYTES = 4 << 20  # per bounce buffer (at least one slot); two per slab, made at open
@@ -336,10 +336,7 @@ def _copy_out(bounced: list[tuple[memoryview, memoryview]], chunk: list[int], ok
     """Copy each bounce segment into its destination (``ctypes.memmove``, which lets go of the
     GIL: the I/O thread keeps issuing reads meanwhile), then tell ``on_chunk`` of ``chunk``."""
     for dest, segment in bounced:
-        ctypes.memmove(_address(dest), _address(segment), len(segment))
+        ctypes.memmove(address_of(dest), address_of(segment), len(segment))
     if on_chunk is not None:
         on_chunk(chunk, ok)
 
-
-def _address(view: memoryview) -> int:
-    return ctypes.addressof(ctypes.c_char.from_buffer(view))
