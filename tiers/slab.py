@@ -339,4 +339,3 @@ def _copy_out(bounced: list[tuple[memoryview, memoryview]], chunk: list[int], ok
         ctypes.memmove(address_of(dest), address_of(segment), len(segment))
     if on_chunk is not None:
         on_chunk(chunk, ok)
-
