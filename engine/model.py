@@ -80,18 +80,13 @@ class Linear:
 
     Then both operands of the product are row-major and so is the result. On the CPU this ran
     fastest of the three orientations at every row count the engine uses (1, 16 and 2,048 rows,
-    the bench model's shapes, cold caches, 2-core Intel VM): ``weight @ x.T`` took 1.3-2x and
+    the bench model's shapes, cold caches, 2-core Intel VM): ``weight @ x.T`` took 1.3-2.1x and
     ``F.linear`` 1.2-2.6x as long at 16 rows; docs/benchmarks.md.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         self.weight_t = weight.t().contiguous()
         self.bias = bias
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        """The weight's ``(out, in)``, as the checkpoint has it."""
-        return self.weight_t.shape[1], self.weight_t.shape[0]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return x @ self.weight_t if self.bias is None else torch.addmm(self.bias, x, self.weight_t)

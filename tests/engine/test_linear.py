@@ -16,7 +16,7 @@ def test_linear_matches_f_linear(rows: int, bias: bool) -> None:
     w = torch.randn(96, 64, generator=g)
     b = torch.randn(96, generator=g) if bias else None
     linear = Linear(w, b)
-    assert linear.shape == (96, 64)
+    assert linear.weight_t.shape == (64, 96) and linear.weight_t.is_contiguous()  # kept transposed
     out = linear(x)
     assert out.shape == (rows, 96) and out.is_contiguous()
     torch.testing.assert_close(out, F.linear(x, w, b), atol=1e-5, rtol=1e-5)
