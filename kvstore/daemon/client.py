@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from kvstore import env
+from kvstore.copier import Copier
 from kvstore.daemon.pool_map import MappedPool
 from kvstore.daemon.protocol import (
     DEFAULT_MAX_FRAME,
@@ -115,6 +116,7 @@ class StoreClient:
         self._touched: list[bytes] = []  # blocks read lock-free, not yet told to the daemon
         self._touch_due = 0.0
         self._executor: ThreadPoolExecutor | None = None
+        self._copier = Copier()  # a put's copy into the mapped pool, beside the daemon's commit of the last
         want_shm = (kind == "unix") if shm is None else shm
         want_shm = want_shm and not env.shm_disabled()
         hello = self._call({"op": "hello", "version": VERSION, "token": token, "model_id": model_id,
@@ -279,7 +281,7 @@ class StoreClient:
         if time.monotonic() >= deadline:  # never start writing a slot past the lease
             self._notify({"op": "release", "lease": lease_id, "kind": "write"})  # unwritten: never commit it
             return False
-        _copy_runs(slots, src, self._pool_as(src), to_pool=True)
+        self._copier.copy(_run_pairs(slots, src, self._pool_as(src)))
         gens = self._generations_of(slots)  # stable: the lease still holds the slots
         with self._lock:
             self._settle()
@@ -387,7 +389,7 @@ class StoreClient:
         want = np.asarray(gens, dtype=np.uint64)
         n = _leading_true(gens_now[idx] == want)  # known stale before the copy: not copied
         if n:
-            _copy_runs(slots[:n], dst[:n], self._pool_as(dst), to_pool=False)
+            _copy_out(slots[:n], dst[:n], self._pool_as(dst))
             n = _leading_true(gens_now[idx[:n]] == want[:n])  # after: the copy is valid
         for key in keys[n : len(slots)]:
             self._slots.pop(key, None)  # maybe stale: the next lease names the slot again
@@ -424,7 +426,7 @@ class StoreClient:
         copied = time.monotonic() < deadline  # never start copying past the lease
         gens = self._generations_of(reply["slots"]) if copied else []  # stable: the lease holds them
         if n and copied:
-            _copy_runs(reply["slots"], dst[:n], self._pool_as(dst), to_pool=False)
+            _copy_out(reply["slots"], dst[:n], self._pool_as(dst))
         if copied and time.monotonic() < deadline:
             self._post({"op": "release", "lease": reply["lease"]})
         elif not self._call({"op": "release", "lease": reply["lease"]})[0]["valid"] or not copied:
@@ -495,6 +497,7 @@ class StoreClient:
     def close(self) -> None:
         if self._executor is not None:
             self._executor.shutdown(wait=True)
+        self._copier.close()
         with self._lock, contextlib.suppress(OSError):
             try:
                 self._settle()  # the last put's commit must land before its leases end with us
@@ -544,19 +547,24 @@ def _leading_true(flags: np.ndarray) -> int:
     return int(false[0]) if len(false) else len(flags)
 
 
-def _copy_runs(slots: list[int], rows: torch.Tensor, pool: torch.Tensor, *, to_pool: bool) -> None:
-    """Copy ``rows[i]`` <-> ``pool[slots[i]]`` (``pool``: the payloads as such rows, ``_pool_as``)
-    one run of consecutive slots at a time."""
+def _run_pairs(slots: list[int], rows: torch.Tensor, pool: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``(pool piece, rows piece)`` per run of consecutive slots, for copies between ``rows[i]``
+    and ``pool[slots[i]]`` (``pool``: the payloads as such rows, ``_pool_as``)."""
+    pairs = []
     start = 0
     for i in range(1, len(slots) + 1):
         if i == len(slots) or slots[i] != slots[i - 1] + 1:
             first, count = slots[start], i - start
-            part = rows if count == len(rows) else rows[start:i]
-            if to_pool:
-                pool[first : first + count].copy_(part)
-            else:
-                part.copy_(pool[first : first + count])
+            pairs.append((pool[first : first + count], rows if count == len(rows) else rows[start:i]))
             start = i
+    return pairs
+
+
+def _copy_out(slots: list[int], rows: torch.Tensor, pool: torch.Tensor) -> None:
+    """``rows[i] = pool[slots[i]]``, with torch's own copy: nothing else runs on the
+    machine's cores meanwhile (the daemon only reads the touch frames)."""
+    for piece, part in _run_pairs(slots, rows, pool):
+        part.copy_(piece)
 
 
 def _as_exception(code: int, message: str) -> Exception:

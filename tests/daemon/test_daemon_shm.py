@@ -8,6 +8,7 @@ other bytes. The copy must then never be returned as the block.
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 
@@ -27,27 +28,25 @@ PAYLOAD = LAYOUT.bytes_per_block
 
 
 class CopyCounter:
-    """Wraps ``_copy_runs``: counts reads from the pool, and runs ``midway`` once, after the
+    """Wraps ``_copy_out``: counts reads from the pool, and runs ``midway`` once, after the
     first half of a read's rows are copied and before the rest are."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.reads = 0
         self.midway: object = None
         self.raw: torch.Tensor | None = None  # what the raced copy produced
-        self._orig = client_module._copy_runs
-        monkeypatch.setattr(client_module, "_copy_runs", self)
+        self._orig = client_module._copy_out
+        monkeypatch.setattr(client_module, "_copy_out", self)
 
-    def __call__(self, slots: list[int], rows: torch.Tensor, pool: torch.Tensor, *, to_pool: bool) -> None:
-        if to_pool:
-            return self._orig(slots, rows, pool, to_pool=True)
+    def __call__(self, slots: list[int], rows: torch.Tensor, pool: torch.Tensor) -> None:
         self.reads += 1
         midway, self.midway = self.midway, None
         if midway is None:
-            return self._orig(slots, rows, pool, to_pool=False)
+            return self._orig(slots, rows, pool)
         half = len(slots) // 2
-        self._orig(slots[:half], rows[:half], pool, to_pool=False)
+        self._orig(slots[:half], rows[:half], pool)
         midway()  # type: ignore[operator]
-        self._orig(slots[half:], rows[half:], pool, to_pool=False)
+        self._orig(slots[half:], rows[half:], pool)
         self.raw = rows.clone()
         return None
 
@@ -289,5 +288,26 @@ def test_threads_sharing_one_client_put_and_get_through_pipelined_commits(tmp_pa
             with d.connect(shm=False) as other:  # another client sees every block kept
                 keys = c.block_keys(prompt(1000 + 100 * 3 + 23, 3 + (23 + 3) % 3))  # kept: 23 % 4 != 0
                 assert torch.equal(other.get(keys), blocks(keys))
+    finally:
+        d.stop()
+
+
+def test_large_puts_are_copied_in_by_shared_threads_and_read_back_whole(tmp_path: Path) -> None:
+    """Puts of 5 MiB, in a row (each commit read by the next put): the client copies them into
+    the pool on its copier's threads; another client reads every byte back over the socket."""
+    from kvstore import KVLayout
+
+    layout = KVLayout(num_layers=4, num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.float16)  # 32 KiB
+    d = DaemonProc(tmp_path / "data", "--max-namespaces", "1", host_mem="48MiB", disk="0")
+    try:
+        with d.connect(shm=True, layout=layout) as c, d.connect(shm=False, layout=layout) as other:
+            chains = [c.block_keys(prompt(40 + r, 160, layout.block_size)) for r in range(3)]
+            for keys in chains:
+                c.put(keys, blocks(keys, layout))
+            if torch.get_num_threads() > 1:  # the shared path ran (5 MiB >= MIN_BYTES): its helper is up
+                assert any(t.name.startswith("kvstore-copy") for t in threading.enumerate())
+            c.flush()
+            for keys in chains:
+                assert torch.equal(other.get(keys), blocks(keys, layout))
     finally:
         d.stop()
