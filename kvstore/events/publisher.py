@@ -3,8 +3,9 @@
 Producers (the engine loop, the store under its lock) call ``stored``/``removed``/``cleared``:
 each appends one item to a bounded deque (no lock, no wake-up) and returns at once; a full
 queue drops the item and counts it. One publisher thread owns both sockets: every
-``POLL_S`` it takes what is queued and packs it into a batch
-(consecutive chain runs of one medium merge into one ``BlockStored``), gives it the next seq,
+``POLL_S`` it takes what is queued and packs it into batches of at most ``max_batch_events``
+items, sent back to back (consecutive chain runs of one medium merge into one
+``BlockStored``), gives each the next seq,
 sends it on the PUB socket, keeps it in the replay ring, answers replay and snapshot requests
 between batches, and sends a heartbeat (an empty batch) after ``heartbeat_s`` of silence.
 
@@ -159,19 +160,23 @@ class EventPublisher:
             self._close_sockets()
 
     def _step(self) -> None:
-        items: list[_Item] = []
+        """Send what is queued now, in batches of at most ``max_batch_events`` items back to
+        back (a burst is not paced at one batch a tick), answering requests between them."""
         queued = self._queue
-        try:
-            while len(items) < self.config.max_batch_events:
-                items.append(queued.popleft())
-        except IndexError:
-            pass
+        backlog = len(queued)  # items queued later wait for the next tick: a steady stream cannot hold the thread
         self._serve_requests()
-        if items:
+        if not backlog:
+            if time.monotonic() - self._last_send >= self.config.heartbeat_s:
+                self._send([])
+                self.counters["heartbeats"] += 1
+            return
+        while backlog > 0:
+            take = min(backlog, self.config.max_batch_events)
+            items = [queued.popleft() for _ in range(take)]  # only this thread takes items
+            backlog -= take
             self._send(_pack(items))
-        elif time.monotonic() - self._last_send >= self.config.heartbeat_s:
-            self._send([])
-            self.counters["heartbeats"] += 1
+            if backlog:
+                self._serve_requests()
 
     def _drain(self) -> None:
         while self._queue:

@@ -15,9 +15,10 @@ a batch as an array of 2-4 elements or as a map.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
 
 import msgpack
+import msgspec
 
 GPU, CPU, DISK, REMOTE = "GPU", "CPU", "DISK", "REMOTE"
 MEDIA = (GPU, CPU, DISK, REMOTE)
@@ -34,7 +35,7 @@ class WireError(ValueError):
     """A message that is not a KV-event batch (wrong frames, bad msgpack, wrong shapes)."""
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class BlockStored:
     """``block_hashes`` form one chain: each block's parent is the one before it, the first's
     is ``parent_block_hash``. ``token_ids`` are the blocks' tokens (empty where the tier does
@@ -53,7 +54,7 @@ class BlockStored:
     kv_cache_spec_sliding_window: int | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class BlockRemoved:
     """The last copy of each of ``block_hashes`` left ``medium``."""
 
@@ -77,7 +78,7 @@ class UnknownEvent:
 Event = BlockStored | BlockRemoved | AllBlocksCleared | UnknownEvent
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class EventBatch:
     """One payload. ``epoch`` and ``snapshot`` are kvstore's extension (None/False from vLLM)."""
 
@@ -94,41 +95,61 @@ class EventBatch:
 
 # --------------------------------------------------------------------------------- encoding
 
-def _event_map(event: Event) -> dict[str, Any]:
-    # Key order is vLLM's declaration order (msgspec writes fields in that order, tag first);
-    # fields equal to their default None are omitted, as msgspec's omit_defaults does.
+# vLLM's event structs as its encoder sees them (msgspec writes the tag first, then the fields
+# in declaration order, leaving out those equal to their default): vLLM 0.32's bytes exactly.
+class _Out(msgspec.Struct, tag_field="type", tag=True, omit_defaults=True, gc=False):
+    pass
+
+
+class _StoredOut(_Out, tag="BlockStored"):
+    block_hashes: list[Any]
+    parent_block_hash: Any
+    token_ids: list[Any]
+    block_size: int
+    lora_id: Any
+    medium: Any
+    lora_name: Any
+    extra_keys: Any = None
+    group_idx: Any = None
+    kv_cache_spec_kind: Any = None
+    kv_cache_spec_sliding_window: Any = None
+
+
+class _RemovedOut(_Out, tag="BlockRemoved"):
+    block_hashes: list[Any]
+    medium: Any
+    group_idx: Any = None
+
+
+class _ClearedOut(_Out, tag="AllBlocksCleared"):
+    pass
+
+
+_ENCODER = msgspec.msgpack.Encoder()
+
+
+def _wire_event(event: Event) -> _Out:
     if isinstance(event, BlockStored):
-        out: dict[str, Any] = {
-            "type": "BlockStored", "block_hashes": list(event.block_hashes),
-            "parent_block_hash": event.parent_block_hash, "token_ids": list(event.token_ids),
-            "block_size": event.block_size, "lora_id": event.lora_id, "medium": event.medium,
-            "lora_name": event.lora_name,
-        }
-        for name in ("extra_keys", "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window"):
-            value = getattr(event, name)
-            if value is not None:
-                out[name] = value
-        return out
+        return _StoredOut(event.block_hashes, event.parent_block_hash, event.token_ids, event.block_size,
+                          event.lora_id, event.medium, event.lora_name, event.extra_keys, event.group_idx,
+                          event.kv_cache_spec_kind, event.kv_cache_spec_sliding_window)
     if isinstance(event, BlockRemoved):
-        out = {"type": "BlockRemoved", "block_hashes": list(event.block_hashes), "medium": event.medium}
-        if event.group_idx is not None:
-            out["group_idx"] = event.group_idx
-        return out
+        return _RemovedOut(event.block_hashes, event.medium, event.group_idx)
     if isinstance(event, AllBlocksCleared):
-        return {"type": "AllBlocksCleared"}
+        return _ClearedOut()
     raise TypeError(f"cannot encode {type(event).__name__}")
 
 
 def encode_batch(batch: EventBatch) -> bytes:
     """The msgpack payload of ``batch``: vLLM 0.32's bytes, then the extension element when
     ``batch.epoch`` is set."""
-    body: list[Any] = [float(batch.ts), [_event_map(e) for e in batch.events], batch.data_parallel_rank]
+    body: list[Any] = [float(batch.ts), [_wire_event(e) for e in batch.events], batch.data_parallel_rank]
     if batch.epoch is not None:
         ext: dict[str, Any] = {"epoch": batch.epoch}
         if batch.snapshot:
             ext["snapshot"] = True
         body.append(ext)
-    return msgpack.packb(body, use_bin_type=True)
+    return _ENCODER.encode(body)
 
 
 def seq_frame(seq: int) -> bytes:
@@ -144,6 +165,59 @@ def parse_seq(frame: bytes) -> int:
 
 # --------------------------------------------------------------------------------- decoding
 
+# The common case, typed, decoded and checked by msgspec in C: an array batch of tagged-map
+# events of the three known types, each field of the type vLLM sends, and no field this
+# decoder does not know. That is a subset of what ``_decode_generic`` accepts (msgspec would
+# skip an unknown key unread, garbled bytes included, and read into ``Any`` what msgpack
+# refuses, such as a map keyed by an array), and it yields the same batch; anything else
+# (older encodings, unknown events or fields, other types, malformed bytes) is left to
+# ``_decode_generic``, which also words the error.
+class _In(msgspec.Struct, tag_field="type", tag=True, forbid_unknown_fields=True, gc=False):
+    pass
+
+
+_Scalar = str | int | float | None  # (msgspec takes one of str and bytes in a union)
+
+
+class _StoredIn(_In, tag="BlockStored"):
+    block_hashes: list[bytes | int]
+    block_size: Annotated[int, msgspec.Meta(ge=0)]
+    parent_block_hash: bytes | int | None = None
+    token_ids: list[int] = []
+    medium: str | None = None
+    lora_id: int | None = None
+    lora_name: str | None = None
+    extra_keys: list[list[_Scalar] | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+
+
+class _RemovedIn(_In, tag="BlockRemoved"):
+    block_hashes: list[bytes | int]
+    medium: str | None = None
+    group_idx: int | None = None
+
+
+class _ClearedIn(_In, tag="AllBlocksCleared"):
+    pass
+
+
+class _ExtensionIn(msgspec.Struct, forbid_unknown_fields=True, gc=False):
+    epoch: int | None = None
+    snapshot: bool = False
+
+
+class _BatchIn(msgspec.Struct, array_like=True, forbid_unknown_fields=True, gc=False):
+    ts: float
+    events: list[_StoredIn | _RemovedIn | _ClearedIn]
+    data_parallel_rank: int | None = None
+    ext: _ExtensionIn | None = None
+
+
+_DECODER = msgspec.msgpack.Decoder(_BatchIn)
+
+
 def decode_batch(payload: bytes) -> EventBatch:
     """Decode one payload in either vLLM encoding (kvstore's extension included).
 
@@ -152,6 +226,34 @@ def decode_batch(payload: bytes) -> EventBatch:
     """
     if len(payload) > MAX_PAYLOAD:
         raise WireError(f"payload of {len(payload)} bytes exceeds {MAX_PAYLOAD}")
+    try:
+        typed = _DECODER.decode(payload)
+    except msgspec.MsgspecError:
+        return _decode_generic(payload)
+    events: list[Event] = []
+    for e in typed.events:
+        if type(e) is _StoredIn:
+            events.append(BlockStored(e.block_hashes, e.parent_block_hash, e.token_ids, e.block_size, e.medium,
+                                      e.lora_id, e.lora_name, e.extra_keys, e.group_idx, e.kv_cache_spec_kind,
+                                      e.kv_cache_spec_sliding_window))
+        elif type(e) is _RemovedIn:
+            events.append(BlockRemoved(e.block_hashes, e.medium, e.group_idx))
+        else:
+            events.append(AllBlocksCleared())
+    ext = typed.ext or _ExtensionIn()
+    return EventBatch(typed.ts, events, typed.data_parallel_rank, ext.epoch, ext.snapshot)
+
+
+def _extension(ext: Any) -> tuple[int | None, bool]:
+    """kvstore's extension element: (epoch, snapshot); (None, False) when absent or not a map."""
+    if not isinstance(ext, dict):
+        return None, False
+    epoch = ext.get("epoch")
+    return (epoch if isinstance(epoch, int) else None), ext.get("snapshot") is True
+
+
+def _decode_generic(payload: bytes) -> EventBatch:
+    """``decode_batch`` for any payload: every encoding vLLM has used, and the error's words."""
     try:
         doc = msgpack.unpackb(payload, raw=False, strict_map_key=False)
     except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
@@ -172,10 +274,7 @@ def decode_batch(payload: bytes) -> EventBatch:
         raise WireError(f"batch events must be an array, got {type(events).__name__}")
     if rank is not None and not isinstance(rank, int):
         raise WireError(f"data_parallel_rank must be an int or nil, got {rank!r:.40}")
-    epoch, snapshot = None, False
-    if isinstance(ext, dict):
-        epoch = ext.get("epoch") if isinstance(ext.get("epoch"), int) else None
-        snapshot = ext.get("snapshot") is True
+    epoch, snapshot = _extension(ext)
     return EventBatch(float(ts), [_decode_event(e, i) for i, e in enumerate(events)], rank, epoch, snapshot)
 
 

@@ -157,8 +157,6 @@ def test_a_plain_vllm_style_consumer_reads_the_stream_and_the_replay() -> None:
     """Raw sockets, as vLLM's example subscriber uses them: SUB for three frames, then a
     replay request from a start seq answered by (topic, seq, payload) messages and the end
     marker, as vLLM 0.32 answers."""
-    if os.environ.get("CI") != "true":
-        pytest.importorskip("msgspec")
     import vllm_types as v
 
     with EventPublisher(EventsConfig("tcp://127.0.0.1:*", topic="kv", heartbeat_s=60)) as pub:
@@ -360,8 +358,6 @@ class VllmStylePublisher:
 
 @pytest.mark.parametrize("topic_in_replay", [True, False], ids=["vllm-0.32", "vllm-before-0.32"])
 def test_subscriber_follows_a_plain_vllm_publisher_by_replay_from_seq_0(topic_in_replay: bool) -> None:
-    if os.environ.get("CI") != "true":
-        pytest.importorskip("msgspec")
     vp = VllmStylePublisher(topic_in_replay)
     v = vp.v
     try:
@@ -455,8 +451,6 @@ def test_a_failing_snapshot_source_keeps_the_publisher_up_and_the_subscriber_ret
 def test_a_restarted_publisher_without_an_epoch_clears_the_view() -> None:
     """vLLM sends no epoch: its restart shows as a live seq going back to 0. What the old
     process held is gone, and the new one's batches are not taken for duplicates."""
-    if os.environ.get("CI") != "true":
-        pytest.importorskip("msgspec")
     vp = VllmStylePublisher()
     v = vp.v
     try:

@@ -3,7 +3,6 @@ our decoder on both encodings vLLM has used (tagged maps, tagged arrays)."""
 
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ from kvstore.events.wire import (
     EventBatch,
     UnknownEvent,
     WireError,
+    _decode_generic,
     decode_batch,
     encode_batch,
     parse_seq,
@@ -32,9 +32,7 @@ EXAMPLE = EventBatch(1764547200.5, [BlockStored([K1, K2], None, list(range(1, 9)
 
 
 def _vllm() -> Any:
-    """vLLM's own types (tests/events/vllm_types.py); msgspec is in the test extra."""
-    if os.environ.get("CI") != "true":
-        pytest.importorskip("msgspec")
+    """vLLM's own types (tests/events/vllm_types.py), declared with msgspec as vLLM does."""
     import vllm_types
 
     return vllm_types
@@ -149,7 +147,76 @@ def test_decoder_turns_every_flipped_byte_into_a_batch_or_a_wire_error() -> None
             batch = decode_batch(bytes(payload))
         except WireError:
             refused += 1
+            with pytest.raises(WireError):  # the generic decoder refuses it too
+                _decode_generic(bytes(payload))
             continue
+        assert batch == _decode_generic(bytes(payload))  # the typed fast path reads it alike
         EventView().apply(batch)  # what decodes, a sink takes
         decoded += 1
     assert decoded > 0 and refused > 0
+
+
+def test_our_batches_take_the_typed_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """kvstore's own batches (and vLLM 0.32's) are read by msgspec's typed decoder alone; the
+    generic one is for older encodings, unknown events and errors."""
+    from kvstore.events import wire
+
+    def no_generic(payload: bytes) -> EventBatch:
+        raise AssertionError("the generic decoder ran")
+
+    monkeypatch.setattr(wire, "_decode_generic", no_generic)
+    batches = [EXAMPLE, EventBatch(2.0, [AllBlocksCleared()], None, epoch=1, snapshot=True),
+               EventBatch(3.0, [BlockStored([7, 8], 6, [], 16, None, 1, "lora", [["a", 1]], 2, "sliding_window", 64)],
+                          3), EventBatch(4.0, [], 0)]
+    for batch in batches:
+        assert decode_batch(encode_batch(batch)) == batch
+
+
+def _event_maps() -> Any:
+    """Tagged-map events as a producer might write them: fields missing, extra or of the
+    wrong type, unknown tags, older tagged arrays among them."""
+    from hypothesis import strategies as st
+
+    hashes = st.lists(st.one_of(st.binary(max_size=4), st.integers(-5, 2**64 - 1), st.booleans(), st.text(max_size=2)),
+                      max_size=3)
+    anything = st.one_of(st.none(), st.integers(-3, 3), st.text(max_size=3), st.booleans(), st.floats(allow_nan=False))
+    stored = st.fixed_dictionaries(
+        {"type": st.just("BlockStored")},
+        optional={"block_hashes": hashes, "parent_block_hash": st.one_of(st.none(), st.binary(max_size=3),
+                                                                            st.integers(0, 9), st.text(max_size=2)),
+                  "token_ids": st.lists(st.one_of(st.integers(-3, 70000), st.booleans()), max_size=4),
+                  "block_size": st.one_of(st.integers(-2, 64), st.booleans(), st.none()),
+                  "medium": st.one_of(st.sampled_from(["GPU", "CPU"]), st.none(), st.integers(0, 2)),
+                  "lora_id": anything, "lora_name": anything, "group_idx": anything, "extra": anything})
+    removed = st.fixed_dictionaries({"type": st.just("BlockRemoved")},
+                                    optional={"block_hashes": hashes, "medium": anything, "group_idx": anything})
+    others = st.one_of(st.just({"type": "AllBlocksCleared"}), st.just({"type": "Other", "x": 1}),
+                       st.just(["BlockRemoved", [b"k"], "CPU"]), st.just({"no": "tag"}))
+    return st.one_of(stored, removed, others)
+
+
+def test_the_typed_and_generic_decoders_agree_on_any_batch() -> None:
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    ext = st.one_of(st.none(), st.fixed_dictionaries({}, optional={"epoch": st.one_of(st.integers(0, 2**64 - 1),
+                                                                                       st.text(max_size=2)),
+                                                                   "snapshot": st.booleans()}), st.integers(0, 3))
+    batches = st.tuples(st.one_of(st.floats(allow_nan=False, allow_infinity=False), st.integers(0, 2**40),
+                                  st.text(max_size=2)),
+                        st.lists(_event_maps(), max_size=4), st.one_of(st.none(), st.integers(-1, 4), st.booleans()),
+                        ext, st.integers(2, 5))
+
+    @settings(max_examples=400, deadline=None)
+    @given(batches)
+    def check(parts: tuple[Any, ...]) -> None:
+        payload = msgpack.packb(list(parts[:4])[: parts[4]], use_bin_type=True)
+        try:
+            expected = _decode_generic(payload)
+        except WireError:
+            with pytest.raises(WireError):
+                decode_batch(payload)
+            return
+        assert decode_batch(payload) == expected
+
+    check()
