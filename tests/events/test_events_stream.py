@@ -489,3 +489,24 @@ def test_snapshot_batches_hold_at_most_a_chunk_of_hashes() -> None:
     sizes = [sum(len(e.block_hashes) for e in b.events if isinstance(e, BlockStored)) for b in batches[1:]]
     assert max(sizes) <= SNAPSHOT_CHUNK and sum(sizes) == len(chains)
     assert batches[0].events == [AllBlocksCleared()] and all(b.snapshot for b in batches)
+
+
+def test_a_burst_leaves_in_full_batches_back_to_back() -> None:
+    """1,000 items queued at once with ``max_batch_events=10``: batches of at most ten, in a tick
+    or two of the publisher, not one batch a tick (which took 100 ticks of 5 ms, and dropped a
+    burst that outran it once the queue filled)."""
+    with EventPublisher(EventsConfig("tcp://127.0.0.1:*", heartbeat_s=60, max_batch_events=10)) as pub:
+        seen: list[Any] = []
+        with _sub(pub, on_batch=lambda s, b, src: seen.append(b) if src == "live" else None) as sub:
+            sub.poll(0.3)
+            keys = [i.to_bytes(4, "big") * 8 for i in range(1000)]
+            for k in keys:
+                pub.stored("CPU", [k], [None], 16)
+            until(lambda: len(sub.sink.blocks("CPU")) == 1000, sub)
+            assert sub.stats()["gaps"] == 0
+    batches = [b for b in seen if any(isinstance(e, BlockStored) for e in b.events)]
+    sizes = [len(b.events) for b in batches]
+    assert sum(sizes) == 1000 and max(sizes) == 10  # the producer may straddle a tick or two
+    assert len(batches) < 110
+    span = batches[-1].ts - batches[0].ts
+    assert span < 0.25, f"the burst took {span * 1e3:.0f} ms to leave (100 ticks would be >= 500 ms)"
