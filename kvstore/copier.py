@@ -10,12 +10,14 @@ Alone on the machine it moves bytes as fast as ``copy_`` (``ctypes.memmove`` let
 GIL while it copies).
 
 A ``Copier`` is used from any number of threads at once; each ``copy`` waits for its own chunks.
+A process forked from one whose copier had started its helpers starts its own.
 """
 
 from __future__ import annotations
 
 import ctypes
 import itertools
+import os
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -42,6 +44,7 @@ class Copier:
             raise ValueError(f"a copier needs one thread or more, got {threads}")
         self.threads = threads
         self._helpers: ThreadPoolExecutor | None = None
+        self._pid = 0  # the process the helpers were started in (a forked child has none of them)
 
     def copy(self, pairs: Sequence[Pair]) -> None:
         """``dst.copy_(src)`` for every ``(dst, src)`` in ``pairs``; returns once all are done."""
@@ -58,8 +61,9 @@ class Copier:
             for chunk in chunks:
                 ctypes.memmove(*chunk)
             return
-        if self._helpers is None:
+        if self._helpers is None or self._pid != os.getpid():
             self._helpers = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="kvstore-copy")
+            self._pid = os.getpid()
         turns = itertools.count()  # next() on it is atomic: each chunk goes to one thread
         helping = [self._helpers.submit(_take_turns, chunks, turns) for _ in range(self.threads - 1)]
         try:

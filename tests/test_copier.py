@@ -6,6 +6,7 @@ import ctypes
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -130,3 +131,33 @@ def test_a_closed_copier_starts_again_and_a_bad_count_is_refused() -> None:
 
 def test_the_default_follows_torch_threads_within_the_cap() -> None:
     assert Copier().threads == min(torch.get_num_threads(), copier_module.MAX_THREADS)
+
+
+def test_a_forked_child_copies_with_helpers_of_its_own() -> None:
+    """The parent's helper threads do not exist in a forked child: the child starts its own
+    instead of queueing chunks for threads that will never take them."""
+    import multiprocessing
+
+    c = Copier(2)
+    c.copy([pieces(MIN_BYTES, 9)])  # the parent's helpers are up
+
+    def child(conn: object) -> None:
+        # numpy only: torch's OpenMP pool, started in the parent, is not usable after a fork
+        src = np.random.default_rng(10).integers(0, 256, MIN_BYTES + 5, dtype=np.uint8)
+        dst = np.zeros_like(src)
+        c.copy([(torch.from_numpy(dst), torch.from_numpy(src))])
+        conn.send(bool(np.array_equal(dst, src)))  # type: ignore[attr-defined]
+
+    ctx = multiprocessing.get_context("fork")
+    parent_end, child_end = ctx.Pipe()
+    proc = ctx.Process(target=child, args=(child_end,))
+    proc.start()
+    try:
+        assert parent_end.poll(30), "the child's copy never finished"
+        assert parent_end.recv() is True
+    finally:
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
+        c.close()
+    assert proc.exitcode == 0
