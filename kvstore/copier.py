@@ -18,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import itertools
 import os
+import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -45,6 +46,7 @@ class Copier:
         self.threads = threads
         self._helpers: ThreadPoolExecutor | None = None
         self._pid = 0  # the process the helpers were started in (a forked child has none of them)
+        self._lock = threading.Lock()  # two first copies at once start one set of helpers
 
     def copy(self, pairs: Sequence[Pair]) -> None:
         """``dst.copy_(src)`` for every ``(dst, src)`` in ``pairs``; returns once all are done."""
@@ -61,11 +63,13 @@ class Copier:
             for chunk in chunks:
                 ctypes.memmove(*chunk)
             return
-        if self._helpers is None or self._pid != os.getpid():
-            self._helpers = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="kvstore-copy")
-            self._pid = os.getpid()
+        with self._lock:
+            if self._helpers is None or self._pid != os.getpid():
+                self._helpers = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="kvstore-copy")
+                self._pid = os.getpid()
+            helpers = self._helpers
         turns = itertools.count()  # next() on it is atomic: each chunk goes to one thread
-        helping = [self._helpers.submit(_take_turns, chunks, turns) for _ in range(self.threads - 1)]
+        helping = [helpers.submit(_take_turns, chunks, turns) for _ in range(self.threads - 1)]
         try:
             _take_turns(chunks, turns)
         finally:
@@ -74,7 +78,8 @@ class Copier:
 
     def close(self) -> None:
         """Stop the helper threads (a later copy starts them again)."""
-        helpers, self._helpers = self._helpers, None
+        with self._lock:
+            helpers, self._helpers = self._helpers, None
         if helpers is not None:
             helpers.shutdown(wait=True)
 
