@@ -6,10 +6,12 @@ this process looks up a 16-block chain every 2 ms meanwhile. It prints the looku
 p99 and maximum round trip, and how many took over 5 ms.
 
 A put's disk work (write-through: every put; write-back: the demotions once host RAM is full)
-runs under the store's lock, so a lookup that arrives meanwhile waits for it: the tail of this
-distribution is the disk write of one batch. Measured on the 2-core VM, 2026-12-02:
-write-through, median 0.19 ms, p99 27 ms, max 31 ms (46 of 1,386 over 5 ms); write-back with
-room in host RAM (4-8 GiB: no disk write), median 0.22-0.24 ms, p99 4.2-4.6 ms, max 10-11 ms.
+runs under the store's lock. Lookups used to wait for it: measured on the 2-core VM,
+2026-12-02, write-through gave median 0.19 ms, p99 27 ms, max 31 ms (46 of 1,386 over 5 ms).
+Since a lookup reads the index without the lock when another thread holds it: median 0.23 ms,
+p99 4.3-4.4 ms, max 9-10 ms, the same as write-back with room in host RAM (no disk write at
+all: p99 4.2-4.8 ms); what is left is two cores shared by the writer's copy, the daemon and
+this process.
 
     python bench/lookup_under_puts.py                       # write_through, 1 GiB of host RAM
     python bench/lookup_under_puts.py --write-policy write_back --host-mem 4GiB

@@ -29,7 +29,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterator, Sequence
 from typing import cast
 
@@ -57,6 +57,7 @@ class Cascade:
         self.shared = list(shared)
         self.host = cast(HostLevel, levels[0])
         self.lock = threading.RLock()
+        self._uncounted: deque[tuple[Sequence[str], int]] = deque()  # see count_lookup_later
         self.index = BlockIndex(tuple(level.name for level in levels))
         self.listeners = Listeners()
         self.reserved_host = 0  # host slots handed out for promotions or leases, not yet published
@@ -363,6 +364,22 @@ class Cascade:
         """Count a lookup that found the leading run ``tiers`` (each block's best tier) of
         ``num_keys``: a level hits the blocks it is the best holder of, and misses those found
         only below it plus one for a run that ends short."""
+        if self._uncounted:
+            self.settle_counts()
+        self._count(tiers, num_keys)
+
+    def count_lookup_later(self, tiers: Sequence[str], num_keys: int) -> None:
+        """``count_lookup`` for a lookup made without the lock: noted now (one atomic append),
+        counted by the next holder of the lock that counts or reads the counters."""
+        self._uncounted.append((tiers, num_keys))
+
+    def settle_counts(self) -> None:
+        """Count the lookups noted by ``count_lookup_later`` (lock held)."""
+        uncounted = self._uncounted
+        while uncounted:
+            self._count(*uncounted.popleft())
+
+    def _count(self, tiers: Sequence[str], num_keys: int) -> None:
         short = 1 if len(tiers) < num_keys else 0
         below = len(tiers)
         for level in self.levels:

@@ -61,6 +61,7 @@ class StoreView:
         (queued writes) and nodes_up; its occupancy is the cluster's own (Redis INFO)."""
         cascade = self.cascade
         with cascade.lock:
+            cascade.settle_counts()  # lookups made while another thread held the lock
             out = {level.name: {**level.stats(), "codec": level.describe_codec()["codec"], "lossy": level.lossy}
                    for level in cascade.levels}
             out[cascade.host.name]["num_blocks"] -= cascade.reserved_host

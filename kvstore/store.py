@@ -122,17 +122,28 @@ class TieredStore:
         that copy is lossy (``PrefixMatch.lossy``); with ``exact``, the run of blocks held
         as the bytes put.
 
-        Changes no recency and no placement. Where the local run ends, a remote tier is asked
+        Changes no recency and no placement, and never waits for the store's lock (another
+        thread's put may hold it through a disk write): a hint, as a block may leave before
+        the get that follows. Where the local run ends, a remote tier is asked
         for the blocks that follow (one round trip per node; its tier is "remote"). With
         ``promotion="lookup"`` it also starts an asynchronous copy of the matched lower-tier
         blocks up to host (a prefetch hint).
         """
         keys = self._check_keys(keys)
-        with self._lock:
-            self._cascade.check_open()
+        cascade = self._cascade
+        with cascade.locked(blocking=False) as held:
+            cascade.check_open()
+            # Another thread holds the lock, maybe for milliseconds (a put writing through to
+            # disk): the index is read without it. Every read of it is atomic, and a lookup is
+            # a hint: a block being put may show a moment before its bytes are readable (a get
+            # then waits for them under the lock, or misses if the put fails), as one may
+            # leave between a lookup and the get that follows it.
             match = self._index.match(keys, exact=exact)
-            self._cascade.count_lookup(match.tiers, len(keys))
-        if self._cascade.shared and match.num_blocks < len(keys):
+            if held:
+                cascade.count_lookup(match.tiers, len(keys))
+            else:
+                cascade.count_lookup_later(match.tiers, len(keys))
+        if cascade.shared and match.num_blocks < len(keys):
             match = self._reads.extend(keys, match, exact)
         host = self._cascade.host.name
         if self.config.promotion == "lookup" and any(t != host for t in match.tiers):

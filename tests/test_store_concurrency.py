@@ -5,6 +5,8 @@ from __future__ import annotations
 import random
 import shutil
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -54,6 +56,49 @@ def test_threads_put_get_lookup_fetch_concurrently(tmp_path: Path, monkeypatch: 
     stats = store.stats()
     assert stats["host"]["used_bytes"] <= stats["host"]["capacity_bytes"]
     assert stats["disk"]["used_bytes"] <= stats["disk"]["capacity_bytes"]
+    store.check_integrity()
+    store.close()
+
+
+class HeldUpListener:
+    """Holds up the first put it hears of, with the store lock held (as a long disk write
+    under write-through holds it), until ``gate`` is set."""
+
+    def __init__(self) -> None:
+        self.inside, self.gate = threading.Event(), threading.Event()
+
+    def blocks_stored(self, tier: str, keys: list[bytes], parents: list[bytes | None]) -> None:
+        self.inside.set()
+        self.gate.wait(10)
+
+    def blocks_removed(self, tier: str, keys: list[bytes]) -> None:
+        pass
+
+
+def test_a_lookup_does_not_wait_for_the_store_lock(tmp_path: Path) -> None:
+    store = make_store(tmp_path, host_blocks=8, disk_blocks=16)
+    held = chain(store, 2, salt=1)
+    store.put(held, blocks_for(held))
+    hits = store.stats()["host"]["hits"]
+    listener = HeldUpListener()
+    store.add_listener(listener)
+    other = chain(store, 2, salt=2)
+    putter = threading.Thread(target=store.put, args=(other, blocks_for(other)))
+    putter.start()
+    try:
+        assert listener.inside.wait(30)  # the put holds the store lock now
+        started = time.monotonic()
+        matches = [store.lookup(held) for _ in range(5)]
+        waited = time.monotonic() - started
+        assert store.lookup(chain(store, 1, salt=3)).num_blocks == 0
+    finally:
+        listener.gate.set()
+        putter.join(30)
+    assert waited < 2.0, f"lookups waited {waited:.1f} s for the lock"
+    assert all(m.num_blocks == 2 and m.tiers == ("host", "host") for m in matches)
+    assert store.lookup(other).num_blocks == 2  # the put went through
+    # made without the lock, counted once it was free: 5 lookups of 2 host blocks, 1 more now
+    assert store.stats()["host"]["hits"] == hits + 12
     store.check_integrity()
     store.close()
 
