@@ -373,6 +373,11 @@ class Cascade:
         counted by the next holder of the lock that counts or reads the counters."""
         self._uncounted.append((tiers, num_keys))
 
+    @property
+    def num_uncounted(self) -> int:
+        """Lookups noted by ``count_lookup_later`` and not counted yet."""
+        return len(self._uncounted)
+
     def settle_counts(self) -> None:
         """Count the lookups noted by ``count_lookup_later`` (lock held)."""
         uncounted = self._uncounted

@@ -33,6 +33,10 @@ from kvstore.transfer import FetchHandle, FetchResult
 from kvstore.writes import WritePath
 from tiers.records import check_name
 
+# Lookups made while another thread held the store lock wait in a queue to be counted (see
+# lookup); past this many, the next lookup waits for the lock once and counts them.
+MAX_UNCOUNTED_LOOKUPS = 4096
+
 
 class TieredStore:
     """A KV block store over host RAM, optionally local disk, and optionally a remote tier
@@ -131,7 +135,8 @@ class TieredStore:
         """
         keys = self._check_keys(keys)
         cascade = self._cascade
-        with cascade.locked(blocking=False) as held:
+        # (a backlog of uncounted lookups, only when the lock is never free, waits once for it)
+        with cascade.locked(blocking=cascade.num_uncounted >= MAX_UNCOUNTED_LOOKUPS) as held:
             cascade.check_open()
             # Another thread holds the lock, maybe for milliseconds (a put writing through to
             # disk): the index is read without it. Every read of it is atomic, and a lookup is

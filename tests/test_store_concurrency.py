@@ -167,3 +167,32 @@ StoreModel.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 test_store_matches_dict_model = StoreModel.TestCase
+
+
+def test_lookups_uncounted_past_the_bound_wait_for_the_lock_once(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """The queue of lookups made without the lock stays bounded when the lock is never free
+    at a lookup: past the bound, a lookup waits for the lock and counts them all."""
+    monkeypatch.setattr("kvstore.store.MAX_UNCOUNTED_LOOKUPS", 3)
+    store = make_store(tmp_path, host_blocks=8, disk_blocks=16)
+    held = chain(store, 1, salt=1)
+    store.put(held, blocks_for(held))
+    hits = store.stats()["host"]["hits"]
+    listener = HeldUpListener()
+    store.add_listener(listener)
+    other = chain(store, 1, salt=2)
+    putter = threading.Thread(target=store.put, args=(other, blocks_for(other)))
+    putter.start()
+    assert listener.inside.wait(30)
+    for _ in range(3):
+        store.lookup(held)  # without the lock: queued
+    waiter = threading.Thread(target=store.lookup, args=(held,))
+    waiter.start()
+    waiter.join(0.5)
+    assert waiter.is_alive()  # the fourth waits for the lock
+    listener.gate.set()
+    putter.join(30)
+    waiter.join(30)
+    assert not waiter.is_alive()
+    assert store.stats()["host"]["hits"] == hits + 4
+    store.close()
