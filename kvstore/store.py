@@ -126,7 +126,7 @@ class TieredStore:
         that copy is lossy (``PrefixMatch.lossy``); with ``exact``, the run of blocks held
         as the bytes put.
 
-        Changes no recency and no placement, and never waits for the store's lock (another
+        Changes no recency and no placement, and does not wait for the store's lock (another
         thread's put may hold it through a disk write): a hint, as a block may leave before
         the get that follows. Where the local run ends, a remote tier is asked
         for the blocks that follow (one round trip per node; its tier is "remote"). With
