@@ -82,8 +82,7 @@ class HostTier:
             self.pool = torch.frombuffer(self._mmap, dtype=torch.uint8).view(self.num_slots, self.slot_bytes)
         self._free: list[int] = list(range(self.num_slots))  # a heap; sorted is a valid heap
         # the payloads, viewed once per (dtype, row shape) that reads and writes use
-        self._payloads = self.pool if self.slot_bytes == payload_bytes else self.pool[:, :payload_bytes]
-        self._views: dict[tuple[torch.dtype, torch.Size], torch.Tensor] = {}
+        self._payloads = PayloadViews(self.pool if self.slot_bytes == payload_bytes else self.pool[:, :payload_bytes])
 
     @property
     def generations_offset(self) -> int:
@@ -138,32 +137,17 @@ class HostTier:
     def write(self, slots: Sequence[int], src: torch.Tensor) -> None:
         """Copy ``src``'s rows (one payload each: ``[n, payload_bytes]`` uint8, or any dtype
         and row shape of that many bytes; any device) into the slots, one copy per run."""
-        pool = self._pool_as(src)
-        for start, stop, first in _runs(slots):
+        pool = self._payloads.like(src)
+        for start, stop, first in slot_runs(slots):
             pool.narrow(0, first, stop - start).copy_(src if (start, stop) == (0, len(src)) else src[start:stop])
 
     def read(self, slots: Sequence[int], dst: torch.Tensor, non_blocking: bool = False) -> None:
         """Copy the slots' payloads into ``dst``'s rows (as ``write`` takes them), one copy
         per run: a typed ``dst`` needs no byte view of its own."""
-        pool = self._pool_as(dst)
-        for start, stop, first in _runs(slots):
+        pool = self._payloads.like(dst)
+        for start, stop, first in slot_runs(slots):
             (dst if (start, stop) == (0, len(dst)) else dst[start:stop]).copy_(pool.narrow(0, first, stop - start),
                                                                                non_blocking)
-
-    def _pool_as(self, rows: torch.Tensor) -> torch.Tensor:
-        """The payloads as ``[num_slots, *rows.shape[1:]]`` of ``rows.dtype``: made once per
-        dtype and row shape (a get's copy is a few tensor calls beside the memcpy, and each
-        cold one costs microseconds)."""
-        key = (rows.dtype, rows.shape[1:])
-        view = self._views.get(key)
-        if view is None:
-            if rows.dim() < 2 or math.prod(rows.shape[1:]) * rows.element_size() != self.payload_bytes:
-                raise ValueError(f"rows of {tuple(rows.shape[1:])} {rows.dtype} are not one payload "
-                                 f"({self.payload_bytes} bytes) each")
-            if len(self._views) >= 16:
-                self._views.clear()
-            view = self._views[key] = self._payloads.view(rows.dtype).view(self.num_slots, *rows.shape[1:])
-        return view
 
     def check_integrity(self, used_slots: Sequence[int]) -> None:
         """Assert that ``used_slots`` (the owner's view) and the free heap partition the pool."""
@@ -177,7 +161,36 @@ class HostTier:
         )
 
 
-def _runs(slots: Sequence[int]) -> list[tuple[int, int, int]]:
+class PayloadViews:
+    """A pool's payloads (``[num_slots, payload_bytes]`` uint8, padding left out) viewed as
+    rows of a caller's dtype and row shape, each view made once: a copy in or out is then a
+    few tensor calls beside the memcpy (each cold one costs microseconds), with no byte view
+    of the caller's rows."""
+
+    def __init__(self, payloads: torch.Tensor) -> None:
+        self.payloads = payloads
+        self._views: dict[tuple[torch.dtype, torch.Size], torch.Tensor] = {}
+
+    def like(self, rows: torch.Tensor) -> torch.Tensor:
+        """The payloads as ``[num_slots, *rows.shape[1:]]`` of ``rows.dtype``.
+
+        Raises:
+            ValueError: a row of ``rows`` is not one payload's bytes.
+        """
+        key = (rows.dtype, rows.shape[1:])
+        view = self._views.get(key)
+        if view is None:
+            payload_bytes = self.payloads.shape[1]
+            if rows.dim() < 2 or math.prod(rows.shape[1:]) * rows.element_size() != payload_bytes:
+                raise ValueError(f"rows of {tuple(rows.shape[1:])} {rows.dtype} are not one payload "
+                                 f"({payload_bytes} bytes) each")
+            if len(self._views) >= 16:
+                self._views.clear()
+            view = self._views[key] = self.payloads.view(rows.dtype).view(self.payloads.shape[0], *rows.shape[1:])
+        return view
+
+
+def slot_runs(slots: Sequence[int]) -> list[tuple[int, int, int]]:
     """Split ``slots`` into runs of consecutive ids: (start index, stop index, first slot).
 
     slots  = [7, 8, 9, 3, 4, 12]

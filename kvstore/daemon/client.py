@@ -41,6 +41,7 @@ from kvstore.index import HOST, PrefixMatch
 from kvstore.keys import BlockHasher, ExtraKey, Namespace
 from kvstore.layout import KVLayout, raw_rows
 from kvstore.transfer import FetchHandle, FetchResult
+from tiers.host import PayloadViews, slot_runs
 
 TIER_NAMES = {"h": "host", "d": "disk", "r": "remote"}
 TOUCH_BATCH = 4096  # lock-free reads told to the daemon in one touch, at the latest
@@ -104,7 +105,7 @@ class StoreClient:
         self._max_frame = DEFAULT_MAX_FRAME
         self._mapped: MappedPool | None = None
         self._pool: torch.Tensor | None = None
-        self._pool_views: dict[tuple[torch.dtype, torch.Size], torch.Tensor] = {}  # see _pool_as
+        self._payloads: PayloadViews | None = None  # the pool's payloads as typed rows
         self._generations: np.ndarray | None = None  # set: lock-free reads of cached slots
         self._slots: dict[bytes, tuple[int, int]] = {}  # key -> (slot, generation) of slots once held under a lease
         # write leases for the next puts, (lease, slots, deadline), up to two ahead; and the
@@ -134,6 +135,7 @@ class StoreClient:
         has_generations = bool(info.get("generations"))
         self._mapped = MappedPool(info["path"], info["slot_bytes"], info["num_slots"], has_generations)
         self._pool = self._mapped.slots
+        self._payloads = PayloadViews(self._pool[:, : self._payload])
         if has_generations and MappedPool.lock_free():
             self._generations = self._mapped.generations
 
@@ -435,16 +437,10 @@ class StoreClient:
         return n
 
     def _pool_as(self, rows: torch.Tensor) -> torch.Tensor:
-        """The pool's payloads as rows of ``rows``' dtype and row shape (the padding after each
-        payload left out), made once per kind: a put copies typed blocks in with no byte view of
-        its own (each torch call costs microseconds with cold caches)."""
-        key = (rows.dtype, rows.shape[1:])
-        view = self._pool_views.get(key)
-        if view is None:
-            assert self._pool is not None
-            payloads = self._pool[:, : self._payload]
-            view = self._pool_views[key] = payloads.view(rows.dtype).view(payloads.shape[0], *rows.shape[1:])
-        return view
+        """The pool's payloads as rows of ``rows``' dtype and row shape (``PayloadViews``): a
+        put copies typed blocks in with no byte view of its own."""
+        assert self._payloads is not None
+        return self._payloads.like(rows)
 
     def _generations_of(self, slots: list[int]) -> list[int]:
         """The generations of slots this client holds under a lease (so they cannot change),
@@ -505,7 +501,7 @@ class StoreClient:
                 log.warning("the last shared-memory put was not stored: %s", exc)
             finally:
                 self._sock.sendall(self._touch_frame())
-        self._pool = None
+        self._pool = self._payloads = None
         self._generations = None
         self._sock.close()
 
@@ -550,14 +546,8 @@ def _leading_true(flags: np.ndarray) -> int:
 def _run_pairs(slots: list[int], rows: torch.Tensor, pool: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """``(pool piece, rows piece)`` per run of consecutive slots, for copies between ``rows[i]``
     and ``pool[slots[i]]`` (``pool``: the payloads as such rows, ``_pool_as``)."""
-    pairs = []
-    start = 0
-    for i in range(1, len(slots) + 1):
-        if i == len(slots) or slots[i] != slots[i - 1] + 1:
-            first, count = slots[start], i - start
-            pairs.append((pool[first : first + count], rows if count == len(rows) else rows[start:i]))
-            start = i
-    return pairs
+    return [(pool.narrow(0, first, stop - start), rows if (start, stop) == (0, len(rows)) else rows[start:stop])
+            for start, stop, first in slot_runs(slots)]
 
 
 def _copy_out(slots: list[int], rows: torch.Tensor, pool: torch.Tensor) -> None:
