@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import random
 import shutil
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -14,6 +16,8 @@ import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from kvstore import TieredStore
 
 from factories import blocks_for, chain, make_store, run_in_threads
 
@@ -75,25 +79,33 @@ class HeldUpListener:
         pass
 
 
+@contextlib.contextmanager
+def lock_held_by_a_put(store: TieredStore, num_blocks: int) -> Iterator[list[bytes]]:
+    """While the block runs, another thread's put of a new ``num_blocks``-block chain holds
+    the store lock (held up by a listener); afterwards the put goes through. Yields its keys."""
+    listener = HeldUpListener()
+    store.add_listener(listener)
+    keys = chain(store, num_blocks, salt=2)
+    putter = threading.Thread(target=store.put, args=(keys, blocks_for(keys)))
+    putter.start()
+    try:
+        assert listener.inside.wait(30)  # the put holds the store lock now
+        yield keys
+    finally:
+        listener.gate.set()
+        putter.join(30)
+
+
 def test_a_lookup_does_not_wait_for_the_store_lock(tmp_path: Path) -> None:
     store = make_store(tmp_path, host_blocks=8, disk_blocks=16)
     held = chain(store, 2, salt=1)
     store.put(held, blocks_for(held))
     hits = store.stats()["host"]["hits"]
-    listener = HeldUpListener()
-    store.add_listener(listener)
-    other = chain(store, 2, salt=2)
-    putter = threading.Thread(target=store.put, args=(other, blocks_for(other)))
-    putter.start()
-    try:
-        assert listener.inside.wait(30)  # the put holds the store lock now
+    with lock_held_by_a_put(store, 2) as other:
         started = time.monotonic()
         matches = [store.lookup(held) for _ in range(5)]
         waited = time.monotonic() - started
         assert store.lookup(chain(store, 1, salt=3)).num_blocks == 0
-    finally:
-        listener.gate.set()
-        putter.join(30)
     assert waited < 2.0, f"lookups waited {waited:.1f} s for the lock"
     assert all(m.num_blocks == 2 and m.tiers == ("host", "host") for m in matches)
     assert store.lookup(other).num_blocks == 2  # the put went through
@@ -178,20 +190,13 @@ def test_lookups_uncounted_past_the_bound_wait_for_the_lock_once(tmp_path: Path,
     held = chain(store, 1, salt=1)
     store.put(held, blocks_for(held))
     hits = store.stats()["host"]["hits"]
-    listener = HeldUpListener()
-    store.add_listener(listener)
-    other = chain(store, 1, salt=2)
-    putter = threading.Thread(target=store.put, args=(other, blocks_for(other)))
-    putter.start()
-    assert listener.inside.wait(30)
-    for _ in range(3):
-        store.lookup(held)  # without the lock: queued
-    waiter = threading.Thread(target=store.lookup, args=(held,))
-    waiter.start()
-    waiter.join(0.5)
-    assert waiter.is_alive()  # the fourth waits for the lock
-    listener.gate.set()
-    putter.join(30)
+    with lock_held_by_a_put(store, 1):
+        for _ in range(3):
+            store.lookup(held)  # without the lock: queued
+        waiter = threading.Thread(target=store.lookup, args=(held,))
+        waiter.start()
+        waiter.join(0.5)
+        assert waiter.is_alive()  # the fourth waits for the lock
     waiter.join(30)
     assert not waiter.is_alive()
     assert store.stats()["host"]["hits"] == hits + 4
