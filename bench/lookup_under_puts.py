@@ -9,7 +9,7 @@ A put's disk work (write-through: every put; write-back: the demotions once host
 runs under the store's lock. Lookups used to wait for it: measured on the 2-core VM,
 2026-12-02, write-through gave median 0.19 ms, p99 27 ms, max 31 ms (46 of 1,386 over 5 ms).
 Since a lookup reads the index without the lock when another thread holds it: median 0.23 ms,
-p99 4.3-4.4 ms, max 9-10 ms, the same as write-back with room in host RAM (no disk write at
+p99 4.3-4.4 ms, max 9-11 ms (three runs), the same as write-back with room in host RAM (no disk write at
 all: p99 4.2-4.8 ms); what is left is two cores shared by the writer's copy, the daemon and
 this process.
 
@@ -20,6 +20,7 @@ this process.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import subprocess
 import sys
@@ -31,15 +32,16 @@ import torch
 
 from kvstore import KVLayout
 from kvstore.daemon.client import connect
+from kvstore.daemon.registry import layout_to_dict
 
 LAYOUT = KVLayout(num_layers=24, num_kv_heads=2, head_dim=64, block_size=128, dtype=torch.float32)  # 3 MiB blocks
 PUT_BLOCKS, PUTS, PUT_EVERY_S, LOOKUP_EVERY_S = 16, 40, 0.05, 0.002
 
 WRITER = f"""
-import sys, time, torch
-from kvstore import KVLayout
+import json, sys, time, torch
 from kvstore.daemon.client import connect
-layout = KVLayout(num_layers=24, num_kv_heads=2, head_dim=64, block_size=128, dtype=torch.float32)
+from kvstore.daemon.registry import layout_from_dict
+layout = layout_from_dict(json.loads(sys.argv[2]))
 client = connect(sys.argv[1], layout=layout, model_id="lookup-under-puts")
 blocks = torch.randn({PUT_BLOCKS}, *layout.block_shape)
 for r in range({PUTS}):
@@ -75,7 +77,7 @@ def main() -> int:
             url = f"unix://{sock}"
             client = connect(url, layout=LAYOUT, model_id="lookup-under-puts")
             keys = client.block_keys(list(range(5 * 10**8, 5 * 10**8 + PUT_BLOCKS * LAYOUT.block_size)))
-            writer = subprocess.Popen([sys.executable, "-c", WRITER, url])
+            writer = subprocess.Popen([sys.executable, "-c", WRITER, url, json.dumps(layout_to_dict(LAYOUT))])
             took: list[float] = []
             while writer.poll() is None:
                 t0 = time.perf_counter()
