@@ -137,17 +137,12 @@ class HostTier:
     def write(self, slots: Sequence[int], src: torch.Tensor) -> None:
         """Copy ``src``'s rows (one payload each: ``[n, payload_bytes]`` uint8, or any dtype
         and row shape of that many bytes; any device) into the slots, one copy per run."""
-        pool = self._payloads.like(src)
-        for start, stop, first in slot_runs(slots):
-            pool.narrow(0, first, stop - start).copy_(src if (start, stop) == (0, len(src)) else src[start:stop])
+        self._payloads.write(slots, src)
 
     def read(self, slots: Sequence[int], dst: torch.Tensor, non_blocking: bool = False) -> None:
         """Copy the slots' payloads into ``dst``'s rows (as ``write`` takes them), one copy
         per run: a typed ``dst`` needs no byte view of its own."""
-        pool = self._payloads.like(dst)
-        for start, stop, first in slot_runs(slots):
-            (dst if (start, stop) == (0, len(dst)) else dst[start:stop]).copy_(pool.narrow(0, first, stop - start),
-                                                                               non_blocking)
+        self._payloads.read(slots, dst, non_blocking)
 
     def check_integrity(self, used_slots: Sequence[int]) -> None:
         """Assert that ``used_slots`` (the owner's view) and the free heap partition the pool."""
@@ -188,6 +183,23 @@ class PayloadViews:
                 self._views.clear()
             view = self._views[key] = self.payloads.view(rows.dtype).view(self.payloads.shape[0], *rows.shape[1:])
         return view
+
+    def pieces(self, slots: Sequence[int], rows: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``(payloads of a run of slots, the rows that go with them)`` per run of consecutive
+        ``slots``, as views: ``rows[i]`` pairs with slot ``slots[i]``."""
+        pool = self.like(rows)
+        return [(pool.narrow(0, first, stop - start), rows if (start, stop) == (0, len(rows)) else rows[start:stop])
+                for start, stop, first in slot_runs(slots)]
+
+    def write(self, slots: Sequence[int], src: torch.Tensor) -> None:
+        """``payload[slots[i]] = src[i]``, one copy per run of slots."""
+        for piece, part in self.pieces(slots, src):
+            piece.copy_(part)
+
+    def read(self, slots: Sequence[int], dst: torch.Tensor, non_blocking: bool = False) -> None:
+        """``dst[i] = payload[slots[i]]``, one copy per run of slots."""
+        for piece, part in self.pieces(slots, dst):
+            part.copy_(piece, non_blocking)
 
 
 def slot_runs(slots: Sequence[int]) -> list[tuple[int, int, int]]:

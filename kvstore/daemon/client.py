@@ -41,7 +41,7 @@ from kvstore.index import HOST, PrefixMatch
 from kvstore.keys import BlockHasher, ExtraKey, Namespace
 from kvstore.layout import KVLayout, raw_rows
 from kvstore.transfer import FetchHandle, FetchResult
-from tiers.host import PayloadViews, slot_runs
+from tiers.host import PayloadViews
 
 TIER_NAMES = {"h": "host", "d": "disk", "r": "remote"}
 TOUCH_BATCH = 4096  # lock-free reads told to the daemon in one touch, at the latest
@@ -273,7 +273,7 @@ class StoreClient:
         for it: the next request (the next put's, after its copy) reads the reply. Every
         commit reserves the slots of the put after next, so a run of equal-sized puts copies
         while the previous commit is on its way and pays no round trip of its own."""
-        assert self._pool is not None
+        assert self._payloads is not None
         n = len(keys)
         with self._lock:
             lease = self._write_lease(n, keys)
@@ -283,7 +283,7 @@ class StoreClient:
         if time.monotonic() >= deadline:  # never start writing a slot past the lease
             self._notify({"op": "release", "lease": lease_id, "kind": "write"})  # unwritten: never commit it
             return False
-        self._copier.copy(_run_pairs(slots, src, self._pool_as(src)))
+        self._copier.copy(self._payloads.pieces(slots, src))
         gens = self._generations_of(slots)  # stable: the lease still holds the slots
         with self._lock:
             self._settle()
@@ -375,7 +375,7 @@ class StoreClient:
         it). Returns how many leading rows of ``dst`` hold their block; the daemon is told (no
         reply)."""
         gens_now = self._generations
-        if gens_now is None or self._pool is None:
+        if gens_now is None or self._payloads is None:
             return 0
         slots: list[int] = []
         gens: list[int] = []
@@ -391,7 +391,7 @@ class StoreClient:
         want = np.asarray(gens, dtype=np.uint64)
         n = _leading_true(gens_now[idx] == want)  # known stale before the copy: not copied
         if n:
-            _copy_out(slots[:n], dst[:n], self._pool_as(dst))
+            self._payloads.read(slots[:n], dst[:n])  # torch's own copy: nothing runs beside a read
             n = _leading_true(gens_now[idx[:n]] == want[:n])  # after: the copy is valid
         for key in keys[n : len(slots)]:
             self._slots.pop(key, None)  # maybe stale: the next lease names the slot again
@@ -419,7 +419,7 @@ class StoreClient:
 
     def _read_leased(self, keys: Sequence[bytes], dst: torch.Tensor) -> int:
         """Copy the leading run of host blocks under a read lease; returns how many."""
-        assert self._pool is not None
+        assert self._payloads is not None
         # The daemon's lease started after sent_at, so a copy done before sent_at + lease_s
         # was done under the lease; then the release needs no answer (it is pipelined).
         sent_at = time.monotonic()
@@ -428,19 +428,13 @@ class StoreClient:
         copied = time.monotonic() < deadline  # never start copying past the lease
         gens = self._generations_of(reply["slots"]) if copied else []  # stable: the lease holds them
         if n and copied:
-            _copy_out(reply["slots"], dst[:n], self._pool_as(dst))
+            self._payloads.read(reply["slots"], dst[:n])
         if copied and time.monotonic() < deadline:
             self._post({"op": "release", "lease": reply["lease"]})
         elif not self._call({"op": "release", "lease": reply["lease"]})[0]["valid"] or not copied:
             return 0
         self._remember(keys[:n], reply["slots"], gens)
         return n
-
-    def _pool_as(self, rows: torch.Tensor) -> torch.Tensor:
-        """The pool's payloads as rows of ``rows``' dtype and row shape (``PayloadViews``): a
-        put copies typed blocks in with no byte view of its own."""
-        assert self._payloads is not None
-        return self._payloads.like(rows)
 
     def _generations_of(self, slots: list[int]) -> list[int]:
         """The generations of slots this client holds under a lease (so they cannot change),
@@ -541,20 +535,6 @@ def _leading_true(flags: np.ndarray) -> int:
     """How many leading entries of a bool array are True."""
     false = np.flatnonzero(~flags)
     return int(false[0]) if len(false) else len(flags)
-
-
-def _run_pairs(slots: list[int], rows: torch.Tensor, pool: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """``(pool piece, rows piece)`` per run of consecutive slots, for copies between ``rows[i]``
-    and ``pool[slots[i]]`` (``pool``: the payloads as such rows, ``_pool_as``)."""
-    return [(pool.narrow(0, first, stop - start), rows if (start, stop) == (0, len(rows)) else rows[start:stop])
-            for start, stop, first in slot_runs(slots)]
-
-
-def _copy_out(slots: list[int], rows: torch.Tensor, pool: torch.Tensor) -> None:
-    """``rows[i] = pool[slots[i]]``, with torch's own copy: nothing else runs on the
-    machine's cores meanwhile (the daemon only reads the touch frames)."""
-    for piece, part in _run_pairs(slots, rows, pool):
-        part.copy_(piece)
 
 
 def _as_exception(code: int, message: str) -> Exception:

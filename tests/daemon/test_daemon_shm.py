@@ -19,6 +19,7 @@ from kvstore.daemon import client as client_module
 from kvstore.daemon.client import StoreClient
 from kvstore.daemon.pool_map import MappedPool
 from kvstore.daemon.protocol import Code, RemoteError
+from tiers.host import PayloadViews
 
 from daemon_helpers import LAYOUT, DaemonProc, blocks, prompt
 from factories import run_in_threads
@@ -28,27 +29,29 @@ PAYLOAD = LAYOUT.bytes_per_block
 
 
 class CopyCounter:
-    """Wraps ``_copy_out``: counts reads from the pool, and runs ``midway`` once, after the
-    first half of a read's rows are copied and before the rest are."""
+    """Wraps ``PayloadViews.read`` (a client's copy out of the mapped pool): counts reads from
+    the pool, and runs ``midway`` once, after the first half of a read's rows are copied and
+    before the rest are."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.reads = 0
         self.midway: object = None
         self.raw: torch.Tensor | None = None  # what the raced copy produced
-        self._orig = client_module._copy_out
-        monkeypatch.setattr(client_module, "_copy_out", self)
+        orig = PayloadViews.read
 
-    def __call__(self, slots: list[int], rows: torch.Tensor, pool: torch.Tensor) -> None:
-        self.reads += 1
-        midway, self.midway = self.midway, None
-        if midway is None:
-            return self._orig(slots, rows, pool)
-        half = len(slots) // 2
-        self._orig(slots[:half], rows[:half], pool)
-        midway()  # type: ignore[operator]
-        self._orig(slots[half:], rows[half:], pool)
-        self.raw = rows.clone()
-        return None
+        def read(views: PayloadViews, slots: list[int], rows: torch.Tensor, non_blocking: bool = False) -> None:
+            self.reads += 1
+            midway, self.midway = self.midway, None
+            if midway is None:
+                return orig(views, slots, rows)
+            half = len(slots) // 2
+            orig(views, slots[:half], rows[:half])
+            midway()  # type: ignore[operator]
+            orig(views, slots[half:], rows[half:])
+            self.raw = rows.clone()
+            return None
+
+        monkeypatch.setattr(PayloadViews, "read", read)
 
 
 def count_calls(monkeypatch: pytest.MonkeyPatch, client: StoreClient) -> list[str]:
