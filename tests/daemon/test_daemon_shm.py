@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvstore import KVLayout
 from kvstore.daemon import client as client_module
 from kvstore.daemon.client import StoreClient
 from kvstore.daemon.pool_map import MappedPool
@@ -298,8 +299,6 @@ def test_threads_sharing_one_client_put_and_get_through_pipelined_commits(tmp_pa
 def test_large_puts_are_copied_in_by_shared_threads_and_read_back_whole(tmp_path: Path) -> None:
     """Puts of 5 MiB, in a row (each commit read by the next put): the client copies them into
     the pool on its copier's threads; another client reads every byte back over the socket."""
-    from kvstore import KVLayout
-
     layout = KVLayout(num_layers=4, num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.float16)  # 32 KiB
     d = DaemonProc(tmp_path / "data", "--max-namespaces", "1", host_mem="48MiB", disk="0")
     try:
