@@ -57,6 +57,9 @@ class Cascade:
         self.shared = list(shared)
         self.host = cast(HostLevel, levels[0])
         self.lock = threading.RLock()
+        # notified whenever a durable write (write-through) that ran outside the lock settles
+        self.settled = threading.Condition(self.lock)
+        self.num_writing = 0  # durable writes between WritePath.put/commit and WritePath.finish
         self._uncounted: deque[tuple[Sequence[str], int]] = deque()  # see count_lookup_later
         self.index = BlockIndex(tuple(level.name for level in levels))
         self.listeners = Listeners()
@@ -89,6 +92,14 @@ class Cascade:
             yield True
         finally:
             self.lock.release()
+
+    def wait_written(self, entries: Sequence[BlockEntry]) -> None:
+        """Wait (lock held; let go meanwhile) until no durable write holds ``entries``."""
+        self.settled.wait_for(lambda: not any(entry.writing for entry in entries))
+
+    def wait_all_written(self) -> None:
+        """Wait (lock held; let go meanwhile) until no durable write is in flight."""
+        self.settled.wait_for(lambda: self.num_writing == 0)
 
     def level(self, name: str) -> Level | SharedLevel | None:
         found: list[Level | SharedLevel] = [*self.levels, *self.shared]
@@ -404,7 +415,9 @@ class Cascade:
         return held
 
     def check_integrity(self) -> None:
-        """Assert the index agrees with every level: slots, policies, pins, media."""
+        """Assert the index agrees with every level: slots, policies, pins, media (once no
+        write-through put is between its halves)."""
+        self.wait_all_written()
         entries = list(self.index.entries.values())
         assert self.reserved_host >= 0
         for entry in entries:

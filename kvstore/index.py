@@ -30,6 +30,9 @@ class BlockEntry:
     num_uses: int = 0  # puts and reads, for "seen twice" admission (a read counts only up to 2)
     last_access: float = 0.0  # time.time() of the last put or read (0.0: not since loaded)
     inexact: int = 0  # bit r: the copy at rank r differs from the bytes put (lossy codec)
+    # a write-through put or commit is making the block durable outside the store lock: until
+    # it publishes (or gives up), no other writer may place the block (WritePath.finish)
+    writing: bool = False
 
     @property
     def best_rank(self) -> int | None:

@@ -24,9 +24,10 @@ class StoreView:
         """The keys the store holds (only ``tenant``'s when given)."""
         entries = self.cascade.index.entries
         with self.cascade.lock:
-            if tenant is None:
+            if tenant is None and not self.cascade.num_writing:
                 return list(entries)
-            return [k for k, e in entries.items() if e.tenant == tenant]
+            # an entry held nowhere is a write-through put's, not on disk yet (WritePath.finish)
+            return [k for k, e in entries.items() if e.is_held and (tenant is None or e.tenant == tenant)]
 
     def block_info(self, key: bytes) -> dict[str, Any] | None:
         """One block's tiers (and its slot and codec in each), whether its best copy is lossy,
@@ -35,7 +36,7 @@ class StoreView:
         cascade = self.cascade
         with cascade.lock:
             entry = cascade.index.get(key)
-            if entry is None:
+            if entry is None or not entry.is_held:
                 return None
             names = cascade.index.level_names
             tiers = [names[rank] for rank, slot in enumerate(entry.slots) if slot is not None]

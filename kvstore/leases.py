@@ -16,7 +16,7 @@ from kvstore.cascade import Cascade
 from kvstore.errors import KVStoreError
 from kvstore.index import BlockEntry
 from kvstore.reads import ReadPath
-from kvstore.writes import WritePath
+from kvstore.writes import WriteInFlight, WritePath
 
 
 class HostLeases:
@@ -135,9 +135,17 @@ class HostLeases:
             raise ValueError(f"{len(keys)} keys for {len(slots)} slots")
         if not blocking and not self.writes.commits_in_memory:
             return False
-        with self.cascade.locked(blocking) as held:
+        cascade = self.cascade
+        with cascade.locked(blocking) as held:
             if not held:
                 return False
-            self.cascade.check_open()
-            self.writes.commit(keys, slots, tenant)
+            while True:
+                cascade.check_open()
+                try:
+                    durable = self.writes.commit(keys, slots, tenant)
+                    break
+                except WriteInFlight as busy:  # another put is writing these through: after it
+                    cascade.wait_written(busy.entries)
+        if durable is not None:  # write-through: the disk write, outside the lock
+            self.writes.finish(durable)
         return True

@@ -192,7 +192,9 @@ class ReadPath:
             if cascade.closed:
                 return
             index, now = cascade.index, time.time()
-            need = [i for i in range(len(rows)) if (e := index.get(keys[first + i])) is None or e.slots[0] is None]
+            # a block a write-through put is placing (``writing``) is that put's to place
+            need = [i for i in range(len(rows))
+                    if (e := index.get(keys[first + i])) is None or (e.slots[0] is None and not e.writing)]
             slots = cascade.reserve_host(len(need))
             placed: list[BlockEntry] = []
             for i in need[: len(slots)]:
@@ -286,7 +288,9 @@ class ReadPath:
             elif good:
                 cascade.levels[rank].policy.access([entry.key])
             if i < len(promo_slots):
-                if good and entry.slots[0] is None and entry.key in cascade.index and entry.key not in unplaced:
+                # (not a block a write-through put is placing on host: ``writing``)
+                if good and entry.slots[0] is None and not entry.writing and entry.key in cascade.index \
+                        and entry.key not in unplaced:
                     promoted.append(entry)
                     promoted_slots.append(promo_slots[i])
                     exact.append(entry.is_exact(rank))

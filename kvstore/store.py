@@ -30,7 +30,7 @@ from kvstore.levels.build import build_levels, build_shared
 from kvstore.listeners import StoreListener
 from kvstore.reads import ReadPath
 from kvstore.transfer import FetchHandle, FetchResult
-from kvstore.writes import WritePath
+from kvstore.writes import WriteInFlight, WritePath
 from tiers.records import check_name
 
 # Lookups made while another thread held the store lock wait in a queue to be counted (see
@@ -116,8 +116,15 @@ class TieredStore:
         chunk = max(1, self._cascade.host.num_slots // 2)
         for start in reversed(range(0, len(keys), chunk)):
             with self._lock:
-                self._cascade.check_open()
-                self._writes.put(keys, start, min(len(keys), start + chunk), src, tenant)
+                while True:
+                    self._cascade.check_open()
+                    try:
+                        durable = self._writes.put(keys, start, min(len(keys), start + chunk), src, tenant)
+                        break
+                    except WriteInFlight as busy:  # another put is writing these through: after it
+                        self._cascade.wait_written(busy.entries)
+            if durable is not None:  # write-through: the disk write, outside the lock
+                self._writes.finish(durable)
 
     # ----------------------------------------------------------------------------- reads
 
@@ -224,7 +231,8 @@ class TieredStore:
             if not held:
                 return None
             entries = self._index.entries
-            return [k in entries for k in keys]
+            # an entry held nowhere is a write-through put's, not on disk yet (WritePath.finish)
+            return [(e := entries.get(k)) is not None and e.is_held for k in keys]
 
     def delete(self, keys: Sequence[bytes]) -> int:
         """Remove blocks from every tier; returns how many were held. Absent keys are skipped.
@@ -235,7 +243,7 @@ class TieredStore:
         keys = self._check_keys(keys)
         with self._lock:
             self._cascade.check_open()
-            entries = [e for e in (self._index.get(k) for k in dict.fromkeys(keys)) if e is not None]
+            entries = [e for e in (self._index.get(k) for k in dict.fromkeys(keys)) if e is not None and e.is_held]
             busy = [e for e in entries if not e.is_evictable]
             if busy:
                 raise CapacityError(f"{len(busy)} of {len(entries)} blocks are pinned or being read, "
@@ -268,7 +276,7 @@ class TieredStore:
 
     def _require(self, key: bytes) -> Any:
         entry = self._index.get(key)
-        if entry is None:
+        if entry is None or not entry.is_held:
             raise KeyError(f"block {key.hex()} is not in the store")
         return entry
 
@@ -388,6 +396,7 @@ class TieredStore:
             if self._cascade.closed:
                 return
             self._cascade.closed = True
+            self._cascade.wait_all_written()  # write-through puts under way finish first
         self._executor.shutdown(wait=True)
         with self._lock:
             self._cascade.write_back()

@@ -2,19 +2,26 @@
 
 Blocks land in host RAM (rank 0). Making room there demotes host victims down the cascade;
 tails of a put that find no evictable host slot (everything pinned or being read) go straight
-to the level below. Under write-through the new blocks reach the level below host before the
-store lock is let go (so before any reader sees them): a put (or commit) that returns is
-durable, and one whose blocks did not all reach that level raises and leaves none of those
-on host. Shared
-levels that take puts (the remote tier with ``remote_writes="put"``) are offered every block
-new to host: a copy is queued, the network is never waited for.
-Every method runs with the store lock held.
+to the level below. Shared levels that take puts (the remote tier with ``remote_writes="put"``)
+are offered every block new to host: a copy is queued, the network is never waited for.
+
+Write-through: the new blocks reach the level below host before any reader sees them, and a
+put (or commit) that returns is durable; one whose blocks did not all reach that level raises
+and leaves none of those on host. That disk write runs outside the store lock, so other
+clients' gets, puts and leases do not wait behind it: ``put``/``commit`` (lock held) copy the
+bytes into host slots that no reader sees yet, take the slots below, and mark the blocks
+``writing`` (no other writer places them meanwhile: it waits, ``WriteInFlight``) and as being
+read (never evicted); they return a ``DurableWrite``, and ``finish`` (lock free) writes it
+down, then publishes it in both levels under the lock, or undoes it.
+
+``put``, ``commit`` and ``finish_on_host`` run with the store lock held; ``finish`` takes it.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -23,6 +30,37 @@ from kvstore.errors import CapacityError, KVStoreError, TierError
 from kvstore.index import BlockEntry
 from kvstore.layout import raw_rows
 from kvstore.levels.shared import SharedLevel
+
+
+class WriteInFlight(Exception):
+    """Some keys of a put or commit are being made durable by another writer: wait until it
+    settles (``Cascade.wait_written(entries)``), then try again. Raised before anything changed."""
+
+    def __init__(self, entries: list[BlockEntry]) -> None:
+        super().__init__(f"{len(entries)} blocks are being written through by another put")
+        self.entries = entries
+
+
+@dataclass
+class DurableWrite:
+    """A write-through put or commit between its two halves: ``placed`` (chain order, each
+    ``writing`` and read-held) have their bytes in ``host_slots``, reserved and not yet theirs;
+    ``todo``, those of them the level below lacks, go to ``below_slots`` (heads first: the
+    last ``missing`` of ``todo`` found no slot below)."""
+
+    placed: list[BlockEntry]
+    host_slots: list[int]
+    todo: list[BlockEntry]
+    payloads: list[torch.Tensor]  # raw bytes of each of ``todo``
+    below_slots: list[int]
+    missing: int
+    refreshed: list[bytes]  # keys of the same chain host held already: touched after the placement
+    raw: list[torch.Tensor] | None  # the bytes put, for shared levels taking puts (None: host's)
+    num_reserved: int  # host slots reserved for this write (a commit: its whole lease)
+    unused: list[int]  # reserved slots no block takes (a commit's keys host held), freed on success
+    own_slots: bool  # a put's: its host slots are freed on failure (a commit's caller cancels them)
+    short_of: str = ""  # why ``missing`` blocks found no slot below
+    error: KVStoreError | None = None  # raised once the write settled (a put's tails found no room)
 
 
 class WritePath:
@@ -41,16 +79,14 @@ class WritePath:
         a shared level (listeners are told, as always)."""
         return not self.write_through and not self.takers
 
-    def put(self, keys: list[bytes], start: int, stop: int, src: torch.Tensor, tenant: str) -> None:
+    def put(self, keys: list[bytes], start: int, stop: int, src: torch.Tensor, tenant: str) -> DurableWrite | None:
         """Store blocks ``src[start:stop]`` (the layout's ``[n, *block_shape]``, contiguous,
-        CPU) under ``keys[start:stop]``.
+        CPU) under ``keys[start:stop]``. Under write-through, returns the disk half for
+        ``finish`` (None when no block is new to host); ``src`` must live until then.
 
         Raises:
-            CapacityError: some blocks found no slot in any level (nothing of them is kept),
-                or (write-through) no evictable slot in the level below host.
-            TierError: (write-through) the level below host failed to store them.
-            Under write-through, after either error the blocks that did not reach the level
-            below are in no level (nothing of them is kept); those that did stay there.
+            CapacityError: some blocks found no slot in any level (nothing of them is kept).
+            WriteInFlight: another put is writing some of the keys through; nothing was done.
         """
         cascade = self.cascade
         now = time.time()
@@ -64,9 +100,10 @@ class WritePath:
                 entry.readers += 1
         try:
             if fresh:
-                self._store_fresh(entries, fresh, src, refreshed)
-            elif refreshed:
+                return self._store_fresh(entries, fresh, src, refreshed)
+            if refreshed:
                 cascade.host.policy.access(refreshed)
+            return None
         finally:
             for entry in busy:
                 cascade.end_read(entry)
@@ -77,9 +114,13 @@ class WritePath:
         ``keys``; into ``refreshed``, the keys host already holds as put. A chain new to the
         store (the common case: an engine stores what it just computed) takes one pass."""
         span = keys[start:stop]
-        if self.cascade.index.all_new(span):
+        index = self.cascade.index
+        if index.all_new(span):
             parents = [keys[start - 1] if start > 0 else None, *span[:-1]]
             return self.cascade.new_entries(span, parents, tenant, now), list(range(start, stop))
+        writing = [e for e in map(index.get, span) if e is not None and e.writing]
+        if writing:
+            raise WriteInFlight(writing)
         return self._sort_out(keys, start, stop, tenant, now, refreshed)
 
     def _sort_out(self, keys: list[bytes], start: int, stop: int, tenant: str, now: float,
@@ -113,7 +154,7 @@ class WritePath:
         return entries, fresh
 
     def _store_fresh(self, entries: list[BlockEntry], fresh: list[int], src: torch.Tensor,
-                     refreshed: list[bytes]) -> None:
+                     refreshed: list[bytes]) -> DurableWrite | None:
         cascade, host = self.cascade, self.cascade.host
         if host.num_free < len(fresh):
             cascade.make_room(0, len(fresh) - host.num_free)
@@ -122,9 +163,11 @@ class WritePath:
         slots = host.allocate(n_host)
         rows = fresh[:n_host]
         placed = entries[:n_host]
-        # Placed before the copy, which evicts the entries from the CPU caches: no reader
-        # sees them before the store lock is let go (see Cascade.place).
-        cascade.place(0, placed, slots)
+        durable = self.write_through and bool(placed)
+        if not durable:
+            # Placed before the copy, which evicts the entries from the CPU caches: no reader
+            # sees them before the store lock is let go (see Cascade.place).
+            cascade.place(0, placed, slots)
         try:
             if not rows:
                 written = True
@@ -138,42 +181,50 @@ class WritePath:
         if not written:  # only a host codec refuses, and put checked the blocks first
             self._unstore(entries, placed, slots)
             raise KVStoreError(f"host RAM's codec could not store {n_host} blocks")
-        if self.write_through and placed:
-            # Durable before the lock is let go (no reader has seen the host copies yet):
-            # written from the host slots, page-aligned, so a direct-I/O disk needs no
-            # staging copy; under a host codec, from the rows put (its slots hold codes).
-            if host.coding is None:
-                payloads: Sequence[torch.Tensor | None] = host.export([e.key for e in placed], slots)
-            else:
-                raw_src = raw_rows(src)
-                payloads = [raw_src[i] for i in rows]
-            try:
-                self._write_down(placed, payloads)  # type: ignore[arg-type]
-            except BaseException:
-                self._unstore(entries, placed, slots)
-                raise
         # the bytes put, for the shared levels that take puts (made only when one does)
         raw: list[torch.Tensor] | None = None
         if self.takers:
             raw_src = raw_rows(src)
             raw = [raw_src[i] for i in rows]
-        self.finish_on_host(placed, refreshed, raw)
+        pending: DurableWrite | None = None
+        if durable:
+            # Written down from the host slots, page-aligned, so a direct-I/O disk needs no
+            # staging copy; under a host codec, from the rows put (its slots hold codes).
+            if host.coding is None:
+                payloads: list[torch.Tensor] = host.export([e.key for e in placed], slots)  # type: ignore[assignment]
+            else:
+                raw_src = raw_rows(src)
+                payloads = [raw_src[i] for i in rows]
+            cascade.reserved_host += n_host  # neither free nor any block's until finish
+            try:
+                pending = self._begin_durable(placed, slots, payloads, refreshed, raw, num_reserved=n_host,
+                                              unused=[], own_slots=True)
+            except BaseException:
+                cascade.reserved_host -= n_host
+                self._unstore(entries, placed, slots)
+                raise
+        else:
+            self.finish_on_host(placed, refreshed, raw)
         overflow = entries[n_host:]
         if not overflow:
-            return
+            return pending
         if len(cascade.levels) > 1:
             below = cascade.levels[1].rank
-            pending = [(e, i) for e, i in zip(overflow, fresh[n_host:], strict=True) if e.slots[below] is None]
+            pending_below = [(e, i) for e, i in zip(overflow, fresh[n_host:], strict=True) if e.slots[below] is None]
             raw_src = raw_rows(src)  # lower levels store bytes
-            cascade.store(below, [e for e, _ in pending], [raw_src[i] for _, i in pending])
+            cascade.store(below, [e for e, _ in pending_below], [raw_src[i] for _, i in pending_below])
         lost = [e for e in overflow if not e.is_held]
         for entry in lost:
             cascade.index.discard(entry.key)
         if lost:
-            raise CapacityError(
+            error = CapacityError(
                 f"need {len(fresh)} host slots, {n_host} free of {host.num_slots} "
                 f"(the rest pinned or being read); {len(lost)} blocks found no room below either"
             )
+            if pending is None:
+                raise error
+            pending.error = error  # raised once the heads' write settles
+        return pending
 
     def _unstore(self, entries: list[BlockEntry], placed: list[BlockEntry], slots: list[int]) -> None:
         """A host write failed: its blocks leave host again (and the index, where no level
@@ -185,38 +236,93 @@ class WritePath:
             if not entry.is_held:
                 cascade.index.discard(entry.key)
 
-    def _write_down(self, entries: list[BlockEntry], payloads: Sequence[torch.Tensor]) -> None:
-        """Write-through: store ``entries`` (chain order; ``payloads[i]``, the bytes put) in
-        the level below host, where it does not hold them yet, before any reader sees them.
+    def _begin_durable(self, placed: list[BlockEntry], host_slots: list[int], payloads: Sequence[torch.Tensor | None],
+                       refreshed: list[bytes], raw: list[torch.Tensor] | None, *, num_reserved: int,
+                       unused: list[int], own_slots: bool) -> DurableWrite:
+        """Write-through's first half (lock held): mark ``placed`` (chain order; bytes in
+        ``host_slots``, not placed) as being written and read, and take slots in the level
+        below for those it lacks, making room there; ``finish`` does the rest."""
+        cascade = self.cascade
+        below = cascade.levels[1]
+        for entry in placed:  # first: making room below must not evict what is being written
+            entry.readers += 1
+        try:
+            todo = [(e, p) for e, p in zip(placed, payloads, strict=True) if e.slots[below.rank] is None]
+            short = len(todo) - below.num_free
+            if short > 0:
+                cascade.make_room(below.rank, short)
+            n = min(len(todo), below.num_free)
+            below_slots = below.allocate(n) if n else []
+        except BaseException:
+            for entry in placed:
+                cascade.end_read(entry)
+            raise
+        for entry in placed:
+            entry.writing = True
+        cascade.num_writing += 1
+        missing = len(todo) - n
+        short_of = (f"need {missing} {below.name} slots, {below.num_free} free of {below.num_slots} "
+                    "(the rest pinned or being read)") if missing else ""
+        return DurableWrite(placed, host_slots, [e for e, _ in todo], [p for _, p in todo],  # type: ignore[misc]
+                            below_slots, missing, refreshed, raw, num_reserved, unused, own_slots, short_of)
+
+    def finish(self, w: DurableWrite) -> None:
+        """Write-through's second half (lock free): write ``w``'s blocks to the level below,
+        then, under the lock, publish them there and on host; or, when some did not get
+        there, publish on host none of them (those written stay below), and raise.
 
         Raises:
             TierError: the level below failed to store them (its medium's error, with the
-                numbers), or CapacityError: it has no evictable slot for them (the rest pinned
-                or being read). Either way the put is not acknowledged, and the blocks that
-                did not reach the level below leave the index where no level holds them (the
-                caller places nothing on host then).
+                numbers), or CapacityError: it had no evictable slot for them (the rest
+                pinned or being read). Either way the put is not acknowledged; a put's host
+                slots are free again, a commit's stay reserved for its caller to cancel.
         """
         cascade = self.cascade
         below = cascade.levels[1]
-        todo = [(e, p) for e, p in zip(entries, payloads, strict=True) if e.slots[below.rank] is None]
-        if not todo:
-            return
-        num_errors = below.counters.errors
-        stored = cascade.store(below.rank, [e for e, _ in todo], [p for _, p in todo])
-        if stored == len(todo):
-            return
-        missing = [e for e, _ in todo[stored:]]  # store() keeps the heads it has room for
-        for entry in missing:
-            if not entry.is_held and cascade.index.get(entry.key) is entry:
-                cascade.index.discard(entry.key)
-        what = (f"put not acknowledged under write-through: {len(missing)} of {len(entries)} blocks "
-                f"did not reach {below.name}")
+        n = len(w.below_slots)
+        crashed: BaseException | None = None  # not a medium failure (those return False): re-raised
+        try:
+            written = n == 0 or below.write(w.todo[:n], w.below_slots, w.payloads[:n])
+        except BaseException as exc:
+            written, crashed = False, exc
         # A level that records its medium's last failure (the disk) names it.
-        cause = getattr(below, "last_error", None) if below.counters.errors > num_errors else None
-        if isinstance(cause, TierError):
-            raise type(cause)(f"{what}: {cause}") from cause
-        raise CapacityError(f"{what}: need {len(missing)} {below.name} slots, {below.num_free} free of "
-                            f"{below.num_slots} (the rest pinned or being read)")
+        cause = None if written else getattr(below, "last_error", None)
+        acknowledged = written and not w.missing
+        with cascade.lock:
+            try:
+                for entry in w.placed:
+                    entry.writing = False
+                    cascade.end_read(entry)
+                if written and n:
+                    below.counters.bytes_written += n * below.payload_bytes
+                    cascade.publish(below.rank, w.todo[:n], w.below_slots)
+                if acknowledged:
+                    cascade.end_reservation(w.num_reserved, w.unused)
+                    cascade.place(0, w.placed, w.host_slots)
+                    index = cascade.index
+                    # a key host held at the put may have left it meanwhile: only those still there
+                    refreshed = [k for k in w.refreshed if (e := index.get(k)) is not None and e.slots[0] is not None]
+                    self.finish_on_host(w.placed, refreshed, w.raw)
+                else:
+                    if w.own_slots:
+                        cascade.end_reservation(w.num_reserved, w.host_slots)
+                    for entry in w.placed:
+                        if not entry.is_held and cascade.index.get(entry.key) is entry:
+                            cascade.index.discard(entry.key)
+            finally:
+                cascade.num_writing -= 1
+                cascade.settled.notify_all()
+        if crashed is not None:
+            raise crashed
+        if not acknowledged:
+            lost = (0 if written else n) + w.missing
+            what = (f"put not acknowledged under write-through: {lost} of {len(w.placed)} blocks "
+                    f"did not reach {below.name}")
+            if isinstance(cause, TierError):
+                raise type(cause)(f"{what}: {cause}") from cause
+            raise CapacityError(f"{what}: {w.short_of or 'its write failed'}")
+        if w.error is not None:
+            raise w.error
 
     def finish_on_host(self, placed: list[BlockEntry], refreshed: list[bytes],
                        raw: Sequence[torch.Tensor] | None = None) -> None:
@@ -240,17 +346,18 @@ class WritePath:
             for level in takers:
                 level.offer([e.key for e in placed], raw)  # type: ignore[arg-type]
 
-    def commit(self, keys: list[bytes], slots: Sequence[int], tenant: str) -> None:
+    def commit(self, keys: list[bytes], slots: Sequence[int], tenant: str) -> DurableWrite | None:
         """Publish ``keys[i]`` as the bytes just written into reserved host ``slots[i]``.
 
         Same semantics as put: a key host already holds as put keeps its copy (the reserved
         slot is freed), a copy decoded from a lossy level is replaced, a key given twice is
-        stored once; under write-through the new blocks reach the level below before this
-        returns.
+        stored once. Under write-through, returns the disk half for ``finish``, which
+        publishes the blocks once they are below host (None when no block is new to host);
+        if it raises, nothing is published and every slot stays reserved: the caller cancels
+        them.
 
         Raises:
-            TierError, CapacityError: (write-through) as put's. Nothing is published then and
-                every slot stays reserved: the caller cancels them.
+            WriteInFlight: another put is writing some of the keys through; nothing was done.
         """
         cascade = self.cascade
         now = time.time()
@@ -263,17 +370,11 @@ class WritePath:
             taken = set(fresh)
             unused = [slot for i, slot in enumerate(slots) if i not in taken]
         if self.write_through and placed:
-            # Durable before visible, and before the reservation ends. The reserved slots hold
-            # the raw bytes written (leases need a raw host); making room below must not
-            # evict what is being committed.
+            # The reserved slots hold the raw bytes written (leases need a raw host).
             payloads = cascade.host.export([e.key for e in placed], placed_slots)
-            for entry in placed:
-                entry.readers += 1
-            try:
-                self._write_down(placed, payloads)  # type: ignore[arg-type]
-            finally:
-                for entry in placed:
-                    cascade.end_read(entry)
+            return self._begin_durable(placed, placed_slots, payloads, refreshed, None, num_reserved=len(slots),
+                                       unused=unused, own_slots=False)
         cascade.end_reservation(len(slots), unused)
         cascade.place(0, placed, placed_slots)
         self.finish_on_host(placed, refreshed)
+        return None

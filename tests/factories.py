@@ -90,3 +90,18 @@ def run_in_threads(worker: Callable[[int], None], num_threads: int, timeout: flo
     assert not any(t.is_alive() for t in threads), f"a worker thread still runs after {timeout} s"
     if errors:
         raise errors[0]
+
+
+def started(fn: Callable[[], object]) -> tuple[threading.Thread, list[BaseException]]:
+    """``fn`` running on its own thread; its exception, if any, lands in the list."""
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            fn()
+        except BaseException as exc:  # reported to the test
+            errors.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, errors

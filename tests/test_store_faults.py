@@ -9,9 +9,11 @@ import os
 import random
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -21,7 +23,7 @@ from kvstore import CapacityError
 from kvstore.index import BlockEntry
 from tiers.errors import TierFullError
 
-from factories import blocks_for, chain, make_store
+from factories import blocks_for, chain, make_store, started
 
 # Large enough that no acknowledged block is ever evicted: the storm puts at most
 # STORM_PUTS chains (<= 3 blocks each) per child, 20 children.
@@ -182,6 +184,43 @@ def test_a_write_through_put_the_full_disk_cannot_take_raises_and_keeps_nothing(
     filler.unlink()
     store.put(keys, blocks_for(keys))  # acknowledged: on disk before it returned
     assert [store.block_info(k)["tiers"] for k in keys] == [["host", "disk"]] * 2  # type: ignore[index]
+    store.check_integrity()
+    store.close()
+
+
+def test_a_put_that_waited_on_a_failed_write_through_writes_the_blocks_itself(tiny_fs: Path) -> None:
+    """Two puts of one chain: the first one's disk write (outside the store lock) meets a full
+    disk; the second, which waited for it, then finds the chain absent and writes it."""
+    store = make_store(tiny_fs, host_blocks=4, disk_blocks=16, write_policy="write_through")
+    filler = _fill(tiny_fs)
+    disk = store.level("disk")
+    write, inside, gate = disk.write, threading.Event(), threading.Event()  # type: ignore[union-attr]
+
+    def held_then_freed(*args: Any) -> bool:
+        if inside.is_set():
+            return bool(write(*args))
+        inside.set()
+        assert gate.wait(30)
+        try:
+            return bool(write(*args))  # the disk is full: this write fails
+        finally:
+            filler.unlink()  # room for the put that waited
+
+    disk.write = held_then_freed  # type: ignore[union-attr,method-assign]
+    keys = chain(store, 2)
+    first, first_errors = started(lambda: store.put(keys, blocks_for(keys)))
+    assert inside.wait(30)
+    second, second_errors = started(lambda: store.put(keys, blocks_for(keys)))
+    time.sleep(0.2)
+    assert second.is_alive()  # waiting for the first put's write
+    gate.set()
+    first.join(30)
+    second.join(30)
+    assert len(first_errors) == 1 and isinstance(first_errors[0], TierFullError)
+    assert "put not acknowledged under write-through: 2 of 2 blocks did not reach disk" in str(first_errors[0])
+    assert not second_errors
+    assert [store.block_info(k)["tiers"] for k in keys] == [["host", "disk"]] * 2  # type: ignore[index]
+    assert torch.equal(store.get(keys), blocks_for(keys))
     store.check_integrity()
     store.close()
 

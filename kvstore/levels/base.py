@@ -40,7 +40,9 @@ class Recovered:
 class Level(ABC):
     """One tier of the cascade. The cascade calls every method under the store lock, except
     ``read``, which it calls on blocks it holds as being read (``readers > 0``), so their slots
-    cannot be dropped or reused meanwhile.
+    cannot be dropped or reused meanwhile, and ``write`` of a write-through put's blocks into
+    slots it took (``WritePath.finish``): a level below host takes such a write beside its
+    other calls.
 
     Attributes:
         name: the tier's name in lookups, stats and events ("host", "disk", ...).
