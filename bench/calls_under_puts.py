@@ -14,7 +14,8 @@ waited for it. Measured on the 2-core VM, 2026-12-02, write-through:
     the same as write-back with room in host RAM (no disk write at all: p99 4.2-4.8 ms).
   * puts of one block: p99 30-31 ms, max 38-42 ms; write-back with room in host RAM (no disk
     write): p99 1.6 ms. Since a write-through put writes to disk outside the lock (it still
-    returns only once its own block is on disk): see docs/benchmarks.md.
+    returns only once its own block is on disk), and host's demotions are written once the
+    lock is let go: see docs/benchmarks.md (daemon section).
   * gets (lock-free over shared memory): p99 8 ms either way.
 What is left is two cores shared by the writer's copy, the daemon and this process.
 

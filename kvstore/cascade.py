@@ -35,6 +35,7 @@ from typing import cast
 
 import torch
 
+from kvstore.demotions import DeferredDemotions
 from kvstore.errors import CapacityError, KVStoreError, TierError
 from kvstore.eviction import EvictionPolicy
 from kvstore.index import BlockEntry, BlockIndex
@@ -49,7 +50,7 @@ GHOST_KEYS = 1 << 16  # keys remembered as "seen once" for admission="seen_twice
 class Cascade:
     """The levels (rank 0 must be a HostLevel), the index, and the demotion/promotion paths."""
 
-    def __init__(self, levels: list[Level], shared: Sequence[SharedLevel] = ()) -> None:
+    def __init__(self, levels: list[Level], shared: Sequence[SharedLevel] = (), staging_bytes: int = 0) -> None:
         assert levels and isinstance(levels[0], HostLevel), "rank 0 must be host RAM"
         assert len({level.raw_bytes for level in levels}) == 1, "levels disagree on the raw block size"
         assert [level.rank for level in levels] == list(range(len(levels))), "levels out of rank order"
@@ -69,6 +70,10 @@ class Cascade:
         self._retired: dict[int, tuple[BlockEntry, list[int]]] = {}
         self._seen_once: OrderedDict[bytes, None] = OrderedDict()
         self.closed = False
+        # host's demotions written below after the lock is let go, up to ``staging_bytes``
+        # staged at a time (kvstore/demotions.py); None: written at once, under the lock
+        self.demotions = DeferredDemotions(self, levels[1], staging_bytes) \
+            if staging_bytes > 0 and len(levels) > 1 else None
         try:
             for level in levels[1:]:
                 self._recover(level)
@@ -93,9 +98,18 @@ class Cascade:
         finally:
             self.lock.release()
 
-    def wait_written(self, entries: Sequence[BlockEntry]) -> None:
-        """Wait (lock held; let go meanwhile) until no durable write holds ``entries``."""
-        self.settled.wait_for(lambda: not any(entry.writing for entry in entries))
+    def wait_written(self, keys: Sequence[bytes]) -> None:
+        """Wait (lock held; let go meanwhile) until none of ``keys`` is being written outside
+        the lock (a write-through put, a deferred demotion): on return, with the lock held
+        again, none is. Free when nothing is being written."""
+        if self.num_writing:
+            entries = self.index.entries
+            self.settled.wait_for(lambda: not any((e := entries.get(k)) is not None and e.writing for k in keys))
+
+    def write_owed(self) -> None:
+        """(Lock free.) Write down the demotions this thread deferred while it held the lock."""
+        if self.demotions is not None:
+            self.demotions.write_owed()
 
     def wait_all_written(self) -> None:
         """Wait (lock held; let go meanwhile) until no durable write is in flight."""
@@ -158,6 +172,7 @@ class Cascade:
         victims = self._pop_victims(level.policy, n)
         if not victims:
             return
+        staged: list[BlockEntry] = []
         if rank + 1 < len(self.levels):
             below = self.levels[rank + 1]
             # victims come tail first; reversed, they are in chain order as store() expects
@@ -165,10 +180,37 @@ class Cascade:
             if demoted:
                 payloads = level.export([v.key for v in demoted], [v.slots[rank] for v in demoted])  # type: ignore[misc]
                 readable = [(v, p) for v, p in zip(demoted, payloads, strict=True) if p is not None]
+                if rank == 0 and self.demotions is not None:
+                    staged, readable = self._stage_demotions(below, readable)
                 self.store(below.rank, [v for v, _ in readable], [p for _, p in readable], source_rank=rank)
-        self.offer_leaving(level, victims)
+        if staged:  # on their way below: not leaving the store
+            taken = {id(v) for v in staged}
+            self.offer_leaving(level, [v for v in victims if id(v) not in taken])
+        else:
+            self.offer_leaving(level, victims)
         if self._drop(level, victims):
             level.counters.evictions += len(victims)
+
+    def _stage_demotions(self, below: Level, readable: list[tuple[BlockEntry, torch.Tensor]],
+                         ) -> tuple[list[BlockEntry], list[tuple[BlockEntry, torch.Tensor]]]:
+        """Defer the disk write of the leading run of host's demotions (chain order) that room
+        below allows until this thread lets the lock go (kvstore/demotions.py). Returns the
+        entries deferred and the demotions ``store`` is to write now (all of them when the
+        staging budget is spent; none when there is no room below: those are dropped, as
+        ``store`` drops what finds no room). A copy decoded from a lossy level never enters a
+        lossless one."""
+        assert self.demotions is not None
+        if not below.lossy:
+            readable = [(v, p) for v, p in readable if v.is_exact(0)]
+        short = len(readable) - below.num_free
+        if short > 0:
+            self.make_room(below.rank, short)
+        n = min(len(readable), below.num_free)
+        if n == 0:
+            return [], []
+        if not self.demotions.take([v for v, _ in readable[:n]], [p for _, p in readable[:n]]):
+            return [], readable[:n]
+        return [v for v, _ in readable[:n]], []
 
     def offer_leaving(self, level: Level, entries: list[BlockEntry]) -> None:
         """Offer the blocks of ``entries`` that no other local level holds (they are about to

@@ -30,9 +30,11 @@ class BlockEntry:
     num_uses: int = 0  # puts and reads, for "seen twice" admission (a read counts only up to 2)
     last_access: float = 0.0  # time.time() of the last put or read (0.0: not since loaded)
     inexact: int = 0  # bit r: the copy at rank r differs from the bytes put (lossy codec)
-    # a write-through put or commit is making the block durable outside the store lock: until
-    # it publishes (or gives up), no other writer may place the block (WritePath.finish)
+    # a writer outside the store lock (a write-through put, a deferred demotion) will publish
+    # the block in level ``landing`` (or give up); meanwhile whoever needs it waits
+    # (Cascade.wait_written), and lookups report it there
     writing: bool = False
+    landing: int = 0
 
     @property
     def best_rank(self) -> int | None:
@@ -144,7 +146,12 @@ class BlockIndex:
                 break
             rank = entry.exact_rank if exact else entry.best_rank
             if rank is None:
-                break
+                if not entry.writing or exact:
+                    break
+                rank = entry.landing  # a hint: being written there now
+                tiers.append(names[rank])
+                lossy.append(False)
+                continue
             tiers.append(names[rank])
             lossy.append(bool(entry.inexact >> rank & 1))
         return PrefixMatch(num_blocks=len(tiers), tiers=tuple(tiers), lossy=tuple(lossy))

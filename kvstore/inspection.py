@@ -24,10 +24,9 @@ class StoreView:
         """The keys the store holds (only ``tenant``'s when given)."""
         entries = self.cascade.index.entries
         with self.cascade.lock:
-            if tenant is None and not self.cascade.num_writing:
+            if tenant is None:
                 return list(entries)
-            # an entry held nowhere is a write-through put's, not on disk yet (WritePath.finish)
-            return [k for k, e in entries.items() if e.is_held and (tenant is None or e.tenant == tenant)]
+            return [k for k, e in entries.items() if e.tenant == tenant]
 
     def block_info(self, key: bytes) -> dict[str, Any] | None:
         """One block's tiers (and its slot and codec in each), whether its best copy is lossy,
@@ -35,8 +34,9 @@ class StoreView:
         pins; None if absent."""
         cascade = self.cascade
         with cascade.lock:
+            cascade.wait_written([key])
             entry = cascade.index.get(key)
-            if entry is None or not entry.is_held:
+            if entry is None:
                 return None
             names = cascade.index.level_names
             tiers = [names[rank] for rank, slot in enumerate(entry.slots) if slot is not None]

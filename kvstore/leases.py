@@ -16,7 +16,7 @@ from kvstore.cascade import Cascade
 from kvstore.errors import KVStoreError
 from kvstore.index import BlockEntry
 from kvstore.reads import ReadPath
-from kvstore.writes import WriteInFlight, WritePath
+from kvstore.writes import WritePath
 
 
 class HostLeases:
@@ -114,13 +114,16 @@ class HostLeases:
         """
         self._check_raw()
         cascade = self.cascade
-        with cascade.locked(blocking) as held:
-            if not held:
-                return None
-            cascade.check_open()
-            if not blocking and cascade.host.num_free < n:
-                return None
-            return cascade.reserve_host_exactly(n, evict and blocking)
+        try:
+            with cascade.locked(blocking) as held:
+                if not held:
+                    return None
+                cascade.check_open()
+                if not blocking and cascade.host.num_free < n:
+                    return None
+                return cascade.reserve_host_exactly(n, evict and blocking)
+        finally:
+            cascade.write_owed()  # disk writes of the demotions it made room with, lock free
 
     def cancel(self, slots: Sequence[int]) -> None:
         """Give reserved slots back unpublished."""
@@ -139,13 +142,9 @@ class HostLeases:
         with cascade.locked(blocking) as held:
             if not held:
                 return False
-            while True:
-                cascade.check_open()
-                try:
-                    durable = self.writes.commit(keys, slots, tenant)
-                    break
-                except WriteInFlight as busy:  # another put is writing these through: after it
-                    cascade.wait_written(busy.entries)
+            cascade.wait_written(keys)  # another put or a demotion writing some
+            cascade.check_open()
+            durable = self.writes.commit(keys, slots, tenant)
         if durable is not None:  # write-through: the disk write, outside the lock
             self.writes.finish(durable)
         return True

@@ -52,10 +52,18 @@ class ReadPath:
         """Copy the leading run of found blocks into ``dst``'s rows (CPU, contiguous: raw
         ``[n, raw block]`` uint8, or the layout's typed ``[n, *block_shape]``); with
         ``dst=None``, only promote lower-level blocks to host (a prefetch). With ``exact``, a
-        block held only as a lossy copy ends the run (a miss)."""
+        block held only as a lossy copy ends the run (a miss). A block being written (a
+        put's, a demotion's) is waited for."""
+        try:
+            return self._read_into(keys, dst, count, exact)
+        finally:
+            self.cascade.write_owed()  # disk writes of the demotions its promotions made room with
+
+    def _read_into(self, keys: Sequence[bytes], dst: torch.Tensor | None, count: bool, exact: bool) -> FetchResult:
         cascade = self.cascade
         names = cascade.index.level_names
         with cascade.lock:
+            cascade.wait_written(keys)
             cascade.check_open()
             entries, now = cascade.index.entries, time.time()
             # hot loop over the leading run host holds (the common case): one dict lookup and
@@ -187,12 +195,18 @@ class ReadPath:
         """Copy ``rows`` (blocks ``keys[first:first + len(rows)]``, verified; ``exact``: the
         bytes put, not a lossy level's decoding) into host slots and publish them; blocks host
         already holds, or that find no slot, are skipped."""
+        try:
+            self._promote_locked(keys, first, rows, exact)
+        finally:
+            self.cascade.write_owed()  # disk writes of the demotions it made room with, lock free
+
+    def _promote_locked(self, keys: Sequence[bytes], first: int, rows: torch.Tensor, exact: bool) -> None:
         cascade = self.cascade
         with cascade.lock:
             if cascade.closed:
                 return
             index, now = cascade.index, time.time()
-            # a block a write-through put is placing (``writing``) is that put's to place
+            # a block being written (a put's, a demotion's: ``writing``) is its writer's to place
             need = [i for i in range(len(rows))
                     if (e := index.get(keys[first + i])) is None or (e.slots[0] is None and not e.writing)]
             slots = cascade.reserve_host(len(need))
@@ -288,7 +302,7 @@ class ReadPath:
             elif good:
                 cascade.levels[rank].policy.access([entry.key])
             if i < len(promo_slots):
-                # (not a block a write-through put is placing on host: ``writing``)
+                # (not a block being written by a put or a demotion: its writer places it)
                 if good and entry.slots[0] is None and not entry.writing and entry.key in cascade.index \
                         and entry.key not in unplaced:
                     promoted.append(entry)

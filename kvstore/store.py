@@ -19,6 +19,7 @@ import torch
 
 from kvstore.cascade import Cascade
 from kvstore.config import StoreConfig
+from kvstore.demotions import budget as staging_budget
 from kvstore.errors import CapacityError
 from kvstore.index import PrefixMatch
 from kvstore.inspection import StoreView
@@ -30,7 +31,7 @@ from kvstore.levels.build import build_levels, build_shared
 from kvstore.listeners import StoreListener
 from kvstore.reads import ReadPath
 from kvstore.transfer import FetchHandle, FetchResult
-from kvstore.writes import WriteInFlight, WritePath
+from kvstore.writes import WritePath
 from tiers.records import check_name
 
 # Lookups made while another thread held the store lock wait in a queue to be counted (see
@@ -52,7 +53,8 @@ class TieredStore:
         self.namespace = Namespace(config.model_id, config.layout, config.hash_algo)
         self.hasher = BlockHasher(self.namespace)
         self._payload = self.layout.bytes_per_block
-        self._cascade = cascade = Cascade(build_levels(config, self.namespace), build_shared(config))
+        self._cascade = cascade = Cascade(build_levels(config, self.namespace), build_shared(config),
+                                          staging_budget(config.host_bytes))
         self._lock = cascade.lock
         self._index = cascade.index
         self._writes = WritePath(cascade, write_through=config.write_policy == "write_through")
@@ -114,15 +116,16 @@ class TieredStore:
         # A put bigger than host RAM goes in chunks, tails first: the head chunk is stored last,
         # so it ends up the most recent and a prefix's tail is what gets demoted.
         chunk = max(1, self._cascade.host.num_slots // 2)
+        cascade = self._cascade
         for start in reversed(range(0, len(keys), chunk)):
-            with self._lock:
-                while True:
-                    self._cascade.check_open()
-                    try:
-                        durable = self._writes.put(keys, start, min(len(keys), start + chunk), src, tenant)
-                        break
-                    except WriteInFlight as busy:  # another put is writing these through: after it
-                        self._cascade.wait_written(busy.entries)
+            stop = min(len(keys), start + chunk)
+            try:
+                with self._lock:
+                    cascade.wait_written(keys[start:stop])  # another put or a demotion writing some
+                    cascade.check_open()
+                    durable = self._writes.put(keys, start, stop, src, tenant)
+            finally:
+                cascade.write_owed()  # disk writes of the demotions it made room with, lock free
             if durable is not None:  # write-through: the disk write, outside the lock
                 self._writes.finish(durable)
 
@@ -231,8 +234,8 @@ class TieredStore:
             if not held:
                 return None
             entries = self._index.entries
-            # an entry held nowhere is a write-through put's, not on disk yet (WritePath.finish)
-            return [(e := entries.get(k)) is not None and e.is_held for k in keys]
+            # a block held nowhere is being written (a put, a demotion): held, as a lookup says
+            return [(e := entries.get(k)) is not None and (e.writing or e.is_held) for k in keys]
 
     def delete(self, keys: Sequence[bytes]) -> int:
         """Remove blocks from every tier; returns how many were held. Absent keys are skipped.
@@ -242,8 +245,9 @@ class TieredStore:
         """
         keys = self._check_keys(keys)
         with self._lock:
+            self._cascade.wait_written(keys)  # a block being written is deleted once it is
             self._cascade.check_open()
-            entries = [e for e in (self._index.get(k) for k in dict.fromkeys(keys)) if e is not None and e.is_held]
+            entries = [e for e in (self._index.get(k) for k in dict.fromkeys(keys)) if e is not None]
             busy = [e for e in entries if not e.is_evictable]
             if busy:
                 raise CapacityError(f"{len(busy)} of {len(entries)} blocks are pinned or being read, "
@@ -259,6 +263,7 @@ class TieredStore:
         """Protect blocks from eviction in every tier until unpinned. KeyError if absent."""
         keys = self._check_keys(keys)
         with self._lock:
+            self._cascade.wait_written(keys)
             entries = [self._require(k) for k in keys]
             for entry in entries:
                 entry.pins += 1
@@ -267,6 +272,7 @@ class TieredStore:
         """Undo one pin() of each key. ValueError for a key that is not pinned."""
         keys = self._check_keys(keys)
         with self._lock:
+            self._cascade.wait_written(keys)
             entries = [self._require(k) for k in keys]
             for entry in entries:
                 if entry.pins == 0:
@@ -276,7 +282,7 @@ class TieredStore:
 
     def _require(self, key: bytes) -> Any:
         entry = self._index.get(key)
-        if entry is None or not entry.is_held:
+        if entry is None:
             raise KeyError(f"block {key.hex()} is not in the store")
         return entry
 
@@ -396,7 +402,7 @@ class TieredStore:
             if self._cascade.closed:
                 return
             self._cascade.closed = True
-            self._cascade.wait_all_written()  # write-through puts under way finish first
+            self._cascade.wait_all_written()  # write-through puts and deferred demotions first
         self._executor.shutdown(wait=True)
         with self._lock:
             self._cascade.write_back()

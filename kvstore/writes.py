@@ -10,9 +10,10 @@ put (or commit) that returns is durable; one whose blocks did not all reach that
 and leaves none of those on host. That disk write runs outside the store lock, so other
 clients' gets, puts and leases do not wait behind it: ``put``/``commit`` (lock held) copy the
 bytes into host slots that no reader sees yet, take the slots below, and mark the blocks
-``writing`` (no other writer places them meanwhile: it waits, ``WriteInFlight``) and as being
-read (never evicted); they return a ``DurableWrite``, and ``finish`` (lock free) writes it
-down, then publishes it in both levels under the lock, or undoes it.
+``writing`` (landing in host RAM: whoever needs them waits, ``Cascade.wait_written``) and as
+being read (never evicted); they return a ``DurableWrite``, and ``finish`` (lock free) writes
+it down, then publishes it in both levels under the lock, or undoes it. The caller has waited
+for its keys (``wait_written``) before ``put`` or ``commit``: none is being written.
 
 ``put``, ``commit`` and ``finish_on_host`` run with the store lock held; ``finish`` takes it.
 """
@@ -30,15 +31,6 @@ from kvstore.errors import CapacityError, KVStoreError, TierError
 from kvstore.index import BlockEntry
 from kvstore.layout import raw_rows
 from kvstore.levels.shared import SharedLevel
-
-
-class WriteInFlight(Exception):
-    """Some keys of a put or commit are being made durable by another writer: wait until it
-    settles (``Cascade.wait_written(entries)``), then try again. Raised before anything changed."""
-
-    def __init__(self, entries: list[BlockEntry]) -> None:
-        super().__init__(f"{len(entries)} blocks are being written through by another put")
-        self.entries = entries
 
 
 @dataclass
@@ -86,7 +78,6 @@ class WritePath:
 
         Raises:
             CapacityError: some blocks found no slot in any level (nothing of them is kept).
-            WriteInFlight: another put is writing some of the keys through; nothing was done.
         """
         cascade = self.cascade
         now = time.time()
@@ -118,9 +109,7 @@ class WritePath:
         if index.all_new(span):
             parents = [keys[start - 1] if start > 0 else None, *span[:-1]]
             return self.cascade.new_entries(span, parents, tenant, now), list(range(start, stop))
-        writing = [e for e in map(index.get, span) if e is not None and e.writing]
-        if writing:
-            raise WriteInFlight(writing)
+        assert not any(e is not None and e.writing for e in map(index.get, span)), "wait_written first"
         return self._sort_out(keys, start, stop, tenant, now, refreshed)
 
     def _sort_out(self, keys: list[bytes], start: int, stop: int, tenant: str, now: float,
@@ -258,7 +247,7 @@ class WritePath:
                 cascade.end_read(entry)
             raise
         for entry in placed:
-            entry.writing = True
+            entry.writing, entry.landing = True, 0
         cascade.num_writing += 1
         missing = len(todo) - n
         short_of = (f"need {missing} {below.name} slots, {below.num_free} free of {below.num_slots} "
@@ -355,9 +344,6 @@ class WritePath:
         publishes the blocks once they are below host (None when no block is new to host);
         if it raises, nothing is published and every slot stays reserved: the caller cancels
         them.
-
-        Raises:
-            WriteInFlight: another put is writing some of the keys through; nothing was done.
         """
         cascade = self.cascade
         now = time.time()

@@ -10,6 +10,7 @@ import hashlib
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -105,3 +106,34 @@ def started(fn: Callable[[], object]) -> tuple[threading.Thread, list[BaseExcept
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
     return thread, errors
+
+
+class HeldDiskWrite:
+    """Holds up the disk level's first ``write`` (a write-through put's, outside the store
+    lock) until ``gate`` is set; later writes go straight through."""
+
+    def __init__(self, store: TieredStore) -> None:
+        self.level = store.level("disk")
+        self.original = self.level.write  # type: ignore[union-attr]
+        self.inside, self.gate = threading.Event(), threading.Event()
+        self.calls = 0
+        self.level.write = self._write  # type: ignore[union-attr,method-assign]
+
+    def _write(self, *args: Any) -> bool:
+        self.calls += 1
+        if self.calls == 1:
+            self.inside.set()
+            assert self.gate.wait(30)
+        return bool(self.original(*args))
+
+
+def finishes(fn: Callable[[], object], within: float = 5.0) -> Any:
+    """``fn()``'s result, asserting it returned within ``within`` seconds (it must not wait
+    for the held disk write)."""
+    out: list[Any] = []
+    thread, errors = started(lambda: out.append(fn()))
+    thread.join(within)
+    assert not thread.is_alive(), f"waited over {within} s: it is queued behind the held disk write"
+    if errors:
+        raise errors[0]
+    return out[0]

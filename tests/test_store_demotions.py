@@ -1,0 +1,136 @@
+"""Host RAM's demotions are written to disk once the store lock is let go (kvstore/demotions.py).
+
+The disk level's write is held up while a put that made room is writing its demotions down.
+Meanwhile other calls must not wait for it, unless they need the demoted blocks: those are in
+no tier until the write settles (a lookup reports them on disk, where they are landing), and
+a get, put or pin of them waits for it. Close waits for it too. Past the staging budget a
+demotion is written under the lock, as before.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import kvstore.demotions as demotions
+from kvstore import TieredStore
+
+from factories import HeldDiskWrite, blocks_for, chain, finishes, make_store, started
+
+
+def full_host(tmp_path: Path) -> tuple[TieredStore, list[bytes]]:
+    """A write-back store whose 4-slot host RAM holds a 4-block chain, none of it on disk."""
+    store = make_store(tmp_path, host_blocks=4, disk_blocks=32)
+    first = chain(store, 4, salt=1)
+    store.put(first, blocks_for(first))
+    return store, first
+
+
+def demoting_put(store: TieredStore) -> tuple[HeldDiskWrite, list[bytes], object, list[BaseException]]:
+    """Another thread puts a 2-block chain into the full host RAM: it demotes the first chain's
+    2-block tail, and its write of them to disk is held up. Returns once it is."""
+    hold = HeldDiskWrite(store)
+    second = chain(store, 2, salt=2)
+    putter, errors = started(lambda: store.put(second, blocks_for(second)))
+    assert hold.inside.wait(30)
+    return hold, second, putter, errors
+
+
+def test_other_calls_do_not_wait_for_a_demotions_disk_write(tmp_path: Path) -> None:
+    store, first = full_host(tmp_path)
+    hold, second, putter, errors = demoting_put(store)
+    # the store lock is free: reads of other blocks, and a put demoting blocks of its own
+    assert torch.equal(finishes(lambda: store.get(first[:2])), blocks_for(first[:2]))
+    assert torch.equal(finishes(lambda: store.get(second)), blocks_for(second))
+    third = chain(store, 1, salt=3)
+    finishes(lambda: store.put(third, blocks_for(third)))
+    # the demoted tail is in no tier until its write settles; a lookup says where it lands
+    assert store.lookup(first).tiers[2:] == ("disk", "disk")
+    assert store.contains(first[2:]) == [True, True]
+    getter, get_errors = started(lambda: store.get(first))  # needs the tail: waits for it
+    time.sleep(0.3)
+    assert getter.is_alive() and putter.is_alive()  # type: ignore[attr-defined]
+    hold.gate.set()
+    for thread in (putter, getter):
+        thread.join(30)  # type: ignore[attr-defined]
+    assert not errors and not get_errors
+    assert [store.block_info(k)["tiers"][-1] for k in first[2:]] == ["disk", "disk"]  # type: ignore[index]
+    assert torch.equal(store.get(first), blocks_for(first))
+    store.check_integrity()
+    store.close()
+
+
+def test_a_put_of_blocks_being_demoted_waits_for_their_write(tmp_path: Path) -> None:
+    store, first = full_host(tmp_path)
+    hold, _second, putter, errors = demoting_put(store)
+    again, again_errors = started(lambda: store.put(first, blocks_for(first)))
+    pinner, pin_errors = started(lambda: store.pin(first[2:]))
+    time.sleep(0.3)
+    assert again.is_alive(), "a put placed blocks whose demotion was still being written"
+    assert pinner.is_alive(), "a pin took blocks whose demotion was still being written"
+    hold.gate.set()
+    for thread in (putter, again, pinner):
+        thread.join(30)  # type: ignore[attr-defined]
+    assert not errors and not again_errors and not pin_errors
+    store.unpin(first[2:])
+    assert torch.equal(store.get(first), blocks_for(first))
+    store.check_integrity()
+    store.close()
+
+
+def test_close_waits_for_a_demotions_disk_write(tmp_path: Path) -> None:
+    store, first = full_host(tmp_path)
+    hold, _second, putter, errors = demoting_put(store)
+    closer, close_errors = started(store.close)
+    time.sleep(0.3)
+    assert closer.is_alive(), "close returned while a demotion was being written"
+    hold.gate.set()
+    for thread in (putter, closer):
+        thread.join(30)  # type: ignore[attr-defined]
+    assert not errors and not close_errors
+    reopened = make_store(tmp_path, host_blocks=4, disk_blocks=32)
+    assert reopened.lookup(first).tiers == ("disk",) * 4  # the demoted tail, and the head written back
+    assert torch.equal(reopened.get(first), blocks_for(first))
+    reopened.check_integrity()
+    reopened.close()
+
+
+def test_past_the_staging_budget_a_demotion_is_written_under_the_lock(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(demotions, "MIN_BYTES", 0)
+    monkeypatch.setattr(demotions, "MAX_BYTES", 0)
+    store, first = full_host(tmp_path)
+    hold, _second, putter, errors = demoting_put(store)
+    getter, get_errors = started(lambda: store.get(first[:2]))
+    time.sleep(0.3)
+    assert getter.is_alive()  # no staging room: the put writes its demotions holding the lock
+    hold.gate.set()
+    for thread in (putter, getter):
+        thread.join(30)  # type: ignore[attr-defined]
+    assert not errors and not get_errors
+    assert store.lookup(first).tiers == ("host", "host", "disk", "disk")
+    store.check_integrity()
+    store.close()
+
+
+def test_a_demotion_whose_write_raises_is_lost_and_nothing_waits(tmp_path: Path) -> None:
+    """Not a medium failure (those return False) but a bug: logged, those demotions are lost."""
+    store, first = full_host(tmp_path)
+    disk = store.level("disk")
+    write = disk.write  # type: ignore[union-attr]
+
+    def crash_once(*args: object) -> bool:
+        disk.write = write  # type: ignore[union-attr,method-assign]
+        raise RuntimeError("a bug in the disk level")
+
+    disk.write = crash_once  # type: ignore[union-attr,method-assign]
+    second = chain(store, 2, salt=2)
+    finishes(lambda: store.put(second, blocks_for(second)))
+    assert store.lookup(first).tiers == ("host", "host")  # the tail is lost, nothing half-written
+    finishes(lambda: store.put(first, blocks_for(first)))
+    assert torch.equal(store.get(first), blocks_for(first))
+    store.check_integrity()
+    finishes(store.close)
