@@ -9,8 +9,12 @@ Demotion: ``make_room(r, n)`` takes up to ``n`` victims from level r's policy (n
 block or one being read), stores those the level below admits and does not hold yet there
 (``store``, which makes room in that level the same way), then drops them from level r. A
 block no level holds any more is forgotten (and remembered as seen once, for "seen twice"
-admission). Promotion: the read path reserves host slots, copies lower-level blocks into
-them outside the lock, and publishes the good copies on host.
+admission). Host's demotions are written below once the lock is let go: ``make_room``
+stages them (a memory copy) and the thread that made room writes them (``write_owed``,
+kvstore/demotions.py); meanwhile they are ``writing``, as a write-through put's blocks are,
+and whoever needs them waits (``wait_written``). Promotion: the read path reserves host
+slots, copies lower-level blocks into them outside the lock, and publishes the good copies
+on host.
 
 A block being read (``readers > 0``) is never evicted or deleted, and the slot a reader took
 is never reused before its last reader is done, even when a put replaces that copy meanwhile
@@ -20,8 +24,8 @@ Below the indexed levels sit the shared ones (``shared``, the remote tier): aske
 indexed (kvstore/levels/shared.py). Blocks that leave the last local level are offered to
 the shared levels that take demotions, before their local copy is dropped.
 
-Every method expects the caller to hold ``lock``; the cascade owns the index's placements,
-the levels' policies and the listeners' events.
+Every method but ``write_owed`` expects the caller to hold ``lock``; the cascade owns the
+index's placements, the levels' policies and the listeners' events.
 """
 
 from __future__ import annotations
@@ -58,9 +62,11 @@ class Cascade:
         self.shared = list(shared)
         self.host = cast(HostLevel, levels[0])
         self.lock = threading.RLock()
-        # notified whenever a durable write (write-through) that ran outside the lock settles
+        # notified whenever a write that ran outside the lock (a put's, a demotion's) settles
         self.settled = threading.Condition(self.lock)
-        self.num_writing = 0  # durable writes between WritePath.put/commit and WritePath.finish
+        # writes outside the lock under way: write-through puts between WritePath.put/commit
+        # and WritePath.finish, and staged demotions not yet written (kvstore/demotions.py)
+        self.num_writing = 0
         self._uncounted: deque[tuple[Sequence[str], int]] = deque()  # see count_lookup_later
         self.index = BlockIndex(tuple(level.name for level in levels))
         self.listeners = Listeners()
@@ -112,7 +118,7 @@ class Cascade:
             self.demotions.write_owed()
 
     def wait_all_written(self) -> None:
-        """Wait (lock held; let go meanwhile) until no durable write is in flight."""
+        """Wait (lock held; let go meanwhile) until no write outside the lock is under way."""
         self.settled.wait_for(lambda: self.num_writing == 0)
 
     def level(self, name: str) -> Level | SharedLevel | None:

@@ -362,7 +362,8 @@ class TieredStore:
     # Read-only views of the cascade (kvstore/inspection.py).
 
     def held_keys(self, tenant: str | None = None) -> list[bytes]:
-        """Snapshot of the keys the store holds (only ``tenant``'s when given)."""
+        """Snapshot of the keys the store holds (only ``tenant``'s when given), blocks on their
+        way into a tier (a write-through put's, a demotion's) included, as ``contains`` says."""
         return self._view.held_keys(tenant)
 
     def block_info(self, key: bytes) -> dict[str, Any] | None:

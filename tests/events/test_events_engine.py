@@ -44,10 +44,19 @@ def device_keys(llm: LLMEngine) -> set[bytes]:
 
 
 def truth(llm: LLMEngine) -> dict[str, set[bytes]]:
-    """What the engine and its store hold, from their own bookkeeping, per medium."""
-    held = {GPU: device_keys(llm)}
-    by_tier = llm.store.held_by_tier()
-    held[CPU], held[DISK] = {k for k, _ in by_tier["host"]}, {k for k, _ in by_tier["disk"]}
+    """What the engine and its store hold, from their own bookkeeping, per medium.
+
+    The store's two views must agree once no block is on its way into a tier: ``held_keys``
+    also names a block being written (the engine's demotions keep coming for a moment after
+    a turn), ``held_by_tier`` only what a tier holds; the two calls are retried until they
+    agree (a bounded wait)."""
+    for _ in range(200):
+        held = {GPU: device_keys(llm)}
+        by_tier = llm.store.held_by_tier()
+        held[CPU], held[DISK] = {k for k, _ in by_tier["host"]}, {k for k, _ in by_tier["disk"]}
+        if set(llm.store.held_keys()) == held[CPU] | held[DISK]:
+            break
+        time.sleep(0.01)
     assert set(llm.store.held_keys()) == held[CPU] | held[DISK]
     return {m: keys for m, keys in held.items() if keys}
 
