@@ -109,8 +109,14 @@ class Cascade:
         the lock (a write-through put, a deferred demotion): on return, with the lock held
         again, none is. Free when nothing is being written."""
         if self.num_writing:
-            entries = self.index.entries
-            self.settled.wait_for(lambda: not any((e := entries.get(k)) is not None and e.writing for k in keys))
+            self.settled.wait_for(lambda: not self.any_written(keys))
+
+    def any_written(self, keys: Sequence[bytes]) -> bool:
+        """Whether some of ``keys`` is being written outside the lock (``wait_written`` would wait)."""
+        if not self.num_writing:
+            return False
+        entries = self.index.entries
+        return any((e := entries.get(k)) is not None and e.writing for k in keys)
 
     def write_owed(self) -> None:
         """(Lock free.) Write down the demotions this thread deferred while it held the lock."""

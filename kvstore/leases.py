@@ -132,15 +132,15 @@ class HostLeases:
 
     def commit(self, keys: list[bytes], slots: Sequence[int], tenant: str, *, blocking: bool = True) -> bool:
         """Publish ``keys[i]`` as the bytes just written into reserved ``slots[i]`` (like put).
-        Without ``blocking``: only if that waits on nothing (see WritePath.commits_in_memory
-        and a free store lock); returns whether it was done."""
+        Without ``blocking``: only if that waits on nothing (see WritePath.commits_in_memory,
+        a free store lock, none of ``keys`` being written); returns whether it was done."""
         if len(keys) != len(slots):
             raise ValueError(f"{len(keys)} keys for {len(slots)} slots")
         if not blocking and not self.writes.commits_in_memory:
             return False
         cascade = self.cascade
         with cascade.locked(blocking) as held:
-            if not held:
+            if not held or (not blocking and cascade.any_written(keys)):
                 return False
             cascade.wait_written(keys)  # another put or a demotion writing some
             cascade.check_open()

@@ -134,3 +134,28 @@ def test_a_demotion_whose_write_raises_is_lost_and_nothing_waits(tmp_path: Path)
     assert torch.equal(store.get(first), blocks_for(first))
     store.check_integrity()
     finishes(store.close)
+
+
+def test_a_non_blocking_commit_of_blocks_being_demoted_refuses_rather_than_waits(tmp_path: Path) -> None:
+    """The daemon's event loop commits with ``blocking=False``: it must never wait for a disk
+    write, so a commit of blocks being demoted is left to a worker (False, nothing done)."""
+    store = make_store(tmp_path, host_blocks=6, disk_blocks=32, shared_host=True)
+    first = chain(store, 4, salt=1)
+    store.put(first, blocks_for(first))
+    slots = store.reserve_host(2)  # host RAM is full now: 4 blocks and 2 reserved slots
+    pool = store.level("host").tier.pool  # type: ignore[union-attr]
+    rows = blocks_for(first[2:]).view(torch.uint8).reshape(2, -1)
+    for slot, row in zip(slots, rows, strict=True):
+        pool[slot, : row.numel()].copy_(row)
+    hold, _second, putter, errors = demoting_put(store)  # demotes first[2:]
+    assert finishes(lambda: store.commit_host(first[2:], slots, blocking=False)) is False
+    committer, commit_errors = started(lambda: store.commit_host(first[2:], slots))
+    time.sleep(0.3)
+    assert committer.is_alive()  # a worker's commit waits for the demotion to settle
+    hold.gate.set()
+    for thread in (putter, committer):
+        thread.join(30)  # type: ignore[attr-defined]
+    assert not errors and not commit_errors
+    assert torch.equal(store.get(first), blocks_for(first))
+    store.check_integrity()
+    store.close()
