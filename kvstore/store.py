@@ -137,8 +137,9 @@ class TieredStore:
         as the bytes put.
 
         Changes no recency and no placement, and does not wait for the store's lock (another
-        thread's put may hold it through a disk write): a hint, as a block may leave before
-        the get that follows. Where the local run ends, a remote tier is asked
+        thread's put may hold it through a large copy): a hint, as a block may leave before
+        the get that follows. A block on its way into a tier (a write-through put's, a
+        demotion's) is reported there; a get waits for it. Where the local run ends, a remote tier is asked
         for the blocks that follow (one round trip per node; its tier is "remote"). With
         ``promotion="lookup"`` it also starts an asynchronous copy of the matched lower-tier
         blocks up to host (a prefetch hint).
@@ -148,11 +149,11 @@ class TieredStore:
         # (a backlog of uncounted lookups, only when the lock is never free, waits once for it)
         with cascade.locked(blocking=cascade.num_uncounted >= MAX_UNCOUNTED_LOOKUPS) as held:
             cascade.check_open()
-            # Another thread holds the lock, maybe for milliseconds (a put writing through to
-            # disk): the index is read without it. Every read of it is atomic, and a lookup is
-            # a hint: a block being put may show a moment before its bytes are readable (a get
-            # then waits for them under the lock, or misses if the put fails), as one may
-            # leave between a lookup and the get that follows it.
+            # Another thread holds the lock, maybe for milliseconds (a put copying a large
+            # batch in): the index is read without it. Every read of it is atomic, and a lookup
+            # is a hint: a block being put may show a moment before its bytes are readable (a
+            # get then waits for them, or misses if the put fails), as one may leave between a
+            # lookup and the get that follows it.
             match = self._index.match(keys, exact=exact)
             if held:
                 cascade.count_lookup(match.tiers, len(keys))
