@@ -216,6 +216,15 @@ class StoreClient:
         if nxt is not None:
             self._write_leases.append((nxt["lease"], nxt["slots"], sent_at + 0.5 * nxt["lease_s"]))
 
+    def _settle_posts(self) -> None:
+        """Read the replies of every posted request (``_lock`` held, the last commit settled):
+        each has run on the daemon when this returns."""
+        while self._posted:
+            reply, data_len = recv_meta(self._sock, self._max_frame)
+            self._posted.discard(reply.get("id"))
+            if data_len:
+                recv_exact(self._sock, data_len)
+
     def _recv_reply(self, request_id: int) -> tuple[dict[str, Any], int]:
         """Read replies until ``request_id``'s. The daemon runs a connection's requests
         concurrently, so a posted request's reply may come before or after a later one's."""
@@ -458,7 +467,14 @@ class StoreClient:
         return self.contains(keys)
 
     def delete(self, keys: Sequence[bytes]) -> int:
-        return int(self._call({"op": "delete", "keys": self._keys_blob(keys)})[0]["num_deleted"])
+        blob = self._keys_blob(keys)
+        with self._lock:
+            # The daemon runs a connection's requests concurrently: a read lease this client
+            # gave back by a posted release must be gone first, or its blocks count as being
+            # read and the delete is refused.
+            self._settle()
+            self._settle_posts()
+            return int(self._call_locked({"op": "delete", "keys": blob})[0]["num_deleted"])
 
     def pin(self, keys: Sequence[bytes]) -> None:
         """Protect blocks from eviction while this connection lives (or until unpin)."""
