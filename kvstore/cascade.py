@@ -111,6 +111,24 @@ class Cascade:
         if self.num_writing:
             self.settled.wait_for(lambda: not self.any_written(keys))
 
+    def start_writing(self, entries: Sequence[BlockEntry], landing: int) -> None:
+        """``entries`` are on their way into level ``landing`` by a write outside the lock (a
+        write-through put's, a deferred demotion's): held as being read (never evicted or
+        deleted), and ``writing`` until ``end_writing``."""
+        for entry in entries:
+            entry.writing, entry.landing = True, landing
+            entry.readers += 1
+        self.num_writing += 1
+
+    def end_writing(self, entries: Sequence[BlockEntry]) -> None:
+        """The write ``start_writing`` began has settled (published, or given up): wake whoever
+        waits for those blocks."""
+        for entry in entries:
+            entry.writing = False
+            self.end_read(entry)
+        self.num_writing -= 1
+        self.settled.notify_all()
+
     def any_written(self, keys: Sequence[bytes]) -> bool:
         """Whether some of ``keys`` is being written outside the lock (``wait_written`` would wait)."""
         if not self.num_writing:
@@ -301,9 +319,15 @@ class Cascade:
         slots = level.allocate(n)
         if not level.write(entries, slots, payloads[:n]):
             return 0
-        level.counters.bytes_written += n * level.payload_bytes
-        self.publish(rank, entries, slots, exact[:n])
+        self.publish_written(rank, entries, slots, exact[:n])
         return n
+
+    def publish_written(self, rank: int, entries: list[BlockEntry], slots: Sequence[int],
+                        exact: Sequence[bool] | None = None) -> None:
+        """``publish`` what a write into level ``rank`` just stored, counted as written there."""
+        level = self.levels[rank]
+        level.counters.bytes_written += len(entries) * level.payload_bytes
+        self.publish(rank, entries, slots, exact)
 
     def publish(self, rank: int, entries: list[BlockEntry], slots: Sequence[int],
                 exact: Sequence[bool] | None = None) -> None:

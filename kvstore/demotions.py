@@ -68,8 +68,6 @@ class DeferredDemotions:
         self._buffers = BufferPool(lambda n: aligned_rows(n, width), max_bytes)
         self._staged_bytes = 0  # over all threads (store lock held)
         self._owed = threading.local()  # .jobs: this thread's staged demotions, not yet written
-        self.num_written = 0  # blocks written down and published
-        self.num_lost = 0  # blocks whose write failed (the level counted why)
 
     def take(self, entries: list[BlockEntry], payloads: list[torch.Tensor]) -> bool:
         """(Store lock held.) Stage ``entries`` (chain order; leaving host: ``payloads[i]``
@@ -85,10 +83,7 @@ class DeferredDemotions:
         for row, payload in zip(staging[:n, : level.raw_bytes], payloads, strict=True):
             row.copy_(payload[: level.raw_bytes])  # a memory copy, under the lock
         slots = level.allocate(n)
-        for entry in entries:
-            entry.writing, entry.landing = True, level.rank
-            entry.readers += 1  # indexed until the write settles, though held nowhere
-        self.cascade.num_writing += 1
+        self.cascade.start_writing(entries, level.rank)  # indexed until it settles, though held nowhere
         self._staged_bytes += need
         jobs = getattr(self._owed, "jobs", None)
         if jobs is None:
@@ -111,20 +106,10 @@ class DeferredDemotions:
             log.exception("writing %d demoted blocks to %s failed", n, level.name)
             written = False
         with cascade.lock:
-            try:
-                for entry in job.entries:
-                    entry.writing = False
-                    cascade.end_read(entry)
-                if written:
-                    level.counters.bytes_written += n * level.payload_bytes
-                    cascade.publish(level.rank, job.entries, job.slots)
-                    self.num_written += n
-                else:
-                    self.num_lost += n
-                for entry in job.entries:
-                    cascade.forget_if_unheld(entry)
-            finally:
-                self._staged_bytes -= n * self._width
-                self._buffers.give(job.staging)
-                cascade.num_writing -= 1
-                cascade.settled.notify_all()
+            self._staged_bytes -= n * self._width
+            self._buffers.give(job.staging)
+            cascade.end_writing(job.entries)  # waiters wake once the lock is let go, on what follows
+            if written:
+                cascade.publish_written(level.rank, job.entries, job.slots)
+            for entry in job.entries:  # lost: the level counted why
+                cascade.forget_if_unheld(entry)

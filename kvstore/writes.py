@@ -109,7 +109,7 @@ class WritePath:
         if index.all_new(span):
             parents = [keys[start - 1] if start > 0 else None, *span[:-1]]
             return self.cascade.new_entries(span, parents, tenant, now), list(range(start, stop))
-        assert not any(e is not None and e.writing for e in map(index.get, span)), "wait_written first"
+        assert not self.cascade.any_written(span), "wait_written first"
         return self._sort_out(keys, start, stop, tenant, now, refreshed)
 
     def _sort_out(self, keys: list[bytes], start: int, stop: int, tenant: str, now: float,
@@ -233,8 +233,7 @@ class WritePath:
         below for those it lacks, making room there; ``finish`` does the rest."""
         cascade = self.cascade
         below = cascade.levels[1]
-        for entry in placed:  # first: making room below must not evict what is being written
-            entry.readers += 1
+        cascade.start_writing(placed, 0)  # first: making room below must not evict what is being written
         try:
             todo = [(e, p) for e, p in zip(placed, payloads, strict=True) if e.slots[below.rank] is None]
             short = len(todo) - below.num_free
@@ -243,12 +242,8 @@ class WritePath:
             n = min(len(todo), below.num_free)
             below_slots = below.allocate(n) if n else []
         except BaseException:
-            for entry in placed:
-                cascade.end_read(entry)
+            cascade.end_writing(placed)
             raise
-        for entry in placed:
-            entry.writing, entry.landing = True, 0
-        cascade.num_writing += 1
         missing = len(todo) - n
         short_of = (f"need {missing} {below.name} slots, {below.num_free} free of {below.num_slots} "
                     "(the rest pinned or being read)") if missing else ""
@@ -278,29 +273,22 @@ class WritePath:
         cause = None if written else getattr(below, "last_error", None)
         acknowledged = written and not w.missing
         with cascade.lock:
-            try:
+            cascade.end_writing(w.placed)  # waiters wake once the lock is let go, on what follows
+            if written and n:
+                cascade.publish_written(below.rank, w.todo[:n], w.below_slots)
+            if acknowledged:
+                cascade.end_reservation(w.num_reserved, w.unused)
+                cascade.place(0, w.placed, w.host_slots)
+                index = cascade.index
+                # a key host held at the put may have left it meanwhile: only those still there
+                refreshed = [k for k in w.refreshed if (e := index.get(k)) is not None and e.slots[0] is not None]
+                self.finish_on_host(w.placed, refreshed, w.raw)
+            else:
+                if w.own_slots:
+                    cascade.end_reservation(w.num_reserved, w.host_slots)
                 for entry in w.placed:
-                    entry.writing = False
-                    cascade.end_read(entry)
-                if written and n:
-                    below.counters.bytes_written += n * below.payload_bytes
-                    cascade.publish(below.rank, w.todo[:n], w.below_slots)
-                if acknowledged:
-                    cascade.end_reservation(w.num_reserved, w.unused)
-                    cascade.place(0, w.placed, w.host_slots)
-                    index = cascade.index
-                    # a key host held at the put may have left it meanwhile: only those still there
-                    refreshed = [k for k in w.refreshed if (e := index.get(k)) is not None and e.slots[0] is not None]
-                    self.finish_on_host(w.placed, refreshed, w.raw)
-                else:
-                    if w.own_slots:
-                        cascade.end_reservation(w.num_reserved, w.host_slots)
-                    for entry in w.placed:
-                        if not entry.is_held and cascade.index.get(entry.key) is entry:
-                            cascade.index.discard(entry.key)
-            finally:
-                cascade.num_writing -= 1
-                cascade.settled.notify_all()
+                    if not entry.is_held and cascade.index.get(entry.key) is entry:
+                        cascade.index.discard(entry.key)
         if crashed is not None:
             raise crashed
         if not acknowledged:
