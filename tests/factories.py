@@ -10,7 +10,7 @@ import hashlib
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -93,8 +93,15 @@ def run_in_threads(worker: Callable[[int], None], num_threads: int, timeout: flo
         raise errors[0]
 
 
-def started(fn: Callable[[], object]) -> tuple[threading.Thread, list[BaseException]]:
-    """``fn`` running on its own thread; its exception, if any, lands in the list."""
+class Run(NamedTuple):
+    """A call running on its own thread (``started``); its exception, if any, lands in ``errors``."""
+
+    thread: threading.Thread
+    errors: list[BaseException]
+
+
+def started(fn: Callable[[], object]) -> Run:
+    """``fn`` running on its own thread."""
     errors: list[BaseException] = []
 
     def run() -> None:
@@ -105,7 +112,7 @@ def started(fn: Callable[[], object]) -> tuple[threading.Thread, list[BaseExcept
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
-    return thread, errors
+    return Run(thread, errors)
 
 
 class HeldDiskWrite:
@@ -125,6 +132,27 @@ class HeldDiskWrite:
             self.inside.set()
             assert self.gate.wait(30)
         return bool(self.original(*args))
+
+    def release(self, *runs: Run) -> None:
+        """Let the held write go on; each of ``runs`` must then end, without an error."""
+        self.gate.set()
+        for thread, errors in runs:
+            thread.join(30)
+            assert not thread.is_alive(), "still running 30 s after the held disk write went on"
+            assert not errors, errors
+
+
+def crash_disk_write_once(store: TieredStore) -> None:
+    """The disk level's next ``write`` raises (a bug, not a medium failure: those return
+    False); the writes after it go through."""
+    disk = store.level("disk")
+    write = disk.write  # type: ignore[union-attr]
+
+    def crash_once(*args: Any) -> bool:
+        disk.write = write  # type: ignore[union-attr,method-assign]
+        raise RuntimeError("a bug in the disk level")
+
+    disk.write = crash_once  # type: ignore[union-attr,method-assign]
 
 
 def finishes(fn: Callable[[], object], within: float = 5.0) -> Any:

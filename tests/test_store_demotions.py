@@ -18,7 +18,16 @@ import torch
 import kvstore.demotions as demotions
 from kvstore import TieredStore
 
-from factories import HeldDiskWrite, blocks_for, chain, finishes, make_store, started
+from factories import (
+    HeldDiskWrite,
+    Run,
+    blocks_for,
+    chain,
+    crash_disk_write_once,
+    finishes,
+    make_store,
+    started,
+)
 
 
 def full_host(tmp_path: Path) -> tuple[TieredStore, list[bytes]]:
@@ -29,19 +38,19 @@ def full_host(tmp_path: Path) -> tuple[TieredStore, list[bytes]]:
     return store, first
 
 
-def demoting_put(store: TieredStore) -> tuple[HeldDiskWrite, list[bytes], object, list[BaseException]]:
+def demoting_put(store: TieredStore) -> tuple[HeldDiskWrite, list[bytes], Run]:
     """Another thread puts a 2-block chain into the full host RAM: it demotes the first chain's
     2-block tail, and its write of them to disk is held up. Returns once it is."""
     hold = HeldDiskWrite(store)
     second = chain(store, 2, salt=2)
-    putter, errors = started(lambda: store.put(second, blocks_for(second)))
+    putting = started(lambda: store.put(second, blocks_for(second)))
     assert hold.inside.wait(30)
-    return hold, second, putter, errors
+    return hold, second, putting
 
 
 def test_other_calls_do_not_wait_for_a_demotions_disk_write(tmp_path: Path) -> None:
     store, first = full_host(tmp_path)
-    hold, second, putter, errors = demoting_put(store)
+    hold, second, putting = demoting_put(store)
     # the store lock is free: reads of other blocks, and a put demoting blocks of its own
     assert torch.equal(finishes(lambda: store.get(first[:2])), blocks_for(first[:2]))
     assert torch.equal(finishes(lambda: store.get(second)), blocks_for(second))
@@ -50,13 +59,10 @@ def test_other_calls_do_not_wait_for_a_demotions_disk_write(tmp_path: Path) -> N
     # the demoted tail is in no tier until its write settles; a lookup says where it lands
     assert store.lookup(first).tiers[2:] == ("disk", "disk")
     assert store.contains(first[2:]) == [True, True]
-    getter, get_errors = started(lambda: store.get(first))  # needs the tail: waits for it
+    getting = started(lambda: store.get(first))  # needs the tail: waits for it
     time.sleep(0.3)
-    assert getter.is_alive() and putter.is_alive()  # type: ignore[attr-defined]
-    hold.gate.set()
-    for thread in (putter, getter):
-        thread.join(30)  # type: ignore[attr-defined]
-    assert not errors and not get_errors
+    assert getting.thread.is_alive() and putting.thread.is_alive()
+    hold.release(putting, getting)
     assert [store.block_info(k)["tiers"][-1] for k in first[2:]] == ["disk", "disk"]  # type: ignore[index]
     assert torch.equal(store.get(first), blocks_for(first))
     store.check_integrity()
@@ -65,16 +71,13 @@ def test_other_calls_do_not_wait_for_a_demotions_disk_write(tmp_path: Path) -> N
 
 def test_a_put_of_blocks_being_demoted_waits_for_their_write(tmp_path: Path) -> None:
     store, first = full_host(tmp_path)
-    hold, _second, putter, errors = demoting_put(store)
-    again, again_errors = started(lambda: store.put(first, blocks_for(first)))
-    pinner, pin_errors = started(lambda: store.pin(first[2:]))
+    hold, _second, putting = demoting_put(store)
+    again = started(lambda: store.put(first, blocks_for(first)))
+    pinning = started(lambda: store.pin(first[2:]))
     time.sleep(0.3)
-    assert again.is_alive(), "a put placed blocks whose demotion was still being written"
-    assert pinner.is_alive(), "a pin took blocks whose demotion was still being written"
-    hold.gate.set()
-    for thread in (putter, again, pinner):
-        thread.join(30)  # type: ignore[attr-defined]
-    assert not errors and not again_errors and not pin_errors
+    assert again.thread.is_alive(), "a put placed blocks whose demotion was still being written"
+    assert pinning.thread.is_alive(), "a pin took blocks whose demotion was still being written"
+    hold.release(putting, again, pinning)
     store.unpin(first[2:])
     assert torch.equal(store.get(first), blocks_for(first))
     store.check_integrity()
@@ -83,14 +86,11 @@ def test_a_put_of_blocks_being_demoted_waits_for_their_write(tmp_path: Path) -> 
 
 def test_close_waits_for_a_demotions_disk_write(tmp_path: Path) -> None:
     store, first = full_host(tmp_path)
-    hold, _second, putter, errors = demoting_put(store)
-    closer, close_errors = started(store.close)
+    hold, _second, putting = demoting_put(store)
+    closing = started(store.close)
     time.sleep(0.3)
-    assert closer.is_alive(), "close returned while a demotion was being written"
-    hold.gate.set()
-    for thread in (putter, closer):
-        thread.join(30)  # type: ignore[attr-defined]
-    assert not errors and not close_errors
+    assert closing.thread.is_alive(), "close returned while a demotion was being written"
+    hold.release(putting, closing)
     reopened = make_store(tmp_path, host_blocks=4, disk_blocks=32)
     assert reopened.lookup(first).tiers == ("disk",) * 4  # the demoted tail, and the head written back
     assert torch.equal(reopened.get(first), blocks_for(first))
@@ -103,14 +103,11 @@ def test_past_the_staging_budget_a_demotion_is_written_under_the_lock(tmp_path: 
     monkeypatch.setattr(demotions, "MIN_BYTES", 0)
     monkeypatch.setattr(demotions, "MAX_BYTES", 0)
     store, first = full_host(tmp_path)
-    hold, _second, putter, errors = demoting_put(store)
-    getter, get_errors = started(lambda: store.get(first[:2]))
+    hold, _second, putting = demoting_put(store)
+    getting = started(lambda: store.get(first[:2]))
     time.sleep(0.3)
-    assert getter.is_alive()  # no staging room: the put writes its demotions holding the lock
-    hold.gate.set()
-    for thread in (putter, getter):
-        thread.join(30)  # type: ignore[attr-defined]
-    assert not errors and not get_errors
+    assert getting.thread.is_alive()  # no staging room: the put writes its demotions holding the lock
+    hold.release(putting, getting)
     assert store.lookup(first).tiers == ("host", "host", "disk", "disk")
     store.check_integrity()
     store.close()
@@ -119,14 +116,7 @@ def test_past_the_staging_budget_a_demotion_is_written_under_the_lock(tmp_path: 
 def test_a_demotion_whose_write_raises_is_lost_and_nothing_waits(tmp_path: Path) -> None:
     """Not a medium failure (those return False) but a bug: logged, those demotions are lost."""
     store, first = full_host(tmp_path)
-    disk = store.level("disk")
-    write = disk.write  # type: ignore[union-attr]
-
-    def crash_once(*args: object) -> bool:
-        disk.write = write  # type: ignore[union-attr,method-assign]
-        raise RuntimeError("a bug in the disk level")
-
-    disk.write = crash_once  # type: ignore[union-attr,method-assign]
+    crash_disk_write_once(store)
     second = chain(store, 2, salt=2)
     finishes(lambda: store.put(second, blocks_for(second)))
     assert store.lookup(first).tiers == ("host", "host")  # the tail is lost, nothing half-written
@@ -147,15 +137,12 @@ def test_a_non_blocking_commit_of_blocks_being_demoted_refuses_rather_than_waits
     rows = blocks_for(first[2:]).view(torch.uint8).reshape(2, -1)
     for slot, row in zip(slots, rows, strict=True):
         pool[slot, : row.numel()].copy_(row)
-    hold, _second, putter, errors = demoting_put(store)  # demotes first[2:]
+    hold, _second, putting = demoting_put(store)  # demotes first[2:]
     assert finishes(lambda: store.commit_host(first[2:], slots, blocking=False)) is False
-    committer, commit_errors = started(lambda: store.commit_host(first[2:], slots))
+    committing = started(lambda: store.commit_host(first[2:], slots))
     time.sleep(0.3)
-    assert committer.is_alive()  # a worker's commit waits for the demotion to settle
-    hold.gate.set()
-    for thread in (putter, committer):
-        thread.join(30)  # type: ignore[attr-defined]
-    assert not errors and not commit_errors
+    assert committing.thread.is_alive()  # a worker's commit waits for the demotion to settle
+    hold.release(putting, committing)
     assert torch.equal(store.get(first), blocks_for(first))
     store.check_integrity()
     store.close()

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 
 from kvstore import TieredStore
 
-from factories import HeldDiskWrite, blocks_for, chain, finishes, make_store, started
+from factories import HeldDiskWrite, blocks_for, chain, crash_disk_write_once, finishes, make_store, started
 
 
 def put_via_commit(store: TieredStore, keys: list[bytes]) -> None:
@@ -41,7 +40,7 @@ def test_others_do_not_wait_for_a_write_through_disk_write(tmp_path: Path, how: 
     hold = HeldDiskWrite(store)
     writing = chain(store, 2, salt=2)
     write = (lambda: store.put(writing, blocks_for(writing))) if how == "put" else (lambda: put_via_commit(store, writing))
-    putter, errors = started(write)
+    putting = started(write)
     assert hold.inside.wait(30)
     # the store lock is free: gets, puts (their own disk writes too), pins and deletes go on
     assert torch.equal(finishes(lambda: store.get(held)), blocks_for(held))
@@ -53,18 +52,14 @@ def test_others_do_not_wait_for_a_write_through_disk_write(tmp_path: Path, how: 
     assert finishes(lambda: store.delete(gone)) == 1
     # the blocks being written are not acknowledged yet: a lookup (a hint) says where they
     # land, and whoever needs them waits for the write to settle
-    assert putter.is_alive()
+    assert putting.thread.is_alive()
     assert store.lookup(writing).tiers == ("host", "host")
     assert store.contains(writing) == [True, True]
-    getter, get_errors = started(lambda: store.get(writing))
-    pinner, pin_errors = started(lambda: store.pin(writing))
+    getting = started(lambda: store.get(writing))
+    pinning = started(lambda: store.pin(writing))
     time.sleep(0.3)
-    assert getter.is_alive() and pinner.is_alive(), "read or pinned blocks not on disk yet"
-    hold.gate.set()
-    for thread in (putter, getter, pinner):
-        thread.join(30)
-        assert not thread.is_alive()
-    assert not errors and not get_errors and not pin_errors
+    assert getting.thread.is_alive() and pinning.thread.is_alive(), "read or pinned blocks not on disk yet"
+    hold.release(putting, getting, pinning)
     assert [store.block_info(k)["tiers"] for k in writing] == [["host", "disk"]] * 2  # type: ignore[index]
     assert [store.block_info(k)["pins"] for k in writing] == [1, 1]  # type: ignore[index]
     store.unpin(writing)
@@ -77,16 +72,13 @@ def test_a_put_of_keys_being_written_through_waits_for_that_write(tmp_path: Path
     store = make_store(tmp_path, host_blocks=16, disk_blocks=32, write_policy="write_through")
     hold = HeldDiskWrite(store)
     keys = chain(store, 2)
-    first, first_errors = started(lambda: store.put(keys, blocks_for(keys)))
+    first = started(lambda: store.put(keys, blocks_for(keys)))
     assert hold.inside.wait(30)
-    second, second_errors = started(lambda: store.put(keys, blocks_for(keys)))
+    second = started(lambda: store.put(keys, blocks_for(keys)))
     time.sleep(0.3)
     # acknowledging it now would claim blocks on disk that are not there yet
-    assert second.is_alive(), "a put of keys being written through returned before they were on disk"
-    hold.gate.set()
-    first.join(30)
-    second.join(30)
-    assert not first_errors and not second_errors
+    assert second.thread.is_alive(), "a put of keys being written through returned before they were on disk"
+    hold.release(first, second)
     assert [store.block_info(k)["tiers"] for k in keys] == [["host", "disk"]] * 2  # type: ignore[index]
     # written once: the second put found them held and only refreshed them
     assert store.stats()["disk"]["bytes_written"] == 2 * store.level("disk").payload_bytes  # type: ignore[union-attr]
@@ -100,16 +92,12 @@ def test_check_integrity_and_close_wait_for_a_write_through_write(tmp_path: Path
     chains = [chain(store, 2, salt=salt) for salt in range(2)]
     for keys, wait in zip(chains, (store.check_integrity, store.close), strict=True):
         hold = HeldDiskWrite(store)
-        putter, errors = started(lambda k=keys: store.put(k, blocks_for(k)))  # type: ignore[misc]
+        putting = started(lambda k=keys: store.put(k, blocks_for(k)))  # type: ignore[misc]
         assert hold.inside.wait(30)
-        waiter, wait_errors = started(wait)
+        waiting = started(wait)
         time.sleep(0.3)
-        assert waiter.is_alive(), f"{wait.__name__} returned while a put was between its halves"
-        hold.gate.set()
-        for thread in (putter, waiter):
-            thread.join(30)
-            assert not thread.is_alive()
-        assert not errors and not wait_errors
+        assert waiting.thread.is_alive(), f"{wait.__name__} returned while a put was between its halves"
+        hold.release(putting, waiting)
     # acknowledged before close let the disk go: a new store over the same directory finds both
     reopened = make_store(tmp_path, host_blocks=16, disk_blocks=32, write_policy="write_through")
     for keys in chains:
@@ -123,14 +111,7 @@ def test_a_disk_write_that_raises_leaves_no_block_half_written_and_nobody_waitin
     """Not a medium failure (those return False) but a bug: the put raises it, the blocks stay
     invisible, and a later put of the same keys, check_integrity and close do not hang."""
     store = make_store(tmp_path, host_blocks=16, disk_blocks=32, write_policy="write_through")
-    disk = store.level("disk")
-    write = disk.write  # type: ignore[union-attr]
-
-    def crash_once(*args: Any) -> bool:
-        disk.write = write  # type: ignore[union-attr,method-assign]
-        raise RuntimeError("a bug in the disk level")
-
-    disk.write = crash_once  # type: ignore[union-attr,method-assign]
+    crash_disk_write_once(store)
     keys = chain(store, 2)
     with pytest.raises(RuntimeError, match="a bug in the disk level"):
         store.put(keys, blocks_for(keys))
