@@ -39,7 +39,8 @@ class StepPlan:
     """Row ids and masks of one step's packed batch (decode rows first, then prefill chunks).
 
     Args:
-        slots: ``[num_tokens]`` pool slot of each new row.
+        slots: ``[num_tokens]`` pool slot of each new row; -1: the row's K/V are in the pool
+            already and are not written (the last token of a prompt found whole in the cache).
         decode_tables, decode_lens: each decoding sequence's block table and length (new token
             included).
         prefill: per prefill chunk ``(block_table, seq_len, num_new)``, in packing order.
@@ -50,7 +51,14 @@ class StepPlan:
                  prefill: list[tuple[list[int], int, int]], block_size: int, rows_per_block: int,
                  device: torch.device) -> None:
         self.block_size, self.rows_per_block = block_size, rows_per_block
-        self.store_rows = self._rows(slots).to(device)
+        keep = slots >= 0
+        # store_rows: where the written rows go; store_sel: which rows of k/v are written (None: all)
+        self.store_sel: torch.Tensor | None = None
+        if bool(keep.all()):
+            self.store_rows = self._rows(slots).to(device)
+        else:
+            self.store_sel = keep.nonzero().flatten().to(device)
+            self.store_rows = self._rows(slots[keep]).to(device)
         self.num_decode = len(decode_lens)
         self.decode_len = max(decode_lens, default=0)
         self.decode_rows: torch.Tensor | None = None
@@ -89,8 +97,13 @@ class StepPlan:
                v_rows: torch.Tensor, scale: float) -> torch.Tensor:
         """Write the step's new ``k``/``v`` ``[n, kv_heads, head_dim]`` into one layer's row views
         and return the attention output ``[n, num_heads, head_dim]`` of ``q``."""
-        k_rows.index_copy_(0, self.store_rows, k)
-        v_rows.index_copy_(0, self.store_rows, v)
+        sel = self.store_sel
+        if sel is None:
+            k_rows.index_copy_(0, self.store_rows, k)
+            v_rows.index_copy_(0, self.store_rows, v)
+        elif sel.numel():
+            k_rows.index_copy_(0, self.store_rows, k.index_select(0, sel))
+            v_rows.index_copy_(0, self.store_rows, v.index_select(0, sel))
         num_heads, head_dim = q.shape[1:]
         num_kv_heads = k.shape[1]
         group = num_heads // num_kv_heads

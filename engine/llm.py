@@ -208,7 +208,7 @@ class LLMEngine:
         if self.fetcher is not None:
             self.fetcher.record_prefill(sum(it.num_tokens for it in prefill), time.perf_counter() - t0)
         for it in prefill:
-            it.seq.request.metrics.count_prefill(it.num_tokens)
+            it.seq.request.metrics.count_prefill(it.num_written)
         for it in items:
             self.scheduler.computed(it)
         seqs, rows = [], []

@@ -43,7 +43,8 @@ class ModelRunner:
             dec_pos = [it.start for it in decodes]
             ids += [it.seq.token_ids[it.start] for it in decodes]
             pos_parts.append(torch.tensor(dec_pos, dtype=torch.long))
-            slot_parts.append(torch.tensor([it.seq.block_table[p // bs] * bs + p % bs
+            # -1: a token whose K/V its block already holds (Sequence.kv_filled) is not written
+            slot_parts.append(torch.tensor([it.seq.block_table[p // bs] * bs + p % bs if p >= it.seq.kv_filled else -1
                                             for it, p in zip(decodes, dec_pos, strict=True)], dtype=torch.long))
         cu = [0]
         for it in prefills:
@@ -51,7 +52,7 @@ class ModelRunner:
             pos = torch.arange(it.start, it.start + it.num_tokens)
             table = torch.tensor(it.seq.block_table, dtype=torch.long)
             pos_parts.append(pos)
-            slot_parts.append(table[pos // bs] * bs + pos % bs)
+            slot_parts.append((table[pos // bs] * bs + pos % bs).masked_fill_(pos < it.seq.kv_filled, -1))
             cu.append(cu[-1] + it.num_tokens)
         dev = self.device
         positions = torch.cat(pos_parts)

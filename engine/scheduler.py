@@ -43,6 +43,12 @@ class Scheduled:
         """The chunk reaches the sequence's last token, whose logits give the next token."""
         return self.start + self.num_tokens == self.seq.num_tokens
 
+    @property
+    def num_written(self) -> int:
+        """Tokens whose K/V the chunk writes: all but those the blocks hold already
+        (``Sequence.kv_filled``: the last token of a prompt found whole in the cache)."""
+        return self.num_tokens - max(0, min(self.seq.kv_filled, self.start + self.num_tokens) - self.start)
+
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, fetcher: Fetcher | None, block_keys: KeysFn | None,
@@ -149,7 +155,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.blocks.release(seq.block_table)
         seq.block_table = []
-        seq.num_cached_tokens = 0
+        seq.num_cached_tokens = seq.kv_filled = 0
         seq.status = SeqStatus.WAITING
         self.running.remove(seq)
         self.waiting.appendleft(seq)
@@ -175,7 +181,7 @@ class Scheduler:
         caching = self.block_keys is not None and not seq.request.params.prompt_logits
         stages = seq.request.metrics.stages
         t0 = time.perf_counter()
-        keys = self.ensure_keys(seq, (seq.num_tokens - 1) // self.block_size) if caching else []
+        keys = self.ensure_keys(seq, seq.num_tokens // self.block_size) if caching else []
         t1 = time.perf_counter()
         stages["hash"] += t1 - t0
         hits = self.blocks.match(keys)
@@ -203,9 +209,19 @@ class Scheduler:
             seq.status = SeqStatus.LOADING
             self.loading.append(seq)
         else:
+            self._whole_hit(seq)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
         return True
+
+    @staticmethod
+    def _whole_hit(seq: Sequence) -> None:
+        """A sequence found whole in the cache computes its last token again, for its logits,
+        but not that token's K/V: its cached last block holds them (``Sequence.kv_filled``).
+        vLLM computes the whole last block again in this case."""
+        if seq.num_cached_tokens == seq.num_tokens:
+            seq.kv_filled = seq.num_tokens
+            seq.num_cached_tokens -= 1
 
     def _poll_loading(self) -> None:
         for seq in [s for s in self.loading if s.loading.handle.done()]:
@@ -233,6 +249,7 @@ class Scheduler:
         metrics.stages["fetch"] += time.perf_counter() - loading.started_s - loading.copy_s
         metrics.stages["device_copy"] += loading.copy_s
         seq.loading = None
+        self._whole_hit(seq)
         seq.status = SeqStatus.RUNNING
         self.loading.remove(seq)
         self.running.append(seq)

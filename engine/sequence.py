@@ -95,6 +95,11 @@ class Sequence:
 
     ``num_cached_tokens`` tokens have their K/V in the blocks of ``block_table``; the tokens after
     them are computed by the next steps. ``block_keys[j]`` is the chained key of full block j.
+
+    ``kv_filled`` tokens have their K/V in the blocks, which is more than ``num_cached_tokens``
+    only for a prompt found whole in the cache (its length a multiple of the block size): its
+    last token still runs through the model for its logits, but its K/V, which its cached last
+    block already holds, are not written again.
     """
 
     def __init__(self, request: Request, token_ids: list[int], index: int = 0) -> None:
@@ -106,6 +111,7 @@ class Sequence:
         self.block_table: list[int] = []
         self.block_keys: list[bytes] = []
         self.num_cached_tokens = 0
+        self.kv_filled = 0
         self.finish_reason: str | None = None
         self.generator = request.generators[index]
         self.loading: Any = None  # the fetch in flight while LOADING
@@ -130,6 +136,7 @@ class Sequence:
         child.block_table = list(self.block_table)
         child.block_keys = list(self.block_keys)
         child.num_cached_tokens = self.num_cached_tokens
+        child.kv_filled = self.kv_filled
         return child
 
 

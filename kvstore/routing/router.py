@@ -214,9 +214,9 @@ class Router:
                 reason = self._reason(match, saved, allowed, choice, states)
                 self.history.record(states[choice].name, ids, now)
             state = states[choice]
-            # as the engine counts: the prompt's last token is always computed
-            cached = min(int(match.num_blocks[choice]), max(prompt_tokens - 1, 0) // self.block_tokens) \
-                * self.block_tokens
+            # as the engine counts: every token of the run's whole blocks (a prompt found whole
+            # counts all its tokens cached; only its last runs again, for its logits)
+            cached = min(int(match.num_blocks[choice]), prompt_tokens // self.block_tokens) * self.block_tokens
             uncached = int(prompt_tokens - saved[choice])
             state.in_flight += 1
             state.prefilling += 1

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from engine import SamplingParams
 from tests.engine.conftest import GREEDY, PROMPTS, make_engine
@@ -27,7 +28,9 @@ def expected(llama_dir: Path) -> list[list[int]]:
 
 
 def full_blocks(prompt: list[int], block_size: int = 4) -> int:
-    return (len(prompt) - 1) // block_size  # the last token is always computed
+    # a prompt found whole (a multiple of block_size) runs only its last token again, for its
+    # logits: its K/V come from the cache, so all its tokens count as cached
+    return len(prompt) // block_size
 
 
 def test_device_hits(llama_dir: Path, expected: list[list[int]]) -> None:
@@ -71,6 +74,38 @@ def test_disk_hits_after_restart(llama_dir: Path, tmp_path: Path, expected: list
         assert [o.token_ids for o in again] == expected
         for prompt, out in zip(LONG, again, strict=True):
             assert out.metrics.cached_tokens == {"device": 0, "host": 0, "disk": 4 * full_blocks(prompt)}
+    finally:
+        llm.close()
+
+
+ALIGNED = [list(range(5, 5 + 24)), [9, 4] * 8]  # 24 and 16 tokens: whole blocks of 4
+
+
+@pytest.mark.parametrize("tier", ["device", "host", "disk"])
+def test_a_prompt_found_whole_runs_only_its_last_token(llama_dir: Path, tmp_path: Path, tier: str) -> None:
+    # its last token runs again for its logits; the K/V its cached last block holds are used,
+    # not written again (vLLM computes the whole last block again here)
+    base = make_engine(llama_dir, enable_prefix_caching=False, host_bytes=0)
+    expected = [o.token_ids for o in base.generate(ALIGNED, GREEDY)]
+    base.close()
+    disk = dict(disk_path=tmp_path / "kv", disk_bytes=256 * 4096)
+    llm = make_engine(llama_dir, **disk)
+    try:
+        assert [o.token_ids for o in llm.generate(ALIGNED, GREEDY)] == expected
+        if tier == "host":
+            llm.evict_device_cache()
+        elif tier == "disk":
+            llm.close()
+            llm = make_engine(llama_dir, **disk)
+        cached_ids = sorted(llm.block_manager.cached.values())
+        before = llm.pool.pool[cached_ids].clone()
+        again = llm.generate(ALIGNED, GREEDY)
+        assert [o.token_ids for o in again] == expected
+        for prompt, out in zip(ALIGNED, again, strict=True):
+            assert out.metrics.cached_tokens == {"device": 0, "host": 0, "disk": 0, tier: len(prompt)}
+            assert out.metrics.num_computed_tokens == out.metrics.num_recomputed_tokens == 0
+        assert torch.equal(llm.pool.pool[cached_ids], before), "a cached block was written"
+        llm.check_integrity()
     finally:
         llm.close()
 

@@ -66,7 +66,7 @@ def test_a_shared_remote_tier_counts_for_every_replica(shared: bool) -> None:
     d = router.route(prompt(13), now=0.0)
     assert d.replica == "b"
     assert d.predicted_by_tier == ({GPU: 5, REMOTE: 5} if shared else {GPU: 5})
-    assert d.predicted_cached_tokens == (9 if shared else 5) * BLOCK  # the last block is computed
+    assert d.predicted_cached_tokens == (10 if shared else 5) * BLOCK  # found whole when shared
 
 
 def test_tenants_never_share_a_prefix() -> None:
