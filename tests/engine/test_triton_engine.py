@@ -1,6 +1,6 @@
 """The whole engine through the Triton kernels (on CPU under Triton's interpreter): same greedy
 tokens and close prompt logits as through the reference kernels. Slow; the smallest shapes the
-Triton kernels accept (block 16, head_dim 16), one short prompt."""
+Triton kernels accept (block 16, head_dim 16), one short prompt and one of two whole blocks."""
 
 from __future__ import annotations
 
@@ -21,12 +21,19 @@ llm = LLMEngine(None, block_size=16, kv_cache_bytes=1 << 20, host_bytes=1 << 20,
 p = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, prompt_logits=True)
 first = llm.generate([list(range(1, 21))], p)[0]
 llm.evict_device_cache()
-again = llm.generate([list(range(1, 21))], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))[0]
+greedy = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+again = llm.generate([list(range(1, 21))], greedy)[0]
+# two whole blocks: found whole, its last token runs with slot -1 (store_kv skips it)
+whole = llm.generate([list(range(1, 33))], greedy)[0]
+llm.evict_device_cache()
+whole_again = llm.generate([list(range(1, 33))], greedy)[0]
 llm.close()
 import sys
 print(json.dumps({"triton": all(f"kernels.{m}" in sys.modules for m in
                                 ("decode_attention", "prefill_attention", "cache_write", "block_copy")),
                   "tokens": first.token_ids, "again": again.token_ids, "host": again.metrics.cached_tokens["host"],
+                  "whole": whole.token_ids, "whole_again": whole_again.token_ids,
+                  "whole_host": whole_again.metrics.cached_tokens["host"],
                   "logits": first.prompt_logits.tolist()}))
 """
 
@@ -49,4 +56,6 @@ def test_engine_through_triton_interpreter_matches_reference() -> None:
     assert tri["triton"] and not ref["triton"]
     assert tri["tokens"] == ref["tokens"]
     assert tri["again"] == ref["tokens"] and tri["host"] == 16  # fetched back through scatter_blocks
+    assert tri["whole"] == tri["whole_again"] == ref["whole"] == ref["whole_again"]
+    assert tri["whole_host"] == ref["whole_host"] == 32
     torch.testing.assert_close(torch.tensor(tri["logits"]), torch.tensor(ref["logits"]), atol=1e-4, rtol=1e-4)
