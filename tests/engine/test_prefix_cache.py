@@ -97,14 +97,17 @@ def test_a_prompt_found_whole_runs_only_its_last_token(llama_dir: Path, tmp_path
         elif tier == "disk":
             llm.close()
             llm = make_engine(llama_dir, **disk)
-        cached_ids = sorted(llm.block_manager.cached.values())
+        # device hits share blocks cached before the request: their bytes must stay as they were
+        cached_ids = sorted(llm.block_manager.cached.values()) if tier == "device" else []
         before = llm.pool.pool[cached_ids].clone()
         again = llm.generate(ALIGNED, GREEDY)
         assert [o.token_ids for o in again] == expected
         for prompt, out in zip(ALIGNED, again, strict=True):
             assert out.metrics.cached_tokens == {"device": 0, "host": 0, "disk": 0, tier: len(prompt)}
             assert out.metrics.num_computed_tokens == out.metrics.num_recomputed_tokens == 0
-        assert torch.equal(llm.pool.pool[cached_ids], before), "a cached block was written"
+        if tier == "device":
+            assert len(cached_ids) >= sum(len(p) // 4 for p in ALIGNED)  # and blocks of output
+            assert torch.equal(llm.pool.pool[cached_ids], before), "a cached block was written"
         llm.check_integrity()
     finally:
         llm.close()
