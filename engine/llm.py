@@ -323,6 +323,7 @@ class LLMEngine:
         self._closed = True
         self.scheduler.abort_all()
         self._requests.clear()
+        self.runner.close()
         if self.store is not None:
             self.block_manager.write_back()
             self.block_manager.close()

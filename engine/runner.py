@@ -3,7 +3,8 @@
 Rows are packed decode first (chunks of one token, attended with the decode kernel), then the
 prefill chunks one sequence after another (the prefill kernel). Only rows whose logits are
 needed (a chunk's last row when it reaches its sequence's end, or prompt rows that asked for
-``prompt_logits``) go through the LM head.
+``prompt_logits``) go through the LM head. On the CPU a step of one row runs on a worker whose
+torch ops use one thread (engine/threads.py).
 """
 
 from __future__ import annotations
@@ -15,6 +16,9 @@ from engine.model import AttentionBatch, LlamaModel
 from engine.sampling import sample
 from engine.scheduler import Scheduled
 from engine.sequence import Sequence
+from engine.threads import OneThreadWorker
+
+ONE_THREAD_ROWS = 1  # a CPU step of at most this many rows runs on the one-thread worker (engine/threads.py)
 
 
 def _table(seqs: list[Sequence]) -> torch.Tensor:
@@ -31,6 +35,9 @@ class ModelRunner:
         self.device = kv_pool.device
         # a layer's K view strides blocks by kv_pool.stride(0) and token rows by stride(3)
         self.rows_per_block = kv_pool.stride(0) // kv_pool.stride(3)
+        # steps of one row run on a thread of their own whose torch ops use one thread
+        self._one_thread = (OneThreadWorker() if self.device.type == "cpu" and torch.get_num_threads() > 1
+                            else None)
 
     def prepare(self, items: list[Scheduled]) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch, int]:
         bs = self.block_size
@@ -79,6 +86,12 @@ class ModelRunner:
         (float32 ``[len(chunks), vocab]``). Prompt logits asked for are kept on the request."""
         items = [it for it in items if it.num_tokens == 1] + [it for it in items if it.num_tokens > 1]
         input_ids, positions, batch, max_pos = self.prepare(items)
+        if self._one_thread is not None and input_ids.shape[0] <= ONE_THREAD_ROWS:
+            return self._one_thread.call(self._run, items, input_ids, positions, batch, max_pos)
+        return self._run(items, input_ids, positions, batch, max_pos)
+
+    def _run(self, items: list[Scheduled], input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
+             max_pos: int) -> tuple[list[Scheduled], torch.Tensor]:
         hidden = self.model.forward(input_ids, positions, batch, self.kv_pool, max_pos)
         rows: list[int] = []
         done: list[Scheduled] = []
@@ -97,6 +110,10 @@ class ModelRunner:
             offset += it.num_tokens
         logits = self.model.logits(hidden[torch.tensor(rows, dtype=torch.long, device=self.device)])
         return done, logits
+
+    def close(self) -> None:
+        if self._one_thread is not None:
+            self._one_thread.close()
 
     @staticmethod
     def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:

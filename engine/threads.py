@@ -1,0 +1,50 @@
+"""A worker thread whose torch ops run on one thread: where the engine runs its steps of one row.
+
+A step of one row (a decode step of one sequence, the last token of a prompt found whole) is
+a chain of small ops, ~40 a layer besides the products, each too small to gain from a second
+thread and each paying the OpenMP team's fork and join. On the 2-core EPYC, the bench model's
+one-row step over 2,047 cached tokens took 21.4-22.0 ms on one thread against 24.1-24.6 on two
+(minimum and first quartile of 15 alternated hits, two processes), a decode step of one
+sequence 13.3-13.4 ms against 15.2-15.3 (docs/benchmarks.md, engine).
+
+Why a thread of its own: torch's thread count is kept per OS thread, but
+``torch.set_num_threads`` also sets the count a thread starts with, read at its first torch
+op. Lowering it around each step would have let any thread started meanwhile (a store's
+transfer thread, one of the application's) keep one thread for good, and steps of one row
+are most of an engine's time when it serves one sequence. Here the count is lowered once, on
+the worker, and the caller's is set back at once, so every other thread keeps its count.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
+
+import torch
+
+T = TypeVar("T")
+
+
+class OneThreadWorker:
+    """Runs calls on its own thread, whose torch ops use one thread; the caller waits."""
+
+    def __init__(self) -> None:
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="engine-one-thread")
+        threads = torch.get_num_threads()
+
+        def start() -> None:
+            torch.get_num_threads()  # this thread's first torch call: its count is taken now
+            torch.set_num_threads(1)
+
+        try:
+            self._executor.submit(start).result()
+        finally:
+            torch.set_num_threads(threads)  # what threads started from now on begin with
+
+    def call(self, fn: Callable[..., T], *args: object) -> T:
+        """``fn(*args)`` on the worker; returns its result or raises its exception."""
+        return self._executor.submit(fn, *args).result()
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True)

@@ -1,0 +1,100 @@
+"""On the CPU, steps of one row run on the engine's one-thread worker (engine/threads.py): its
+torch ops use one thread, every other step runs on the caller with the caller's count, and no
+other thread's count changes, also for threads started after the engine."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from engine.runner import ONE_THREAD_ROWS
+from engine.threads import OneThreadWorker
+from tests.engine.conftest import GREEDY, hf_greedy_check, make_engine
+
+
+@pytest.fixture
+def two_threads() -> Any:
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+def _count_in_new_thread() -> int:
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(lambda: (torch.ones(1 << 16).add_(1), torch.get_num_threads())[1]).result()
+
+
+def test_one_row_steps_run_on_the_worker_with_one_thread(hf_llama: tuple[Any, Path], two_threads: None) -> None:
+    model, path = hf_llama
+    llm = make_engine(path)
+    assert torch.get_num_threads() == 2 and _count_in_new_thread() == 2  # the engine's start changed neither
+    seen: list[tuple[int, str, int]] = []  # (rows, thread, torch threads) per forward
+    forward = llm.model.forward
+
+    def spy(input_ids: torch.Tensor, *args: Any) -> torch.Tensor:
+        seen.append((input_ids.shape[0], threading.current_thread().name, torch.get_num_threads()))
+        return forward(input_ids, *args)
+
+    llm.model.forward = spy  # type: ignore[method-assign]
+    try:
+        # one 1-token prompt, then 5 one-row decode steps; then two sequences at once
+        one = llm.generate([[5]], GREEDY)[0]
+        two = llm.generate([[9, 8, 7], [6, 5]], GREEDY)
+    finally:
+        llm.close()
+    assert ONE_THREAD_ROWS == 1
+    one_row = [(name.startswith("engine-one-thread"), t) for rows, name, t in seen if rows == 1]
+    assert one_row == [(True, 1)] * 6
+    others = {(name, t) for rows, name, t in seen if rows > 1}
+    assert others == {(threading.current_thread().name, 2)} and len(seen) > 6
+    # the tokens are still transformers' (the worker runs the same forward)
+    hf_greedy_check(model, [5], one.token_ids)
+    for prompt, out in zip([[9, 8, 7], [6, 5]], two, strict=True):
+        hf_greedy_check(model, prompt, out.token_ids)
+    assert torch.get_num_threads() == 2 and _count_in_new_thread() == 2
+    assert not any(t.name.startswith("engine-one-thread") for t in threading.enumerate())  # closed
+
+
+def test_the_worker_returns_results_and_raises_errors(two_threads: None) -> None:
+    worker = OneThreadWorker()
+    try:
+        assert worker.call(torch.get_num_threads) == 1
+        assert worker.call(lambda a, b: a + b, 2, 3) == 5
+
+        def boom() -> None:
+            raise ValueError("bad step")
+
+        with pytest.raises(ValueError, match="bad step"):
+            worker.call(boom)
+        assert worker.call(torch.get_num_threads) == 1  # still serving after an error
+    finally:
+        worker.close()
+    assert torch.get_num_threads() == 2 and _count_in_new_thread() == 2
+
+
+def test_a_single_threaded_process_gets_no_worker(llama_dir: Path) -> None:
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        llm = make_engine(llama_dir)
+        try:
+            seen: list[str] = []
+            forward = llm.model.forward
+
+            def spy(input_ids: torch.Tensor, *args: Any) -> torch.Tensor:
+                seen.append(threading.current_thread().name)
+                return forward(input_ids, *args)
+
+            llm.model.forward = spy  # type: ignore[method-assign]
+            llm.generate([[5]], GREEDY)
+        finally:
+            llm.close()
+        assert set(seen) == {threading.current_thread().name}
+    finally:
+        torch.set_num_threads(before)
