@@ -32,16 +32,20 @@ FULL_POOL_DEMOTIONS = 32  # blocks the full-pool host hit's admission evicts (an
 HIT_SAMPLES = 3  # host hits timed per repetition (the best of all is kept, as for every row)
 
 
+def prompt_blocks(args: argparse.Namespace) -> int:
+    """Device blocks the TTFT prompt takes with its first generated token."""
+    return -(-(args.prompt_tokens + 1) // BLOCK)
+
+
 def pool_bytes(args: argparse.Namespace) -> int:
     """A device pool sized to the workload: the TTFT prompt, or 16 decode sequences, plus a
     block per sequence of slack. An oversized pool only costs: on the CPU, with a 1 GiB pool we
     measured attention calls of the same shapes running up to ~100x slower (cause not pinned
     down; memory placement is the suspect)."""
-    ttft_blocks = -(-(args.prompt_tokens + 1) // BLOCK)
     decode_blocks = 16 * -(-(args.decode_prompt + args.decode_tokens + 2) // BLOCK)
     num_layers, kv_heads, head_dim = BENCH_MODEL["num_layers"], BENCH_MODEL["num_kv_heads"], BENCH_MODEL["head_dim"]
     bytes_per_block = num_layers * 2 * BLOCK * kv_heads * head_dim * 4  # fp32
-    return (max(ttft_blocks, decode_blocks) + 16) * bytes_per_block
+    return (max(prompt_blocks(args), decode_blocks) + 16) * bytes_per_block
 
 
 def engine(args: argparse.Namespace, **kwargs: Any) -> LLMEngine:
@@ -81,10 +85,9 @@ def bench_ttft(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     ttft(llm, prompt)  # compute once: the prefix is now cached on the device
     host, short, full = [], [], []
     pool_blocks = llm.pool.num_blocks
-    prompt_blocks = -(-(args.prompt_tokens + 1) // BLOCK)
     # the filler (and its first token's block) must fit the pool: a short prompt evicts fewer
-    r["full_demotions"] = demotions = min(FULL_POOL_DEMOTIONS, prompt_blocks - 1)
-    filler_blocks = pool_blocks - prompt_blocks + demotions
+    r["full_demotions"] = demotions = min(FULL_POOL_DEMOTIONS, prompt_blocks(args) - 1)
+    filler_blocks = pool_blocks - prompt_blocks(args) + demotions
     for i in range(args.repeat):
         recompute.append(ttft(baseline, prompt)[0])
         for _ in range(HIT_SAMPLES):  # hits are cheap next to the filler: more samples of them

@@ -3,9 +3,9 @@
 A step of one row (a decode step of one sequence, the last token of a prompt found whole) is
 a chain of small ops, ~40 a layer besides the products, each too small to gain from a second
 thread and each paying the OpenMP team's fork and join. On the 2-core EPYC, the bench model's
-one-row step over 2,047 cached tokens took 21.4-22.0 ms on one thread against 24.1-24.6 on two
-(minimum and first quartile of 15 alternated hits, two processes), a decode step of one
-sequence 13.3-13.4 ms against 15.2-15.3 (docs/benchmarks.md, engine).
+one-row step over 2,047 cached tokens took 21.0-21.6 ms here against 23.0-23.3 ms on the
+caller's two threads (the best of 15 hits alternating between the two in one process; two
+processes), a decode step of one sequence 13.3-13.5 ms against 15.5 (docs/benchmarks.md, engine).
 
 Why a thread of its own: torch's thread count is kept per OS thread, but
 ``torch.set_num_threads`` also sets the count a thread starts with, read at its first torch
