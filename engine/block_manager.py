@@ -1,6 +1,7 @@
 """BlockManager: the device tier. Owns the KV pool's blocks, their reference counts, the device
-prefix cache (key -> block) and the LRU of free-but-cached blocks; demotes evictions to the store
-(on the demoter's thread when an allocation evicts: the engine loop only gathers the bytes).
+prefix cache (key -> block) and the LRU of free-but-cached blocks; writes blocks to the store on
+the demoter's thread (the engine loop only gathers the bytes): each block right after the step
+that filled it (write-through), or, with write-back, when an allocation evicts it.
 With an event publisher it announces the device tier (medium GPU): a block when it is sealed
 under its key, its removal when the key leaves the device cache.
 
@@ -26,6 +27,10 @@ from kvstore.errors import KVStoreError
 from kvstore.events.wire import GPU
 from tiers.device import DevicePool
 
+# Blocks per background put: the store holds its lock through a put's copy, and a fetch or a
+# lookup of the request being admitted waits for it; short puts let those in between.
+DEMOTE_RUN = 16
+
 
 class Block:
     __slots__ = ("block_id", "key", "parent_key", "ref_count", "tenant")
@@ -41,7 +46,8 @@ class Block:
 class BlockManager:
     """Device block allocation, sharing and eviction (single-threaded: the engine loop)."""
 
-    def __init__(self, pool: DevicePool, block_size: int, store: Any = None, events: Any = None) -> None:
+    def __init__(self, pool: DevicePool, block_size: int, store: Any = None, events: Any = None,
+                 write_through: bool = False) -> None:
         self.pool = pool
         self.block_size = block_size
         self.store = store  # TieredStore-like; None: evicted blocks are dropped
@@ -55,6 +61,10 @@ class BlockManager:
         # Evictions while allocating are demoted on a background thread (bounded: up to the
         # pool's size, at least 64 MiB, of gathered bytes); evict_all and write_back wait.
         self.demoter = Demoter(store, max(pool.capacity_bytes, 64 << 20)) if store is not None else None
+        # Write-through: blocks sealed by a step, written by write_sealed() after it. Evicting a
+        # block the store already holds then costs no gather and no put on the request's path.
+        self.write_through = write_through and store is not None
+        self._sealed: list[int] = []
 
     @property
     def num_available(self) -> int:
@@ -110,8 +120,9 @@ class BlockManager:
         self.pool.release(freed)
 
     def seal(self, block_id: int, key: bytes, parent_key: bytes | None, tenant: str,
-             token_ids: Sequence[int] | None = None) -> None:
-        """Publish a full block under its key (``token_ids``: its tokens, for the KV events).
+             token_ids: Sequence[int] | None = None, computed: bool = True) -> None:
+        """Publish a full block under its key (``token_ids``: its tokens, for the KV events;
+        ``computed``: False for a block fetched from the store, which write-through skips).
         A key already cached elsewhere keeps that block; this one stays private and is freed
         with its sequence."""
         block = self.blocks[block_id]
@@ -119,6 +130,8 @@ class BlockManager:
             return
         block.key, block.parent_key, block.tenant = key, parent_key, tenant
         self.cached[key] = block_id
+        if computed and self.write_through:
+            self._sealed.append(block_id)
         if self.events is not None:
             self.events.stored(GPU, [key], [parent_key], self.block_size, token_ids)
 
@@ -153,16 +166,28 @@ class BlockManager:
         """Copy every keyed block the store lacks to the store, keeping it on the device."""
         self._demote([b.block_id for b in self.blocks if b.key is not None], background=False)
 
+    def write_sealed(self) -> None:
+        """Write-through: queue the blocks sealed since the last call for the store (the engine
+        calls it after each step). Over the demoter's bound they are skipped, not lost: a block
+        the store lacks is still demoted when it is evicted."""
+        if self._sealed:
+            ids, self._sealed = self._sealed, []
+            self._demote([b for b in reversed(ids) if self.blocks[b].key is not None], background=True,
+                         optional=True)
+
     def close(self) -> None:
         """Finish the background demotions and stop their thread."""
         if self.demoter is not None:
             self.demoter.close()
 
-    def _demote(self, block_ids: list[int], background: bool) -> None:
-        """Put the blocks' bytes in the store, one put per chain run (heads before tails).
+    def _demote(self, block_ids: list[int], background: bool, optional: bool = False) -> None:
+        """Put the blocks' bytes in the store, one put per chain run (heads before tails; the
+        ids come tail first).
 
         ``background``: gather the bytes now and leave the puts to the demoter thread;
-        otherwise put them now, after the demotions queued before.
+        otherwise put them now, after the demotions queued before. ``optional``: the blocks
+        stay on the device (write-through), so a run over the demoter's bound is not counted
+        as dropped.
         """
         if self.store is None or not block_ids:
             self.num_dropped += len(block_ids) if self.store is None else 0
@@ -171,11 +196,18 @@ class BlockManager:
         try:
             if background and self.demoter is not None:
                 blocks = [self.blocks[b] for b in block_ids]
-                present = self.store.contains([b.key for b in blocks])  # gather only what it lacks
-                for run in self._runs([b for b, p in zip(blocks, present, strict=True) if not p]):
-                    ids = torch.tensor([b.block_id for b in run], dtype=torch.long)
-                    self.demoter.submit([b.key for b in run], kernels.gather_blocks(self.pool.pool, ids),  # type: ignore[misc]
-                                        run[0].tenant)
+                # Gather only what no queued run holds (a write-through's) and the store lacks;
+                # the store is asked only about the others: its lock may be held by a long put.
+                queued = self.demoter.queued([b.key for b in blocks])  # type: ignore[misc]
+                ask = [b.key for b, q in zip(blocks, queued, strict=True) if not q]
+                held = iter(self.store.contains(ask) if ask else ())
+                todo = [b for b, q in zip(blocks, queued, strict=True) if not q and not next(held)]
+                for run in self._runs(todo):
+                    for i in range(0, len(run), DEMOTE_RUN):
+                        part = run[i : i + DEMOTE_RUN]
+                        ids = torch.tensor([b.block_id for b in part], dtype=torch.long)
+                        self.demoter.submit([b.key for b in part], kernels.gather_blocks(self.pool.pool, ids),  # type: ignore[misc]
+                                            part[0].tenant, optional)
             else:
                 if self.demoter is not None:
                     self.demoter.drain()  # keep the order: heads queued before are stored first
@@ -221,7 +253,8 @@ class BlockManager:
         return {"capacity_bytes": self.pool.capacity_bytes, "used_bytes": (in_use + len(self.evictable)) * bpb,
                 "num_blocks": in_use + len(self.evictable), "num_in_use": in_use, "num_cached": len(self.cached),
                 "num_free": self.pool.num_free, "demoted": self.num_demoted + (d.num_demoted if d else 0),
-                "dropped": self.num_dropped + (d.num_dropped if d else 0), "demoting": d.num_pending if d else 0}
+                "dropped": self.num_dropped + (d.num_dropped if d else 0), "demoting": d.num_pending if d else 0,
+                "write_through_skipped": d.num_skipped if d else 0}
 
     def check_integrity(self) -> None:
         used = [b.block_id for b in self.blocks if b.ref_count > 0 or b.key is not None]

@@ -11,6 +11,7 @@ import torch
 from kvstore.errors import ConfigError
 
 FETCH_POLICIES = ("auto", "always", "never")
+DEVICE_WRITE_POLICIES = ("write_through", "write_back")
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 DEVICES = ("cpu", "cuda")
 
@@ -29,6 +30,9 @@ class EngineConfig:
         disk_path, disk_bytes: the store's disk tier (None: none).
         fetch_policy: "auto" (fetch a lower-tier run when its estimated fetch time beats its
             estimated recompute time), "always", or "never" (recompute whatever is not on device).
+        device_write_policy: when a device block's bytes go to the store: "write_through" (right
+            after the step that filled the block, on a background thread; evicting it later is
+            free) or "write_back" (when it is evicted: admission then waits for the gather).
         store: a TieredStore-like object to use instead of an embedded one, or the address of a
             kvstore daemon ("unix:///abs/kvstore.sock", "unix://relative/kvstore.sock" or
             "tcp://host:port"), whose host and disk tiers then serve as this engine's; None
@@ -57,6 +61,7 @@ class EngineConfig:
     disk_path: str | os.PathLike[str] | None = None
     disk_bytes: int = 0
     fetch_policy: str = "auto"
+    device_write_policy: str = "write_through"
     store: Any = None
     store_token: str | None = None
     block_size: int = 16
@@ -80,6 +85,9 @@ class EngineConfig:
             raise ConfigError(f"device={self.device!r} but CUDA is not available")
         if self.fetch_policy not in FETCH_POLICIES:
             raise ConfigError(f"fetch_policy must be one of {list(FETCH_POLICIES)}, got {self.fetch_policy!r}")
+        if self.device_write_policy not in DEVICE_WRITE_POLICIES:
+            raise ConfigError(f"device_write_policy must be one of {list(DEVICE_WRITE_POLICIES)}, "
+                              f"got {self.device_write_policy!r}")
         for name in ("kv_cache_bytes", "block_size", "max_num_batched_tokens", "max_num_seqs"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:

@@ -1,13 +1,16 @@
-"""Demoter: writes evicted device blocks to the store on a background thread.
+"""Demoter: writes device blocks to the store on a background thread.
 
-When admitting a request evicts cached device blocks, the bytes of those the store lacks are
-gathered out of the pool at once (the blocks are reused right after), and the store's ``put``
-(the host copy, and behind it any disk write, sync and catalog commit of the store's own
-cascade) runs here, off the engine loop: the request that caused the eviction does not wait for it.
+The engine loop gathers the blocks' bytes out of the pool (a block may be reused right after)
+and submits them: blocks a step just filled (write-through), or evicted blocks the store lacks
+(write-back, or a write-through that was skipped). The store's ``put`` (the host copy, and
+behind it any disk write, sync and catalog commit of the store's own cascade) runs here, off
+the engine loop: no request waits for it. ``queued(keys)`` says which keys a queued run holds,
+so evicting a block whose write-through is still queued gathers nothing again.
 
 Bounded: at most ``max_pending_bytes`` of gathered payloads wait at a time. A submission
 beyond that is dropped and counted (a cache may lose a demotion; it must not stall a request
-or grow without limit). ``drain()`` waits until everything submitted is stored or dropped.
+or grow without limit), or, for a write-through, skipped and counted apart (the block is still
+on the device). ``drain()`` waits until everything submitted is stored or dropped.
 """
 
 from __future__ import annotations
@@ -33,8 +36,10 @@ class Demoter:
         self.max_pending_bytes = max_pending_bytes
         self.num_demoted = 0  # blocks the store took
         self.num_dropped = 0  # blocks lost: over the bound, the store full, or an error
+        self.num_skipped = 0  # write-through blocks not queued (over the bound; still on the device)
         self.busy_s = 0.0  # seconds the worker spent storing
         self._queue: deque[tuple[list[bytes], torch.Tensor, str]] = deque()
+        self._queued_keys: dict[bytes, int] = {}  # key -> runs queued or being stored holding it
         self._pending_bytes = 0
         self._busy = 0  # blocks of the run being stored
         self._closed = False
@@ -48,17 +53,27 @@ class Demoter:
         with self._cv:
             return sum(len(keys) for keys, _, _ in self._queue) + self._busy
 
-    def submit(self, keys: list[bytes], payload: torch.Tensor, tenant: str) -> bool:
-        """Queue one chain run (``payload[i]`` is ``keys[i]``'s block); False if dropped."""
+    def submit(self, keys: list[bytes], payload: torch.Tensor, tenant: str, optional: bool = False) -> bool:
+        """Queue one chain run (``payload[i]`` is ``keys[i]``'s block); False if over the bound
+        (counted as dropped unless ``optional``: a write-through whose blocks stay on the device)."""
         size = payload.numel() * payload.element_size()
         with self._cv:
             if self._closed or self._pending_bytes + size > self.max_pending_bytes:
-                self.num_dropped += len(keys)
+                self.num_dropped += 0 if optional else len(keys)
+                self.num_skipped += len(keys) if optional else 0
                 return False
             self._queue.append((keys, payload, tenant))
+            for key in keys:
+                self._queued_keys[key] = self._queued_keys.get(key, 0) + 1
             self._pending_bytes += size
             self._cv.notify_all()
         return True
+
+    def queued(self, keys: list[bytes]) -> list[bool]:
+        """Per key, whether a run holding its bytes is queued or being stored: evicting such a
+        block needs no second gather."""
+        with self._cv:
+            return [key in self._queued_keys for key in keys]
 
     def drain(self) -> None:
         """Wait until every submitted run is stored (or dropped)."""
@@ -93,6 +108,10 @@ class Demoter:
                 self.busy_s += time.perf_counter() - t0
                 with self._cv:
                     self._pending_bytes -= payload.numel() * payload.element_size()
+                    for key in keys:
+                        left = self._queued_keys.pop(key) - 1
+                        if left:
+                            self._queued_keys[key] = left
                     self._busy = 0
                     self._cv.notify_all()
 

@@ -74,7 +74,8 @@ class LLMEngine:
         self._store_events: StoreEvents | None = None
         if c.kv_events is not None:
             self.kv_events = EventPublisher(EventsConfig(c.kv_events, c.kv_events_replay))
-        self.block_manager = BlockManager(self.pool, c.block_size, self.store, events=self.kv_events)
+        self.block_manager = BlockManager(self.pool, c.block_size, self.store, events=self.kv_events,
+                                          write_through=c.device_write_policy == "write_through")
         if self.kv_events is not None:
             self.kv_events.add_source(lambda: [(GPU, c.block_size, self.block_manager.held_blocks())])
             if hasattr(self.store, "add_listener"):  # an embedded TieredStore (a daemon publishes its own)
@@ -211,6 +212,7 @@ class LLMEngine:
             it.seq.request.metrics.count_prefill(it.num_written)
         for it in items:
             self.scheduler.computed(it)
+        self.block_manager.write_sealed()
         seqs, rows = [], []
         for k, it in enumerate(done):
             seqs.append(it.seq)

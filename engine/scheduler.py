@@ -239,7 +239,7 @@ class Scheduler:
         for j in range(first, first + n):
             parent = seq.block_keys[j - 1] if j else None
             self.blocks.seal(seq.block_table[j], seq.block_keys[j], parent, seq.request.tenant,
-                             seq.token_ids[j * self.block_size : (j + 1) * self.block_size])
+                             seq.token_ids[j * self.block_size : (j + 1) * self.block_size], computed=False)
         seq.num_cached_tokens += n * self.block_size
         metrics = seq.request.metrics
         if seq.request.first_pass:  # a readmission fetches the request's own blocks back: no cache hits

@@ -37,7 +37,8 @@ def run_engine(args: argparse.Namespace) -> int:
             drain_s=args.drain_s, device=args.device,
             dtype=DTYPES_BY_NAME[args.dtype], kv_cache_bytes=parse_size(args.kv_cache), block_size=args.block_size,
             max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed)
+            max_num_batched_tokens=args.max_num_batched_tokens, device_write_policy=args.device_write_policy,
+            seed=args.seed)
         return serve(config)
     except (ConfigError, CheckpointError, json.JSONDecodeError) as exc:
         print(f"kvstore engine: {exc}", file=sys.stderr)
@@ -87,5 +88,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
     p.add_argument("--max-num-seqs", type=int, default=64, help="sequences running at once (default 64)")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="per-step token budget (default 2048)")
+    p.add_argument("--device-write-policy", default="write_through", choices=["write_through", "write_back"],
+                   help="when a device block goes to the store: write_through (default: once the step that "
+                   "filled it ends; other engines on the same store see it at once, evicting it is free) or "
+                   "write_back (when evicted)")
     p.add_argument("--drain-s", type=float, default=10.0, help="SIGTERM waits this long for requests (default 10)")
     p.set_defaults(func=run_engine)

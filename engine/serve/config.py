@@ -57,6 +57,7 @@ class ServeConfig:
     max_model_len: int | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
+    device_write_policy: str = "write_through"
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -85,7 +86,7 @@ class ServeConfig:
         kw: dict[str, Any] = dict(device=self.device, dtype=self.dtype, kv_cache_bytes=self.kv_cache_bytes,
                                   block_size=self.block_size, max_model_len=self.max_model_len,
                                   max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
-                                  seed=self.seed)
+                                  device_write_policy=self.device_write_policy, seed=self.seed)
         if self.store is not None:
             kw.update(store=self.store, store_token=self.store_token, host_bytes=0)
         else:

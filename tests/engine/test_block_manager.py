@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from engine.block_manager import BlockManager
+from engine.block_manager import DEMOTE_RUN, BlockManager
 from kvstore import KVLayout, StoreConfig, TieredStore
 from tiers.device import DevicePool
 
@@ -123,4 +123,131 @@ def test_copy_on_write_and_duplicate_keys() -> None:
     bm.release([a, b])
     assert list(bm.evictable) == [a] and bm.pool.num_free == 3
     bm.check_integrity()
+    store.close()
+
+
+def seal_chain(bm: BlockManager, keys: list[bytes], first: float = 1.0, computed: bool = True) -> list[int]:
+    """Allocate one block per key, fill block i with ``first + i`` and seal the chain."""
+    ids = bm.allocate(len(keys))
+    for i, (b, k) in enumerate(zip(ids, keys, strict=True)):
+        bm.pool.pool[b].fill_(first + i)
+        bm.seal(b, k, keys[i - 1] if i else None, "", computed=computed)
+    return ids
+
+
+def filled(*values: float) -> torch.Tensor:
+    return torch.stack([torch.full(LAYOUT.block_shape, v) for v in values])
+
+
+def test_write_through_stores_sealed_blocks_and_their_eviction_puts_nothing() -> None:
+    store = TieredStore(StoreConfig(layout=LAYOUT, model_id="bm", host_bytes=16 * 4096))
+    bm = BlockManager(DevicePool(4, LAYOUT.block_shape, LAYOUT.dtype), LAYOUT.block_size, store, write_through=True)
+    keys = store.block_keys(list(range(6)))
+    ids = seal_chain(bm, keys)
+    assert store.contains(keys) == [False] * 3  # nothing before the step ends
+    bm.write_sealed()
+    assert bm.demoter is not None
+    bm.demoter.drain()
+    assert store.contains(keys) == [True] * 3 and bm.match(keys) == ids  # in the store and still on device
+    assert torch.equal(store.get(keys), filled(1.0, 2.0, 3.0))
+    assert bm.stats()["demoted"] == 3
+    bm.release(ids)
+    bm.allocate(4)  # evicts all three: the store has them, nothing is gathered or put again
+    bm.demoter.drain()
+    assert bm.stats()["demoted"] == 3 and bm.stats()["dropped"] == 0
+    bm.close()
+    store.close()
+
+
+def test_write_back_stores_nothing_before_eviction() -> None:
+    bm, store = make(4)
+    keys = store.block_keys(list(range(6)))
+    ids = seal_chain(bm, keys)
+    bm.write_sealed()
+    assert bm.demoter is not None
+    bm.demoter.drain()
+    assert store.contains(keys) == [False] * 3 and bm.stats()["demoted"] == 0
+    bm.release(ids)
+    assert bm.evict_all() == 3 and store.contains(keys) == [True] * 3
+    bm.close()
+    store.close()
+
+
+def test_eviction_does_not_gather_blocks_a_write_through_holds() -> None:
+    store = GatedStore(StoreConfig(layout=LAYOUT, model_id="bm", host_bytes=16 * 4096))
+    bm = BlockManager(DevicePool(2, LAYOUT.block_shape, LAYOUT.dtype), LAYOUT.block_size, store, write_through=True)
+    keys = store.block_keys(list(range(4)))
+    ids = seal_chain(bm, keys)
+    bm.write_sealed()  # queued; the put waits at the gate
+    assert bm.stats()["demoting"] == 2
+    bm.release(ids)
+    assert sorted(bm.allocate(2)) == [0, 1]  # evicts both while their write-through is queued
+    assert bm.stats()["demoting"] == 2  # not gathered again
+    bm.pool.pool.fill_(-1.0)  # the blocks are reused: the queued copy is what gets stored
+    store.gate.set()
+    assert bm.demoter is not None
+    bm.demoter.drain()
+    assert torch.equal(store.get(keys), filled(1.0, 2.0))
+    assert bm.stats()["demoted"] == 2
+    bm.close()
+    store.close()
+
+
+def test_fetched_blocks_are_not_written_through() -> None:
+    store = TieredStore(StoreConfig(layout=LAYOUT, model_id="bm", host_bytes=16 * 4096))
+    bm = BlockManager(DevicePool(4, LAYOUT.block_shape, LAYOUT.dtype), LAYOUT.block_size, store, write_through=True)
+    keys = store.block_keys(list(range(4)))
+    seal_chain(bm, keys, computed=False)  # as a fetch from the store seals them
+    bm.write_sealed()
+    assert bm.demoter is not None
+    bm.demoter.drain()
+    assert bm.stats()["demoted"] == 0 and store.contains(keys) == [False, False]
+    bm.close()
+    store.close()
+
+
+def test_write_through_over_the_bound_is_skipped_and_demoted_at_eviction() -> None:
+    store = GatedStore(StoreConfig(layout=LAYOUT, model_id="bm", host_bytes=16 * 4096))
+    bm = BlockManager(DevicePool(4, LAYOUT.block_shape, LAYOUT.dtype), LAYOUT.block_size, store, write_through=True)
+    assert bm.demoter is not None
+    bm.demoter.max_pending_bytes = LAYOUT.bytes_per_block  # room for one queued block
+    a, b = store.block_keys([1, 2])[0], store.block_keys([3, 4])[0]  # two one-block chains
+    ids = seal_chain(bm, [a]) + seal_chain(bm, [b], first=2.0)
+    bm.write_sealed()
+    assert bm.stats()["write_through_skipped"] == 1 and bm.stats()["dropped"] == 0  # still on the device
+    store.gate.set()
+    bm.demoter.drain()
+    assert store.contains([a, b]) == [True, False]
+    bm.release(ids)
+    assert bm.evict_all() == 2
+    assert store.contains([a, b]) == [True, True] and torch.equal(store.get([b]), filled(2.0))
+    assert bm.stats()["demoted"] == 2 and bm.stats()["dropped"] == 0
+    bm.close()
+    store.close()
+
+
+class CountingStore(TieredStore):
+    """A real store that records how many blocks each put carried."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.put_sizes: list[int] = []
+
+    def put(self, keys: list[bytes], *args: object, **kwargs: object) -> None:
+        self.put_sizes.append(len(keys))
+        super().put(keys, *args, **kwargs)  # type: ignore[arg-type]
+
+
+def test_background_puts_are_short_runs_heads_first() -> None:
+    n = DEMOTE_RUN + 4
+    store = CountingStore(StoreConfig(layout=LAYOUT, model_id="bm", host_bytes=64 * 4096))
+    bm = BlockManager(DevicePool(n, LAYOUT.block_shape, LAYOUT.dtype), LAYOUT.block_size, store, write_through=True)
+    keys = store.block_keys(list(range(2 * n)))
+    seal_chain(bm, keys)
+    bm.write_sealed()
+    assert bm.demoter is not None
+    bm.demoter.drain()
+    assert store.put_sizes == [DEMOTE_RUN, 4]  # the store's lock is never held for the whole chain
+    assert torch.equal(store.get(keys), filled(*[float(i + 1) for i in range(n)]))
+    bm.close()
     store.close()

@@ -111,6 +111,8 @@ def test_missing_and_malformed_checkpoints(llama_dir: Path, tmp_path: Path) -> N
 def test_bad_engine_settings(llama_dir: Path) -> None:
     with pytest.raises(ConfigError, match="fetch_policy"):
         make_engine(llama_dir, fetch_policy="sometimes")
+    with pytest.raises(ConfigError, match="device_write_policy"):
+        make_engine(llama_dir, device_write_policy="write_around")
     with pytest.raises(ConfigError, match="holds no block"):
         make_engine(llama_dir, kv_cache_bytes=100)
     with pytest.raises(ConfigError, match="dtype"):

@@ -289,3 +289,27 @@ def test_prefills_stalled_on_a_full_pool_preempt_instead_of_waiting_forever(llam
     finally:
         llm.close()
         reference.close()
+
+
+@pytest.mark.parametrize("policy", ["write_through", "write_back"])
+def test_a_second_engine_on_the_same_store_hits_what_the_first_computed(
+        llama_dir: Path, expected: list[list[int]], policy: str) -> None:
+    """Write-through: a block reaches the store once the step that filled it ends, so another
+    engine sharing the store finds it while the first still holds it on its device."""
+    first = make_engine(llama_dir, device_write_policy=policy)
+    second = make_engine(llama_dir, store=first.store)
+    try:
+        assert [o.token_ids for o in first.generate(LONG, GREEDY)] == expected
+        assert first.block_manager.demoter is not None
+        first.block_manager.demoter.drain()  # the writes run on its thread
+        assert first.stats()["device"]["num_cached"] > 0  # nothing was evicted
+        outs = second.generate(LONG, GREEDY)
+        assert [o.token_ids for o in outs] == expected
+        for prompt, out in zip(LONG, outs, strict=True):
+            shared = 4 * full_blocks(prompt) if policy == "write_through" else 0
+            assert out.metrics.cached_tokens == {"device": 0, "host": shared, "disk": 0}
+        first.check_integrity()
+        second.check_integrity()
+    finally:
+        second.close()
+        first.close()

@@ -4,6 +4,7 @@ cache back, and the next engine process serves the same prompt's prefix from tho
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import httpx
@@ -50,4 +51,37 @@ def test_daemon_tiers_serve_a_restarted_engine(tmp_path: Path) -> None:
         tiers = restart_finds_the_prefix("--store", daemon.unix)
         assert tiers["host"] + tiers["disk"] == 12 * BLOCK
     finally:
+        daemon.kill9()
+
+
+def daemon_blocks(daemon: DaemonProc) -> int:
+    return int(httpx.get(f"{daemon.http}/v1/tiers").json()["tiers"]["host"]["num_blocks"])
+
+
+def test_a_running_engine_shares_its_prefix_through_the_daemon_at_once(tmp_path: Path) -> None:
+    """Write-through (the default): engine B finds engine A's prefix while A keeps it on its
+    device; A never stops or evicts. With --device-write-policy write_back, nothing reaches the
+    daemon until A evicts, so B computes everything."""
+    daemon = DaemonProc(tmp_path / "data", host_mem="8MiB", disk="16MiB")
+    servers = [EngineServer("--store", daemon.unix), EngineServer("--store", daemon.unix),
+               EngineServer("--store", daemon.unix, "--device-write-policy", "write_back")]
+    first, second, lazy = servers
+    try:
+        assert usage(first)["prompt_tokens_details"]["cached_tokens"] == 0
+        deadline = time.monotonic() + 20  # the writes run on A's demoter thread, after the step
+        while daemon_blocks(daemon) < 12 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        u = usage(second)
+        assert u["prompt_tokens_details"]["cached_tokens"] == 12 * BLOCK
+        assert u["kvstore"]["cached_tokens"]["host"] == 12 * BLOCK
+
+        held = daemon_blocks(daemon)
+        other = {"model": "random", "prompt": [200 + i for i in range(12 * BLOCK + 1)], "max_tokens": 2,
+                 "temperature": 0}
+        lazy.client().completions.create(**other)  # type: ignore[call-overload]
+        time.sleep(1.0)  # write-through, above, is done within milliseconds of the step
+        assert daemon_blocks(daemon) == held  # write-back: still only on lazy's device
+    finally:
+        for s in servers:
+            s.kill()
         daemon.kill9()
