@@ -3,8 +3,9 @@
 Rows are packed decode first (chunks of one token, attended with the decode kernel), then the
 prefill chunks one sequence after another (the prefill kernel). Only rows whose logits are
 needed (a chunk's last row when it reaches its sequence's end, or prompt rows that asked for
-``prompt_logits``) go through the LM head. On the CPU a step of one row runs on a worker whose
-torch ops use one thread (engine/threads.py).
+``prompt_logits``) go through the LM head. On the CPU a step of one sequence and a few rows
+(a decode step of one, a prompt's last partial block over its cached prefix) runs on a worker
+whose torch ops use one thread (engine/threads.py).
 """
 
 from __future__ import annotations
@@ -18,7 +19,11 @@ from engine.scheduler import Scheduled
 from engine.sequence import Sequence
 from engine.threads import OneThreadWorker
 
-ONE_THREAD_ROWS = 1  # a CPU step of at most this many rows runs on the one-thread worker (engine/threads.py)
+# A CPU step of one sequence and at most this many rows runs on the one-thread worker
+# (engine/threads.py): its ~40 small ops a layer gain less from a second thread than OpenMP's
+# fork and join cost. Steps of several sequences keep the caller's threads (their attention
+# splits over the sequences: a decode step of 16 took 32 ms on two threads, 49 on one).
+ONE_THREAD_ROWS = 16
 
 
 def _table(seqs: list[Sequence]) -> torch.Tensor:
@@ -86,7 +91,7 @@ class ModelRunner:
         (float32 ``[len(chunks), vocab]``). Prompt logits asked for are kept on the request."""
         items = [it for it in items if it.num_tokens == 1] + [it for it in items if it.num_tokens > 1]
         input_ids, positions, batch, max_pos = self.prepare(items)
-        if self._one_thread is not None and input_ids.shape[0] <= ONE_THREAD_ROWS:
+        if self._one_thread is not None and len(items) == 1 and input_ids.shape[0] <= ONE_THREAD_ROWS:
             return self._one_thread.call(self._run, items, input_ids, positions, batch, max_pos)
         return self._run(items, input_ids, positions, batch, max_pos)
 

@@ -1,6 +1,7 @@
-"""On the CPU, steps of one row run on the engine's one-thread worker (engine/threads.py): its
-torch ops use one thread, every other step runs on the caller with the caller's count, and no
-other thread's count changes, also for threads started after the engine."""
+"""On the CPU, steps of one sequence and at most ONE_THREAD_ROWS rows run on the engine's
+one-thread worker (engine/threads.py): its torch ops use one thread, every other step runs on
+the caller with the caller's count, and no other thread's count changes, also for threads
+started after the engine."""
 
 from __future__ import annotations
 
@@ -30,7 +31,8 @@ def _count_in_new_thread() -> int:
         return pool.submit(lambda: (torch.ones(1 << 16).add_(1), torch.get_num_threads())[1]).result()
 
 
-def test_one_row_steps_run_on_the_worker_with_one_thread(hf_llama: tuple[Any, Path], two_threads: None) -> None:
+def test_steps_of_one_short_sequence_run_on_the_worker_with_one_thread(hf_llama: tuple[Any, Path],
+                                                                     two_threads: None) -> None:
     model, path = hf_llama
     llm = make_engine(path)
     assert torch.get_num_threads() == 2 and _count_in_new_thread() == 2  # the engine's start changed neither
@@ -41,20 +43,30 @@ def test_one_row_steps_run_on_the_worker_with_one_thread(hf_llama: tuple[Any, Pa
         seen.append((input_ids.shape[0], threading.current_thread().name, torch.get_num_threads()))
         return forward(input_ids, *args)
 
+    def threads_of_steps() -> list[tuple[int, bool, int]]:
+        steps = [(rows, name.startswith("engine-one-thread"), t) for rows, name, t in seen]
+        assert all(name.startswith("engine-one-thread") or name == threading.current_thread().name
+                   for _, name, _ in seen)
+        seen.clear()
+        return steps
+
+    short, long = list(range(10, 10 + ONE_THREAD_ROWS)), list(range(50, 51 + ONE_THREAD_ROWS))  # no shared prefix
     llm.model.forward = spy  # type: ignore[method-assign]
     try:
-        # one 1-token prompt, then 5 one-row decode steps; then two sequences at once
-        one = llm.generate([[5]], GREEDY)[0]
+        # one sequence: its prompt, then 5 one-row decode steps
+        one = llm.generate([short], GREEDY)[0]
+        assert threads_of_steps() == [(ONE_THREAD_ROWS, True, 1)] + [(1, True, 1)] * 5
+        # a prompt one row too long for the worker; its decode steps are one row again
+        longer = llm.generate([long], GREEDY)[0]
+        assert threads_of_steps() == [(ONE_THREAD_ROWS + 1, False, 2)] + [(1, True, 1)] * 5
+        # two sequences at once: every step on the caller, with its two threads
         two = llm.generate([[9, 8, 7], [6, 5]], GREEDY)
+        assert threads_of_steps() == [(5, False, 2)] + [(2, False, 2)] * 5
     finally:
         llm.close()
-    assert ONE_THREAD_ROWS == 1
-    one_row = [(name.startswith("engine-one-thread"), t) for rows, name, t in seen if rows == 1]
-    assert one_row == [(True, 1)] * 6
-    others = {(name, t) for rows, name, t in seen if rows > 1}
-    assert others == {(threading.current_thread().name, 2)} and len(seen) > 6
     # the tokens are still transformers' (the worker runs the same forward)
-    hf_greedy_check(model, [5], one.token_ids)
+    hf_greedy_check(model, short, one.token_ids)
+    hf_greedy_check(model, long, longer.token_ids)
     for prompt, out in zip([[9, 8, 7], [6, 5]], two, strict=True):
         hf_greedy_check(model, prompt, out.token_ids)
     assert torch.get_num_threads() == 2 and _count_in_new_thread() == 2
