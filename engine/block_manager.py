@@ -58,8 +58,8 @@ class BlockManager:
         self.num_demoted = 0
         self.num_dropped = 0
         self.demote_s = 0.0  # seconds the engine loop spent demoting (gathers; puts when synchronous)
-        # Evictions while allocating are demoted on a background thread (bounded: up to the
-        # pool's size, at least 64 MiB, of gathered bytes); evict_all and write_back wait.
+        # Puts run on a background thread (bounded: up to the pool's size, at least 64 MiB, of
+        # gathered bytes): write-throughs and evictions' demotions; evict_all and write_back wait.
         self.demoter = Demoter(store, max(pool.capacity_bytes, 64 << 20)) if store is not None else None
         # Write-through: blocks sealed by a step, written by write_sealed() after it. Evicting a
         # block the store already holds then costs no gather and no put on the request's path.
@@ -181,8 +181,8 @@ class BlockManager:
             self.demoter.close()
 
     def _demote(self, block_ids: list[int], background: bool, optional: bool = False) -> None:
-        """Put the blocks' bytes in the store, one put per chain run (heads before tails; the
-        ids come tail first).
+        """Put the blocks' bytes in the store, one put per chain run, or per DEMOTE_RUN blocks of
+        it in the background (heads before tails; the ids come tail first).
 
         ``background``: gather the bytes now and leave the puts to the demoter thread;
         otherwise put them now, after the demotions queued before. ``optional``: the blocks
