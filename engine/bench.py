@@ -28,7 +28,7 @@ from kvstore.bench import DOCS, machine, ratio_text, write_section
 BENCH_MODEL = dict(num_layers=24, hidden_size=256, intermediate_size=1024, num_heads=4, num_kv_heads=2,
                    head_dim=64, vocab_size=32000, max_position_embeddings=8192)
 BLOCK = 16
-FULL_POOL_DEMOTIONS = 32  # blocks the full-pool host hit's admission evicts (and demotes)
+FULL_POOL_EVICTIONS = 32  # blocks the full-pool host hit's admission evicts
 HIT_SAMPLES = 3  # host hits timed per repetition (the best of all is kept, as for every row)
 
 
@@ -94,8 +94,8 @@ def bench_ttft(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     full: dict[str, list[Sample]] = {"write_through": [], "write_back": []}
     pool_blocks = llm.pool.num_blocks
     # the filler (and its first token's block) must fit the pool: a short prompt evicts fewer
-    r["full_demotions"] = demotions = min(FULL_POOL_DEMOTIONS, prompt_blocks(args) - 1)
-    filler_blocks = pool_blocks - prompt_blocks(args) + demotions
+    r["full_evictions"] = evictions = min(FULL_POOL_EVICTIONS, prompt_blocks(args) - 1)
+    filler_blocks = pool_blocks - prompt_blocks(args) + evictions
     for i in range(args.repeat):
         recompute.append(ttft(baseline, prompt)[0])
         for j in range(HIT_SAMPLES):
@@ -106,7 +106,7 @@ def bench_ttft(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             llm.evict_device_cache()
             short.append(ttft(llm, prompt[:-1]))
             # Again, right after a new prompt filled the device pool: admitting this one evicts
-            # `demotions` of the filler's blocks, which write-through has stored (or queued)
+            # `evictions` of the filler's blocks, which write-through has stored (or queued)
             # when the filler's step ended, and which write-back gathers now.
             filler = torch.randint(0, int(BENCH_MODEL["vocab_size"]), (filler_blocks * BLOCK,),
                                    generator=torch.Generator().manual_seed(100 + i * HIT_SAMPLES + j)).tolist()
@@ -210,7 +210,7 @@ def render(t: dict[str, Any], d: dict[str, Any], tiers: dict[str, Any] | None, a
         (f"TTFT, prefix in host tier, prompt one token shorter ({t['short_computed']} tokens computed)",
          f"{t['short_s'] * 1e3:.1f} ms", f"full recompute {t['recompute_s'] * 1e3:.0f} ms", f"{short_x:.1f}x faster",
          "(for reference)", None),
-        (f"TTFT, prefix in host tier, device pool full (admission evicts {t['full_demotions']} blocks)",
+        (f"TTFT, prefix in host tier, device pool full (admission evicts {t['full_evictions']} blocks)",
          f"{t['full_s'] * 1e3:.1f} ms", f"full recompute {t['recompute_s'] * 1e3:.0f} ms", f"{ratio_text(full_x, 40)}x faster",
          ">= 40x, <= disk hit", full_x >= 40 and t["full_s"] <= t["disk_s"]),
         ("same, `device_write_policy=\"write_back\"` (admission gathers the victims)",

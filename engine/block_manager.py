@@ -195,19 +195,11 @@ class BlockManager:
         t0 = time.perf_counter()
         try:
             if background and self.demoter is not None:
-                blocks = [self.blocks[b] for b in block_ids]
-                # Gather only what no queued run holds (a write-through's) and the store lacks;
-                # the store is asked only about the others: its lock may be held by a long put.
-                queued = self.demoter.queued([b.key for b in blocks])  # type: ignore[misc]
-                ask = [b.key for b, q in zip(blocks, queued, strict=True) if not q]
-                held = iter(self.store.contains(ask) if ask else ())
-                todo = [b for b, q in zip(blocks, queued, strict=True) if not q and not next(held)]
-                for run in self._runs(todo):
+                for run in self._runs(self._unstored(block_ids)):
                     for i in range(0, len(run), DEMOTE_RUN):
                         part = run[i : i + DEMOTE_RUN]
-                        ids = torch.tensor([b.block_id for b in part], dtype=torch.long)
-                        self.demoter.submit([b.key for b in part], kernels.gather_blocks(self.pool.pool, ids),  # type: ignore[misc]
-                                            part[0].tenant, optional)
+                        self.demoter.submit([b.key for b in part], self._gather(part), part[0].tenant,  # type: ignore[misc]
+                                            optional)
             else:
                 if self.demoter is not None:
                     self.demoter.drain()  # keep the order: heads queued before are stored first
@@ -226,15 +218,23 @@ class BlockManager:
                 runs.append([b])
         return runs
 
-    def _demote_now(self, block_ids: list[int]) -> None:
+    def _unstored(self, block_ids: list[int]) -> list[Block]:
+        """The blocks whose bytes no queued run holds (a write-through's) and the store lacks.
+        The store is asked only about the others: its lock may be held by a long put."""
         blocks = [self.blocks[b] for b in block_ids]
-        present = self.store.contains([b.key for b in blocks])
-        todo = [b for b, p in zip(blocks, present, strict=True) if not p]
-        for run in self._runs(todo):
-            ids = torch.tensor([b.block_id for b in run], dtype=torch.long)
-            payload = kernels.gather_blocks(self.pool.pool, ids)
+        queued = self.demoter.queued([b.key for b in blocks]) if self.demoter is not None else [False] * len(blocks)  # type: ignore[misc]
+        ask = [b.key for b, q in zip(blocks, queued, strict=True) if not q]
+        held = iter(self.store.contains(ask) if ask else ())
+        return [b for b, q in zip(blocks, queued, strict=True) if not q and not next(held)]
+
+    def _gather(self, run: list[Block]) -> torch.Tensor:
+        """A copy of the blocks' bytes out of the pool (they may be reused right after)."""
+        return kernels.gather_blocks(self.pool.pool, torch.tensor([b.block_id for b in run], dtype=torch.long))
+
+    def _demote_now(self, block_ids: list[int]) -> None:
+        for run in self._runs(self._unstored(block_ids)):
             try:
-                self.store.put([b.key for b in run], payload, tenant=run[0].tenant)
+                self.store.put([b.key for b in run], self._gather(run), tenant=run[0].tenant)
                 self.num_demoted += len(run)
             except KVStoreError:
                 self.num_dropped += len(run)  # the store is full of pinned or in-flight blocks

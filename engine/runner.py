@@ -40,7 +40,7 @@ class ModelRunner:
         self.device = kv_pool.device
         # a layer's K view strides blocks by kv_pool.stride(0) and token rows by stride(3)
         self.rows_per_block = kv_pool.stride(0) // kv_pool.stride(3)
-        # steps of one row run on a thread of their own whose torch ops use one thread
+        # steps of one short sequence (ONE_THREAD_ROWS) run on a thread whose torch ops use one thread
         self._one_thread = (OneThreadWorker() if self.device.type == "cpu" and torch.get_num_threads() > 1
                             else None)
 

@@ -1,8 +1,10 @@
-"""A worker thread whose torch ops run on one thread: where the engine runs its steps of one row.
+"""A worker thread whose torch ops run on one thread: where the engine runs its steps of one
+sequence and a few rows (engine/runner.py, ``ONE_THREAD_ROWS``).
 
 A step of one row (a decode step of one sequence, the last token of a prompt found whole) is
 a chain of small ops, ~40 a layer besides the products, each too small to gain from a second
-thread and each paying the OpenMP team's fork and join. On the 2-core EPYC, the bench model's
+thread and each paying the OpenMP team's fork and join; so are steps of up to 16 rows of one
+sequence (a prompt's last partial block over its cached prefix). On the 2-core EPYC, the bench model's
 one-row step over 2,047 cached tokens took 21.0-21.6 ms here against 23.0-23.3 ms on the
 caller's two threads (the best of 15 hits alternating between the two in one process; two
 processes), a decode step of one sequence 13.3-13.5 ms against 15.5 (docs/benchmarks.md, engine).
@@ -10,8 +12,8 @@ processes), a decode step of one sequence 13.3-13.5 ms against 15.5 (docs/benchm
 Why a thread of its own: torch's thread count is kept per OS thread, but
 ``torch.set_num_threads`` also sets the count a thread starts with, read at its first torch
 op. Lowering it around each step would have let any thread started meanwhile (a store's
-transfer thread, one of the application's) keep one thread for good, and steps of one row
-are most of an engine's time when it serves one sequence. Here the count is lowered once, on
+transfer thread, one of the application's) keep one thread for good, and such steps are
+most of an engine's time when it serves one sequence. Here the count is lowered once, on
 the worker, and the caller's is set back at once, so every other thread keeps its count.
 """
 

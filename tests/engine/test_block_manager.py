@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import TypeVar
 
 import torch
 
@@ -14,10 +15,15 @@ from tiers.device import DevicePool
 LAYOUT = KVLayout(num_layers=1, num_kv_heads=1, head_dim=4, block_size=2, dtype=torch.float32)
 
 
-def make(num_blocks: int = 6) -> tuple[BlockManager, TieredStore]:
-    store = TieredStore(StoreConfig(layout=LAYOUT, model_id="bm", host_bytes=16 * 4096))
+S = TypeVar("S", bound=TieredStore)
+
+
+def make(num_blocks: int = 6, store_type: type[S] = TieredStore, write_through: bool = False,  # type: ignore[assignment]
+         host_blocks: int = 16) -> tuple[BlockManager, S]:
+    """A BlockManager over a pool of ``num_blocks`` and a real store of ``store_type``."""
+    store = store_type(StoreConfig(layout=LAYOUT, model_id="bm", host_bytes=host_blocks * 4096))
     pool = DevicePool(num_blocks, LAYOUT.block_shape, LAYOUT.dtype)
-    return BlockManager(pool, LAYOUT.block_size, store), store
+    return BlockManager(pool, LAYOUT.block_size, store, write_through=write_through), store
 
 
 def test_allocate_share_release_and_evict_tail_first() -> None:
@@ -67,8 +73,7 @@ class GatedStore(TieredStore):
 
 
 def test_eviction_does_not_wait_for_the_store() -> None:
-    store = GatedStore(StoreConfig(layout=LAYOUT, model_id="bm", host_bytes=16 * 4096))
-    bm = BlockManager(DevicePool(2, LAYOUT.block_shape, LAYOUT.dtype), LAYOUT.block_size, store)
+    bm, store = make(2, GatedStore)
     keys = store.block_keys(list(range(4)))
     ids = bm.allocate(2)
     for i, b in enumerate(ids):
@@ -89,8 +94,7 @@ def test_eviction_does_not_wait_for_the_store() -> None:
 
 
 def test_demotions_over_the_bound_are_dropped_not_waited_for() -> None:
-    store = GatedStore(StoreConfig(layout=LAYOUT, model_id="bm", host_bytes=16 * 4096))
-    bm = BlockManager(DevicePool(4, LAYOUT.block_shape, LAYOUT.dtype), LAYOUT.block_size, store)
+    bm, store = make(4, GatedStore)
     assert bm.demoter is not None
     bm.demoter.max_pending_bytes = LAYOUT.bytes_per_block  # room for one queued block
     for salt in range(3):  # three separate one-block chains, evicted one at a time
@@ -140,8 +144,7 @@ def filled(*values: float) -> torch.Tensor:
 
 
 def test_write_through_stores_sealed_blocks_and_their_eviction_puts_nothing() -> None:
-    store = TieredStore(StoreConfig(layout=LAYOUT, model_id="bm", host_bytes=16 * 4096))
-    bm = BlockManager(DevicePool(4, LAYOUT.block_shape, LAYOUT.dtype), LAYOUT.block_size, store, write_through=True)
+    bm, store = make(4, write_through=True)
     keys = store.block_keys(list(range(6)))
     ids = seal_chain(bm, keys)
     assert store.contains(keys) == [False] * 3  # nothing before the step ends
@@ -174,8 +177,7 @@ def test_write_back_stores_nothing_before_eviction() -> None:
 
 
 def test_eviction_does_not_gather_blocks_a_write_through_holds() -> None:
-    store = GatedStore(StoreConfig(layout=LAYOUT, model_id="bm", host_bytes=16 * 4096))
-    bm = BlockManager(DevicePool(2, LAYOUT.block_shape, LAYOUT.dtype), LAYOUT.block_size, store, write_through=True)
+    bm, store = make(2, GatedStore, write_through=True)
     keys = store.block_keys(list(range(4)))
     ids = seal_chain(bm, keys)
     bm.write_sealed()  # queued; the put waits at the gate
@@ -194,8 +196,7 @@ def test_eviction_does_not_gather_blocks_a_write_through_holds() -> None:
 
 
 def test_fetched_blocks_are_not_written_through() -> None:
-    store = TieredStore(StoreConfig(layout=LAYOUT, model_id="bm", host_bytes=16 * 4096))
-    bm = BlockManager(DevicePool(4, LAYOUT.block_shape, LAYOUT.dtype), LAYOUT.block_size, store, write_through=True)
+    bm, store = make(4, write_through=True)
     keys = store.block_keys(list(range(4)))
     seal_chain(bm, keys, computed=False)  # as a fetch from the store seals them
     bm.write_sealed()
@@ -207,8 +208,7 @@ def test_fetched_blocks_are_not_written_through() -> None:
 
 
 def test_write_through_over_the_bound_is_skipped_and_demoted_at_eviction() -> None:
-    store = GatedStore(StoreConfig(layout=LAYOUT, model_id="bm", host_bytes=16 * 4096))
-    bm = BlockManager(DevicePool(4, LAYOUT.block_shape, LAYOUT.dtype), LAYOUT.block_size, store, write_through=True)
+    bm, store = make(4, GatedStore, write_through=True)
     assert bm.demoter is not None
     bm.demoter.max_pending_bytes = LAYOUT.bytes_per_block  # room for one queued block
     a, b = store.block_keys([1, 2])[0], store.block_keys([3, 4])[0]  # two one-block chains
@@ -240,8 +240,7 @@ class CountingStore(TieredStore):
 
 def test_background_puts_are_short_runs_heads_first() -> None:
     n = DEMOTE_RUN + 4
-    store = CountingStore(StoreConfig(layout=LAYOUT, model_id="bm", host_bytes=64 * 4096))
-    bm = BlockManager(DevicePool(n, LAYOUT.block_shape, LAYOUT.dtype), LAYOUT.block_size, store, write_through=True)
+    bm, store = make(n, CountingStore, write_through=True, host_blocks=64)
     keys = store.block_keys(list(range(2 * n)))
     seal_chain(bm, keys)
     bm.write_sealed()
