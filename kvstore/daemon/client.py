@@ -350,14 +350,16 @@ class StoreClient:
         return FetchHandle(self._executor.submit(run), len(keys))
 
     def _read(self, keys: Sequence[bytes], out: torch.Tensor) -> FetchResult:
-        dst = out.view(torch.uint8).reshape(len(keys), self._payload)
+        """The leading run of found blocks into ``out`` (the layout's blocks, contiguous, CPU).
+        ``out`` stays typed down to the copies (PayloadViews views the pool as its rows): a
+        byte view of it is made only for the socket path."""
         if self._commit is not None:  # once the last put is settled its slots are remembered: lock-free reads
             with self._lock:
                 self._settle()
         tiers: list[str] = []
         for start in range(0, len(keys), self.max_blocks):
             chunk = keys[start : start + self.max_blocks]
-            got = self._read_chunk(chunk, dst[start : start + len(chunk)])
+            got = self._read_chunk(chunk, out if len(chunk) == len(out) else out[start : start + len(chunk)])
             tiers += got
             if len(got) < len(chunk):
                 break
@@ -373,7 +375,7 @@ class StoreClient:
             if n == len(keys):
                 return tiers
         rest = keys[len(tiers) :]
-        view = dst[len(tiers) :].numpy().data.cast("B")
+        view = raw_rows(dst[len(tiers) :]).numpy().data.cast("B")
         reply = self._call({"op": "get", "keys": self._keys_blob(rest)}, into=view)[0]
         return tiers + [TIER_NAMES[c] for c in reply.get("tiers", "h" * reply["num_blocks"])]
 
@@ -383,8 +385,8 @@ class StoreClient:
         copy (the daemon bumps it before the slot can be reused, so then no other bytes were in
         it). Returns how many leading rows of ``dst`` hold their block; the daemon is told (no
         reply)."""
-        gens_now = self._generations
-        if gens_now is None or self._payloads is None:
+        mapped = self._mapped
+        if self._generations is None or self._payloads is None or mapped is None:
             return 0
         slots: list[int] = []
         gens: list[int] = []
@@ -396,12 +398,13 @@ class StoreClient:
             gens.append(hit[1])
         if not slots:
             return 0
-        idx = np.asarray(slots, dtype=np.intp)
-        want = np.asarray(gens, dtype=np.uint64)
-        n = _leading_true(gens_now[idx] == want)  # known stale before the copy: not copied
+        # The generations are read one by one (a few dozen: numpy's setup would cost more
+        # than the reads, several times more when the caches are cold, as a serving get finds them).
+        n = _same_prefix(mapped.generations_of(slots), gens)  # known stale before the copy: not copied
         if n:
-            self._payloads.read(slots[:n], dst[:n])  # torch's own copy: nothing runs beside a read
-            n = _leading_true(gens_now[idx[:n]] == want[:n])  # after: the copy is valid
+            # torch's own copy (nothing runs beside a read), into the caller's typed rows
+            self._payloads.read(slots if n == len(slots) else slots[:n], dst if n == len(dst) else dst[:n])
+            n = _same_prefix(mapped.generations_of(slots[:n]), gens)  # after: the copy is valid
         for key in keys[n : len(slots)]:
             self._slots.pop(key, None)  # maybe stale: the next lease names the slot again
         if n:
@@ -547,10 +550,16 @@ def _unreachable(exc: OSError, url: str, tried: str) -> OSError:
     return type(exc)(exc.errno, message) if exc.errno is not None else type(exc)(message)
 
 
-def _leading_true(flags: np.ndarray) -> int:
-    """How many leading entries of a bool array are True."""
-    false = np.flatnonzero(~flags)
-    return int(false[0]) if len(false) else len(flags)
+def _same_prefix(now: list[int], want: list[int]) -> int:
+    """How many leading entries of ``now`` equal those of ``want``."""
+    if now == want:
+        return len(now)
+    n = 0
+    for a, b in zip(now, want, strict=False):
+        if a != b:
+            break
+        n += 1
+    return n
 
 
 def _as_exception(code: int, message: str) -> Exception:

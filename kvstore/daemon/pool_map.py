@@ -66,7 +66,8 @@ class MappedPool:
         return platform.machine().lower() in LOCK_FREE_MACHINES
 
     def generations_of(self, slots: list[int]) -> list[int]:
-        """The current generation of each slot (the caller holds the slots, so they are stable)."""
+        """The current generation of each slot: stable while the caller holds the slots under
+        a lease; otherwise what a lock-free read compares before and after its copy."""
         if self.generations is None or not slots:
             return []
         if self._generation_list is not None:  # a few dozen slots: plain indexing beats numpy's setup
