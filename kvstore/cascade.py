@@ -113,7 +113,7 @@ class Cascade:
 
     def start_writing(self, entries: Sequence[BlockEntry], landing: int) -> None:
         """``entries`` are on their way into level ``landing`` by a write outside the lock (a
-        write-through put's, a deferred demotion's): held as being read (never evicted or
+        big put's host copy, a write-through put's, a deferred demotion's): held as being read (never evicted or
         deleted), and ``writing`` until ``end_writing``."""
         for entry in entries:
             entry.writing, entry.landing = True, landing

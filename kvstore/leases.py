@@ -62,7 +62,7 @@ class HostLeases:
             held: list[BlockEntry] = []
             for key in keys if cascade.shared else keys[: match.num_blocks]:
                 entry = cascade.index.get(key)
-                if entry is None or entry.slots[0] is None:
+                if entry is None or entry.slots[0] is None or entry.writing:  # a big put still copying in
                     break
                 held.append(entry)
             return self._hold(held)
@@ -72,7 +72,7 @@ class HostLeases:
         with cascade.lock:
             cascade.check_open()
             found = [cascade.index.get(key) for key in keys]
-            held = [entry for entry in found if entry is not None and entry.slots[0] is not None]
+            held = [entry for entry in found if entry is not None and entry.slots[0] is not None and not entry.writing]
             if not keys or len(held) < len(keys):
                 return []
             cascade.count_lookup((cascade.host.name,) * len(keys), len(keys))

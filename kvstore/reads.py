@@ -37,8 +37,9 @@ from kvstore.index import BlockEntry, PrefixMatch
 from kvstore.layout import raw_rows
 from kvstore.transfer import FetchResult
 
-# A host-only read up to this size copies under the store lock (a put copies under it too):
-# marking and releasing each block as being read costs more than such a copy holds the lock.
+# A host-only read up to this size copies under the store lock: marking and releasing each
+# block as being read costs more than such a copy holds the lock. (A put copies under it only
+# below writes.UNLOCKED_COPY_BYTES: its blocks are new, marked as being written in one pass.)
 LOCKED_COPY_BYTES = 64 << 20
 
 

@@ -31,7 +31,7 @@ from kvstore.levels.build import build_levels, build_shared
 from kvstore.listeners import StoreListener
 from kvstore.reads import ReadPath
 from kvstore.transfer import FetchHandle, FetchResult
-from kvstore.writes import WritePath
+from kvstore.writes import HostWrite, WritePath
 from tiers.records import check_name
 
 # Lookups made while another thread held the store lock wait in a queue to be counted (see
@@ -123,11 +123,14 @@ class TieredStore:
                 with self._lock:
                     cascade.wait_written(keys[start:stop])  # another put or a demotion writing some
                     cascade.check_open()
-                    durable = self._writes.put(keys, start, stop, src, tenant)
+                    pending = self._writes.put(keys, start, stop, src, tenant)
+                if isinstance(pending, HostWrite):  # a big put's copy, outside the lock: its blocks
+                    self._writes.finish(pending)  # are published before the demotions are written down
+                    pending = None
             finally:
                 cascade.write_owed()  # disk writes of the demotions it made room with, lock free
-            if durable is not None:  # write-through: the disk write, outside the lock
-                self._writes.finish(durable)
+            if pending is not None:  # write-through: the disk write, outside the lock
+                self._writes.finish(pending)
 
     # ----------------------------------------------------------------------------- reads
 

@@ -15,6 +15,12 @@ being read (never evicted); they return a ``DurableWrite``, and ``finish`` (lock
 it down, then publishes it in both levels under the lock, or undoes it. The caller has waited
 for its keys (``wait_written``) before ``put`` or ``commit``: none is being written.
 
+A big put copies into host RAM outside the store lock too (``HostWrite``): ``put`` (lock held)
+places the blocks in their slots and marks them ``writing``; the caller copies with ``finish``
+(lock free), which then announces them under the lock. Another thread's get, fetch or lease of
+other blocks does not wait behind that copy; a get of these blocks waits for them, as for a
+write-through put's, and a lease stops short of them (``HostLeases``).
+
 ``put``, ``commit`` and ``finish_on_host`` run with the store lock held; ``finish`` takes it.
 """
 
@@ -55,6 +61,22 @@ class DurableWrite:
     error: KVStoreError | None = None  # raised once the write settled (a put's tails found no room)
 
 
+UNLOCKED_COPY_BYTES = 1 << 20  # a put's host copy this big or bigger runs outside the store lock
+
+
+@dataclass
+class HostWrite:
+    """A put between its two halves when its copy into host RAM runs outside the store lock:
+    ``placed`` (chain order) are placed in their ``slots`` but ``writing`` and read-held until
+    the copy from ``src`` (their rows put) is done."""
+
+    placed: list[BlockEntry]
+    slots: list[int]
+    src: torch.Tensor
+    refreshed: list[bytes]  # keys of the same chain host held already: touched after the placement
+    raw: list[torch.Tensor] | None  # the bytes put, for shared levels taking puts
+
+
 class WritePath:
     def __init__(self, cascade: Cascade, *, write_through: bool) -> None:
         self.cascade = cascade
@@ -71,10 +93,12 @@ class WritePath:
         a shared level (listeners are told, as always)."""
         return not self.write_through and not self.takers
 
-    def put(self, keys: list[bytes], start: int, stop: int, src: torch.Tensor, tenant: str) -> DurableWrite | None:
+    def put(self, keys: list[bytes], start: int, stop: int, src: torch.Tensor, tenant: str
+            ) -> DurableWrite | HostWrite | None:
         """Store blocks ``src[start:stop]`` (the layout's ``[n, *block_shape]``, contiguous,
-        CPU) under ``keys[start:stop]``. Under write-through, returns the disk half for
-        ``finish`` (None when no block is new to host); ``src`` must live until then.
+        CPU) under ``keys[start:stop]``. Returns what ``finish`` does outside the lock: under
+        write-through the disk half, for a big put the host copy (see ``HostWrite``); None when
+        nothing is left. ``src`` must live until then.
 
         Raises:
             CapacityError: some blocks found no slot in any level (nothing of them is kept).
@@ -143,7 +167,7 @@ class WritePath:
         return entries, fresh
 
     def _store_fresh(self, entries: list[BlockEntry], fresh: list[int], src: torch.Tensor,
-                     refreshed: list[bytes]) -> DurableWrite | None:
+                     refreshed: list[bytes]) -> DurableWrite | HostWrite | None:
         cascade, host = self.cascade, self.cascade.host
         if host.num_free < len(fresh):
             cascade.make_room(0, len(fresh) - host.num_free)
@@ -153,17 +177,15 @@ class WritePath:
         rows = fresh[:n_host]
         placed = entries[:n_host]
         durable = self.write_through and bool(placed)
+        if (not durable and n_host == len(fresh) and host.coding is None
+                and n_host * host.payload_bytes >= UNLOCKED_COPY_BYTES):
+            return self._begin_host_copy(placed, slots, self._rows(src, rows), refreshed)
         if not durable:
             # Placed before the copy, which evicts the entries from the CPU caches: no reader
             # sees them before the store lock is let go (see Cascade.place).
             cascade.place(0, placed, slots)
         try:
-            if not rows:
-                written = True
-            elif rows[-1] - rows[0] == n_host - 1:  # consecutive rows: no gather copy
-                written = host.write(placed, slots, src[rows[0] : rows[-1] + 1])
-            else:
-                written = host.write(placed, slots, src.index_select(0, torch.tensor(rows, dtype=torch.long)))
+            written = not rows or host.write(placed, slots, self._rows(src, rows))
         except BaseException:
             self._unstore(entries, placed, slots)
             raise
@@ -215,6 +237,44 @@ class WritePath:
             pending.error = error  # raised once the heads' write settles
         return pending
 
+    @staticmethod
+    def _rows(src: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """``src``'s rows ``rows`` (ascending): a view when they are consecutive, else a gather."""
+        if rows[-1] - rows[0] == len(rows) - 1:
+            return src[rows[0] : rows[-1] + 1]
+        return src.index_select(0, torch.tensor(rows, dtype=torch.long))
+
+    def _begin_host_copy(self, placed: list[BlockEntry], slots: list[int], rows: torch.Tensor,
+                         refreshed: list[bytes]) -> HostWrite:
+        """A ``HostWrite``'s first half (lock held): ``placed`` take their ``slots`` (placed
+        now, while their entries are in the CPU caches) and are marked as being written into
+        host RAM: whoever needs them waits for ``finish``, and they are never evicted."""
+        cascade = self.cascade
+        raw: list[torch.Tensor] | None = None
+        if self.takers:  # the bytes put, for the shared levels that take puts
+            raw = list(raw_rows(rows))
+        cascade.place(0, placed, slots)
+        cascade.start_writing(placed, 0)
+        return HostWrite(placed, slots, rows, refreshed, raw)
+
+    def _finish_host_copy(self, w: HostWrite) -> None:
+        """A ``HostWrite``'s second half (lock free): copy, then announce under the lock; if the
+        copy raises, nothing of it is kept and the slots are free again."""
+        cascade = self.cascade
+        try:
+            cascade.host.write(w.placed, w.slots, w.src)
+        except BaseException:
+            with cascade.lock:
+                cascade.end_writing(w.placed)
+                self._unstore(w.placed, w.placed, w.slots)
+            raise
+        with cascade.lock:
+            cascade.end_writing(w.placed)  # waiters wake once the lock is let go, on what follows
+            index = cascade.index
+            # a key host held at the put may have left it meanwhile: only those still there
+            refreshed = [k for k in w.refreshed if (e := index.get(k)) is not None and e.slots[0] is not None]
+            self.finish_on_host(w.placed, refreshed, w.raw)
+
     def _unstore(self, entries: list[BlockEntry], placed: list[BlockEntry], slots: list[int]) -> None:
         """A host write failed: its blocks leave host again (and the index, where no level
         holds them), and the slots are free."""
@@ -250,7 +310,15 @@ class WritePath:
         return DurableWrite(placed, host_slots, [e for e, _ in todo], [p for _, p in todo],  # type: ignore[misc]
                             below_slots, missing, refreshed, raw, num_reserved, unused, own_slots, short_of)
 
-    def finish(self, w: DurableWrite) -> None:
+    def finish(self, w: DurableWrite | HostWrite) -> None:
+        """The half of a put or commit that ``put``/``commit`` left for after the lock: a big
+        put's host copy (``HostWrite``), or write-through's disk write (``DurableWrite``)."""
+        if isinstance(w, HostWrite):
+            self._finish_host_copy(w)
+        else:
+            self._finish_durable(w)
+
+    def _finish_durable(self, w: DurableWrite) -> None:
         """Write-through's second half (lock free): write ``w``'s blocks to the level below,
         then, under the lock, publish them there and on host; or, when some did not get
         there, publish on host none of them (those written stay below), and raise.

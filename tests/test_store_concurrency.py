@@ -18,18 +18,24 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvstore import CapacityError, TieredStore
+from tiers.host import HostTier
 
 from factories import blocks_for, chain, make_store, run_in_threads
 
 
 @pytest.mark.parametrize("write_policy", ["write_back", "write_through"])
 @pytest.mark.parametrize("locked_copy_bytes", [64 << 20, 0], ids=["host-copy-under-lock", "host-copy-marked-read"])
+@pytest.mark.parametrize("unlocked_put_bytes", [1 << 40, 0], ids=["put-copy-under-lock", "put-copy-unlocked"])
 def test_threads_put_get_lookup_fetch_concurrently(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                   locked_copy_bytes: int, write_policy: str) -> None:
+                                                   locked_copy_bytes: int, write_policy: str,
+                                                   unlocked_put_bytes: int) -> None:
     """Both ways a host-only get copies (under the store lock, or with its blocks marked as
     being read when it is too large for that) hold under concurrent puts and evictions; under
-    write-through, with puts writing to disk outside the lock, some of the same chains."""
+    write-through, with puts writing to disk outside the lock, some of the same chains; under
+    write-back, with puts copying into host RAM outside the lock (``unlocked_put_bytes`` 0:
+    every put does)."""
     monkeypatch.setattr("kvstore.reads.LOCKED_COPY_BYTES", locked_copy_bytes)
+    monkeypatch.setattr("kvstore.writes.UNLOCKED_COPY_BYTES", unlocked_put_bytes)
     store = make_store(tmp_path, host_blocks=12, disk_blocks=40, write_policy=write_policy)
     chains = [chain(store, 1 + s % 4, salt=s) for s in range(30)]
     def worker(seed: int) -> None:
@@ -116,6 +122,132 @@ def test_a_lookup_does_not_wait_for_the_store_lock(tmp_path: Path) -> None:
     assert store.lookup(other).num_blocks == 2  # the put went through
     # made without the lock, counted once it was free: 5 lookups of 2 host blocks, 1 more now
     assert store.stats()["host"]["hits"] == hits + 12
+    store.check_integrity()
+    store.close()
+
+
+class HeldUpHostCopy:
+    """Holds up the host-RAM copies of puts of ``num_blocks`` blocks until ``gate`` is set
+    (the real copy then runs), or makes them fail with ``fail``. Each held-up copy first asks,
+    from another thread, whether the store lock is free (``contains(blocking=False)``)."""
+
+    def __init__(self, store: TieredStore, num_blocks: int, probe: list[bytes]) -> None:
+        self.store, self.num_blocks, self.probe = store, num_blocks, probe
+        self.inside, self.gate = threading.Event(), threading.Event()
+        self.lock_free: list[bool] = []  # per held-up copy: the store lock was free during it
+        self.fail: Exception | None = None
+
+    def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        real = HostTier.write
+
+        def write(tier: HostTier, slots: list[int], src: torch.Tensor) -> None:
+            if len(slots) == self.num_blocks:
+                answer: list[list[bool] | None] = []
+                prober = threading.Thread(target=lambda: answer.append(self.store.contains(self.probe, blocking=False)))
+                prober.start()
+                prober.join(10)
+                self.lock_free.append(answer == [[True] * len(self.probe)])
+                if self.fail is not None:
+                    raise self.fail
+                self.inside.set()
+                self.gate.wait(10)
+            real(tier, slots, src)
+
+        monkeypatch.setattr(HostTier, "write", write)
+
+
+class StoredKeys:
+    """A listener that records the keys host RAM announced."""
+
+    def __init__(self) -> None:
+        self.keys: list[bytes] = []
+
+    def blocks_stored(self, tier: str, keys: list[bytes], parents: list[bytes | None]) -> None:
+        if tier == "host":
+            self.keys += keys
+
+    def blocks_removed(self, tier: str, keys: list[bytes]) -> None:
+        pass
+
+
+def test_a_big_puts_copy_runs_outside_the_store_lock(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A put of ``UNLOCKED_COPY_BYTES`` or more copies into host RAM with the store lock free:
+    gets of other blocks go on meanwhile; its own blocks are found by lookups and waited for
+    by gets (which then return exactly the bytes put), and are announced once copied."""
+    store = make_store(tmp_path, host_blocks=16, disk_blocks=32)
+    payload = store.layout.bytes_per_block
+    monkeypatch.setattr("kvstore.writes.UNLOCKED_COPY_BYTES", 4 * payload)
+    held = chain(store, 2, salt=1)
+    store.put(held, blocks_for(held))
+    copies = HeldUpHostCopy(store, 4, probe=held)
+    copies.install(monkeypatch)
+    stored = StoredKeys()
+    store.add_listener(stored)
+    big = chain(store, 4, salt=2)
+    putter = threading.Thread(target=store.put, args=(big, blocks_for(big)))
+    putter.start()
+    got: list[torch.Tensor] = []
+    try:
+        assert copies.inside.wait(30)  # the big put is copying now
+        started = time.monotonic()
+        assert torch.equal(store.get(held), blocks_for(held))
+        waited = time.monotonic() - started
+        assert store.lookup(big).tiers == ("host",) * 4
+        assert store.contains(big) == [True] * 4
+        assert not set(big) & set(stored.keys)  # not announced before their bytes are in
+        # a shared-memory lease (the daemon's) never hands out a slot still being copied into
+        assert store.acquire_host(big) == [] and store.acquire_host(big, host_only=True) == []
+        reader = threading.Thread(target=lambda: got.append(store.get(big)))
+        reader.start()
+    finally:
+        copies.gate.set()
+        putter.join(30)
+    reader.join(30)
+    assert waited < 2.0, f"a get of other blocks waited {waited:.1f} s for the put's copy"
+    assert copies.lock_free == [True]
+    assert len(got) == 1 and torch.equal(got[0], blocks_for(big))
+    assert set(big) <= set(stored.keys)
+    store.check_integrity()
+    store.close()
+
+
+def test_a_small_puts_copy_holds_the_store_lock(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = make_store(tmp_path, host_blocks=16)
+    monkeypatch.setattr("kvstore.writes.UNLOCKED_COPY_BYTES", 4 * store.layout.bytes_per_block)
+    held = chain(store, 2, salt=1)
+    store.put(held, blocks_for(held))
+    copies = HeldUpHostCopy(store, 3, probe=held)
+    copies.install(monkeypatch)
+    copies.gate.set()
+    keys = chain(store, 3, salt=2)
+    store.put(keys, blocks_for(keys))
+    assert copies.lock_free == [False]
+    assert torch.equal(store.get(keys), blocks_for(keys))
+    store.close()
+
+
+def test_a_put_whose_unlocked_copy_fails_keeps_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The copy raises: so does the put, none of its blocks is found, its slots are free
+    again, and the same put succeeds afterwards."""
+    store = make_store(tmp_path, host_blocks=16, disk_blocks=32)
+    monkeypatch.setattr("kvstore.writes.UNLOCKED_COPY_BYTES", 0)
+    held = chain(store, 2, salt=1)
+    store.put(held, blocks_for(held))
+    used = store.stats()["host"]["used_bytes"]
+    copies = HeldUpHostCopy(store, 4, probe=held)
+    copies.fail = RuntimeError("the copy broke")
+    copies.install(monkeypatch)
+    keys = chain(store, 4, salt=2)
+    with pytest.raises(RuntimeError, match="the copy broke"):
+        store.put(keys, blocks_for(keys))
+    assert store.lookup(keys).num_blocks == 0
+    assert store.contains(keys) == [False] * 4
+    assert store.stats()["host"]["used_bytes"] == used
+    store.check_integrity()
+    copies.fail = None
+    copies.gate.set()
+    store.put(keys, blocks_for(keys))
+    assert torch.equal(store.get(keys), blocks_for(keys))
     store.check_integrity()
     store.close()
 

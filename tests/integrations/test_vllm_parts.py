@@ -183,7 +183,15 @@ def test_a_daemon_that_stops_answering_stalls_lookups_once_per_outage(tmp_path: 
     store = GuardedStore(settings, LAYOUT, "m", timeout_s=settings.lookup_timeout_s)  # as the connector does
     try:
         keys = store.block_keys(list(range(16)), "")
-        assert keys is not None and store.put(keys, torch.randn(2, *LAYOUT.block_shape))
+        assert keys is not None
+        # Set-up: the put syncs the daemon's disk (write-through), which on a busy machine can
+        # outlast the 0.5 s timeout; then the store is down until its reconnection, and the
+        # put is tried again.
+        deadline = time.monotonic() + 30
+        while not store.put(keys, torch.randn(2, *LAYOUT.block_shape)):
+            assert time.monotonic() < deadline, "the daemon never took the first put"
+            while not store.is_up and time.monotonic() < deadline:
+                time.sleep(0.05)
         assert store.lookup(keys).num_blocks == 2
         os.kill(daemon.proc.pid, signal.SIGSTOP)
         started = time.monotonic()
