@@ -396,7 +396,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("bench", help="measure kvstore against same-run baselines")
     targets = parser.add_subparsers(dest="target", metavar="TARGET")
     targets.required = True
-    tiers = targets.add_parser("tiers", help="host/disk tier throughput and key hashing vs baselines")
+    tiers = targets.add_parser("tiers", help="host/disk tier throughput, key hashing, a get beside puts vs baselines")
     tiers.add_argument("--host-blocks", type=positive(int), default=128, help="blocks per host get/put (default 128)")
     tiers.add_argument("--disk-blocks", type=positive(int), default=256, help="blocks per disk read/write (default 256)")
     tiers.add_argument("--repeat", type=positive(int), default=5, help="repetitions; the best is kept (default 5)")
