@@ -28,7 +28,7 @@ from kvstore.events.wire import GPU
 from tiers.device import DevicePool
 
 # Blocks per background put: a put holds the store lock while it indexes its blocks and takes
-# their slots (and through its copy, when that is under 1 MiB: kvstore/writes.py), and a fetch
+# their slots (and through its copy, below writes.UNLOCKED_COPY_BYTES), and a fetch
 # of the request being admitted waits for it; short puts let those in between.
 DEMOTE_RUN = 16
 

@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from kvstore import writes
 from kvstore.argtypes import positive
 from kvstore.config import StoreConfig
 from kvstore.layout import KVLayout
@@ -142,8 +143,6 @@ def bench_get_beside_puts(seconds: float) -> list[Row]:
     each deleted again), against the same with every put copying under the store lock, as
     puts did before ``writes.UNLOCKED_COPY_BYTES``: how long a load waits behind a save (the
     vLLM connector's saver thread, the engine's demoter). Both sides alternate in rounds."""
-    from kvstore import writes
-
     layout = BENCH_LAYOUT
     store = TieredStore(StoreConfig(layout=layout, model_id="bench",
                                     host_bytes=(GET_BLOCKS + PUT_BLOCKS + 16) * layout.bytes_per_block))
@@ -193,9 +192,9 @@ def bench_get_beside_puts(seconds: float) -> list[Row]:
     finally:
         writes.UNLOCKED_COPY_BYTES = unlocked
         store.close()
-    p99 = lambda times: float(np.percentile(times, 99))  # noqa: E731
     return [Row(f"host get of {GET_BLOCKS} x {layout.bytes_per_block // 1024} KiB beside a thread putting "
-                f"{PUT_BLOCKS}-block batches, p99 ({len(ours)} gets)", p99(ours), p99(locked),
+                f"{PUT_BLOCKS}-block batches, p99 ({len(ours)} gets)", float(np.percentile(ours, 99)),
+                float(np.percentile(locked, 99)),
                 "same, every put copying under the store lock", ">= 2x", ratio_kind="lower")]
 
 

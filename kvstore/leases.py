@@ -62,7 +62,7 @@ class HostLeases:
             held: list[BlockEntry] = []
             for key in keys if cascade.shared else keys[: match.num_blocks]:
                 entry = cascade.index.get(key)
-                if entry is None or entry.slots[0] is None or entry.writing:  # a big put still copying in
+                if entry is None or not _readable_on_host(entry):
                     break
                 held.append(entry)
             return self._hold(held)
@@ -72,7 +72,7 @@ class HostLeases:
         with cascade.lock:
             cascade.check_open()
             found = [cascade.index.get(key) for key in keys]
-            held = [entry for entry in found if entry is not None and entry.slots[0] is not None and not entry.writing]
+            held = [entry for entry in found if entry is not None and _readable_on_host(entry)]
             if not keys or len(held) < len(keys):
                 return []
             cascade.count_lookup((cascade.host.name,) * len(keys), len(keys))
@@ -148,3 +148,8 @@ class HostLeases:
         if durable is not None:  # write-through: the disk write, outside the lock
             self.writes.finish(durable)
         return True
+
+
+def _readable_on_host(entry: BlockEntry) -> bool:
+    """Whether host RAM holds the block's bytes: a slot, and no put still copying into it."""
+    return entry.slots[0] is not None and not entry.writing

@@ -270,10 +270,12 @@ class WritePath:
             raise
         with cascade.lock:
             cascade.end_writing(w.placed)  # waiters wake once the lock is let go, on what follows
-            index = cascade.index
-            # a key host held at the put may have left it meanwhile: only those still there
-            refreshed = [k for k in w.refreshed if (e := index.get(k)) is not None and e.slots[0] is not None]
-            self.finish_on_host(w.placed, refreshed, w.raw)
+            self.finish_on_host(w.placed, self._still_on_host(w.refreshed), w.raw)
+
+    def _still_on_host(self, keys: list[bytes]) -> list[bytes]:
+        """Those of ``keys`` (held on host at a put's first half) that host still holds (lock held)."""
+        index = self.cascade.index
+        return [k for k in keys if (e := index.get(k)) is not None and e.slots[0] is not None]
 
     def _unstore(self, entries: list[BlockEntry], placed: list[BlockEntry], slots: list[int]) -> None:
         """A host write failed: its blocks leave host again (and the index, where no level
@@ -347,10 +349,7 @@ class WritePath:
             if acknowledged:
                 cascade.end_reservation(w.num_reserved, w.unused)
                 cascade.place(0, w.placed, w.host_slots)
-                index = cascade.index
-                # a key host held at the put may have left it meanwhile: only those still there
-                refreshed = [k for k in w.refreshed if (e := index.get(k)) is not None and e.slots[0] is not None]
-                self.finish_on_host(w.placed, refreshed, w.raw)
+                self.finish_on_host(w.placed, self._still_on_host(w.refreshed), w.raw)
             else:
                 if w.own_slots:
                     cascade.end_reservation(w.num_reserved, w.host_slots)
