@@ -32,7 +32,7 @@ from kvstore.daemon.connection import Connection
 from kvstore.daemon.ops import Ops, Session
 from kvstore.daemon.protocol import ProtocolError
 from kvstore.daemon.registry import Registry, Tokens
-from kvstore.daemon.shm import Leases
+from kvstore.daemon.shm import Leases, leases_per_connection
 from kvstore.errors import ConfigError, TierError
 from kvstore.http_serving import bind, freeze_start_heap, stop_on_signals, uvicorn_server
 
@@ -51,7 +51,7 @@ class Daemon:
             raise ConfigError(f"{exposed[0]} is off loopback: a token is required "
                               "(--token, KVSTORE_TOKEN or a tokens file that defines one)")
         self.registry = Registry(config, tokens)
-        self.leases = Leases(config.lease_s, max_per_conn=2 * config.max_inflight)
+        self.leases = Leases(config.lease_s, max_per_conn=leases_per_connection(config.max_inflight))
         self.ops = Ops(config, self.registry, self.leases)
         self.pool = ThreadPoolExecutor(max(4, 2 * (os.cpu_count() or 2)), thread_name_prefix="kvstore-op")
         self.addresses: list[str] = []

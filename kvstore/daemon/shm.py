@@ -15,11 +15,23 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass
 from typing import overload
 
 from kvstore.daemon.protocol import Code, ProtocolError
 from kvstore.daemon.registry import NamespaceState
+
+# Write leases a client may keep besides those of its requests in flight: the Python client
+# keeps up to two reserved ahead for its next puts, and one more is live while its last put's
+# commit is on its way.
+STANDING_WRITE_LEASES = 3
+
+
+def leases_per_connection(max_inflight: int) -> int:
+    """The most leases one connection may hold: one for each request in flight and for each
+    release still on its way, plus ``STANDING_WRITE_LEASES``."""
+    return 2 * max_inflight + STANDING_WRITE_LEASES
 
 
 @dataclass
@@ -35,7 +47,11 @@ class Lease:
 
 
 class Leases:
-    """Every live lease of the daemon. Thread-safe; store calls happen outside its lock."""
+    """Every live lease of the daemon. Thread-safe; store calls happen outside its lock.
+
+    A connection holds at most ``max_per_conn`` live leases: a client that takes leases and
+    never commits or releases them is refused (``Code.LEASE``) before it can pin host RAM.
+    """
 
     def __init__(self, lease_s: float, max_per_conn: int) -> None:
         self.lease_s = lease_s
@@ -43,24 +59,43 @@ class Leases:
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self._live: dict[int, Lease] = {}
+        self._held: Counter[int] = Counter()  # connection -> its live leases and grants under way
         self._quarantine: list[Lease] = []
         self.num_expired = 0
 
+    def _claim(self, conn: int) -> None:
+        """Count a grant under way against the connection's limit (checked and counted in
+        one step, so requests of one connection running on several threads cannot pass it)."""
+        with self._lock:
+            held = self._held[conn]
+            if held >= self.max_per_conn:
+                raise ProtocolError(Code.LEASE, f"connection holds {held} leases, the limit is {self.max_per_conn}; "
+                                    "release or commit some first")
+            self._held[conn] = held + 1
+
+    def _unclaim_locked(self, conn: int) -> None:
+        self._held[conn] -= 1
+        if self._held[conn] <= 0:
+            del self._held[conn]
+
+    def _unclaim(self, conn: int) -> None:
+        with self._lock:
+            self._unclaim_locked(conn)
+
     def _add(self, lease: Lease) -> Lease:
+        """Make a claimed grant live."""
         with self._lock:
             self._live[lease.id] = lease
         return lease
 
-    def _check_room(self, conn: int) -> None:
-        with self._lock:
-            held = sum(1 for lease in self._live.values() if lease.conn == conn)
-        if held >= self.max_per_conn:
-            raise ProtocolError(Code.LEASE, f"connection holds {held} leases, the limit is {self.max_per_conn}")
-
     def grant_read(self, conn: int, state: NamespaceState, keys: list[bytes], tenant: str) -> Lease:
         """Hold the leading run of ``keys`` that is (or can be brought) in host RAM."""
-        self._check_room(conn)
-        slots = state.store.acquire_host(keys)
+        self._claim(conn)
+        try:
+            slots = state.store.acquire_host(keys)
+        except BaseException:
+            self._unclaim(conn)
+            raise
         lease = Lease(next(self._ids), "read", conn, state, keys[: len(slots)], slots, tenant,
                       time.monotonic() + self.lease_s)
         return self._add(lease)
@@ -77,16 +112,23 @@ class Leases:
         """Reserve one free host slot per key (CapacityError when none can be freed; with
         ``evict=False``, when fewer are free). Without ``blocking``: None instead of waiting
         for the store lock (see TieredStore.reserve_host)."""
-        self._check_room(conn)
-        slots = state.store.reserve_host(len(keys), evict=evict, blocking=blocking)
+        self._claim(conn)
+        try:
+            slots = state.store.reserve_host(len(keys), evict=evict, blocking=blocking)
+        except BaseException:
+            self._unclaim(conn)
+            raise
         if slots is None:
+            self._unclaim(conn)
             return None
         lease = Lease(next(self._ids), "write", conn, state, keys, slots, tenant, time.monotonic() + self.lease_s)
         return self._add(lease)
 
     def put_back(self, lease: Lease) -> None:
         """Make a lease ``take`` returned live again (nothing was done with it)."""
-        self._add(lease)
+        with self._lock:
+            self._live[lease.id] = lease
+            self._held[lease.conn] += 1
 
     def take(self, conn: int, lease_id: int, kind: str) -> Lease | None:
         """Remove and return a live lease of this connection; None if unknown or expired."""
@@ -96,6 +138,7 @@ class Leases:
                 return None
             if time.monotonic() > lease.deadline:
                 return None  # expire() releases it
+            self._unclaim_locked(conn)
             return self._live.pop(lease_id)
 
     def expire(self, now: float | None = None) -> int:
@@ -105,6 +148,7 @@ class Leases:
             dead = [lease for lease in self._live.values() if now > lease.deadline]
             for lease in dead:
                 del self._live[lease.id]
+                self._unclaim_locked(lease.conn)
             free = [lease for lease in self._quarantine if now > lease.deadline + self.lease_s]
             self._quarantine = [lease for lease in self._quarantine if now <= lease.deadline + self.lease_s]
             self._quarantine += [lease for lease in dead if lease.kind == "write"]
@@ -123,6 +167,7 @@ class Leases:
             mine += [lease for lease in self._quarantine if lease.conn == conn]
             for lease in mine:
                 self._live.pop(lease.id, None)
+            self._held.pop(conn, None)
             self._quarantine = [lease for lease in self._quarantine if lease.conn != conn]
         for lease in mine:
             if lease.kind == "read":
