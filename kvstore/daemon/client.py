@@ -463,28 +463,41 @@ class StoreClient:
             self._slots.clear()  # stale entries cost only a lease; keep the map small
         self._slots.update(zip(keys, zip(slots, gens, strict=True), strict=True))
 
+    def _key_batches(self, keys: Sequence[bytes]) -> list[Sequence[bytes]]:
+        """``keys`` in requests of at most the daemon's ``max_keys`` (the frame bounds them)."""
+        return [keys[start : start + self.max_keys] for start in range(0, len(keys), self.max_keys)]
+
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
-        return list(self._call({"op": "exists", "keys": self._keys_blob(keys)})[0]["found"])
+        found: list[bool] = []
+        for batch in self._key_batches(keys):
+            found += self._call({"op": "exists", "keys": self._keys_blob(batch)})[0]["found"]
+        return found
 
     def exists(self, keys: Sequence[bytes]) -> list[bool]:
         return self.contains(keys)
 
     def delete(self, keys: Sequence[bytes]) -> int:
-        blob = self._keys_blob(keys)
+        """Delete the blocks under ``keys``; returns how many there were. More keys than one
+        request carries go in several, each all or nothing."""
+        deleted = 0
         with self._lock:
             # The daemon runs a connection's requests concurrently: a read lease this client
             # gave back by a posted release must be gone first, or its blocks count as being
             # read and the delete is refused.
             self._settle()
             self._settle_posts()
-            return int(self._call_locked({"op": "delete", "keys": blob})[0]["num_deleted"])
+            for batch in self._key_batches(keys):
+                deleted += int(self._call_locked({"op": "delete", "keys": self._keys_blob(batch)})[0]["num_deleted"])
+        return deleted
 
     def pin(self, keys: Sequence[bytes]) -> None:
         """Protect blocks from eviction while this connection lives (or until unpin)."""
-        self._call({"op": "pin", "keys": self._keys_blob(keys)})
+        for batch in self._key_batches(keys):
+            self._call({"op": "pin", "keys": self._keys_blob(batch)})
 
     def unpin(self, keys: Sequence[bytes]) -> None:
-        self._call({"op": "unpin", "keys": self._keys_blob(keys)})
+        for batch in self._key_batches(keys):
+            self._call({"op": "unpin", "keys": self._keys_blob(batch)})
 
     def stats(self) -> dict[str, dict[str, int]]:
         """Per tier of this namespace, as TieredStore.stats()."""

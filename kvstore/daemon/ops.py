@@ -35,9 +35,10 @@ from kvstore.errors import (
     TierError,
     TierFullError,
 )
+from kvstore.keys import HASHES
 
-MAX_KEYS = 1 << 16  # keys in one request
-META_ROOM = 1 << 16  # bytes of a frame kept for its meta when sizing block batches
+MAX_KEYS = 1 << 16  # keys in one request (fewer where they would not fit a frame: Ops.max_keys)
+REQUEST_ROOM = 1 << 10  # bytes of a frame kept for a request's fields besides its keys and blocks
 log = logging.getLogger("kvstore.daemon")
 warnings.filterwarnings("ignore", message="The given buffer is not writable")
 
@@ -184,12 +185,19 @@ class Ops:
         assert state is not None and principal is not None
         blob = field_of(meta, "keys", bytes)
         keys = split_keys(blob, state.store.hasher.key_bytes)
-        if len(keys) > MAX_KEYS:
-            raise ProtocolError(Code.BAD_REQUEST, f"{len(keys)} keys in one request, the limit is {MAX_KEYS}")
+        if len(keys) > self.max_keys(state):
+            raise ProtocolError(Code.BAD_REQUEST, f"{len(keys)} keys in one request, the limit is {self.max_keys(state)}")
         return state, principal.tenant, state.scope(principal.tenant, keys)
 
+    def max_keys(self, state: NamespaceState) -> int:
+        """Keys one request may carry: ``MAX_KEYS``, or fewer where they would not fit a frame."""
+        return min(MAX_KEYS, (self.config.max_frame - REQUEST_ROOM) // state.store.hasher.key_bytes)
+
     def max_blocks(self, state: NamespaceState) -> int:
-        return max(1, (self.config.max_frame - META_ROOM) // state.layout.bytes_per_block)
+        """Blocks one put or get may carry: each with its key in the request and its bytes in
+        the frame (hello made sure that one fits)."""
+        per_block = state.layout.bytes_per_block + state.store.hasher.key_bytes
+        return max(1, min(self.max_keys(state), (self.config.max_frame - REQUEST_ROOM) // per_block))
 
     def _check_batch(self, state: NamespaceState, n: int) -> None:
         if n > self.max_blocks(state):
@@ -210,7 +218,13 @@ class Ops:
         if not model_id or len(model_id) > 256:
             raise ProtocolError(Code.BAD_REQUEST, "model_id must be 1 to 256 characters")
         layout = layout_from_dict(field_of(meta, "layout", dict))
-        state = self.registry.open(model_id, layout, field_of(meta, "hash_algo", str, "sha256"))
+        hash_algo = field_of(meta, "hash_algo", str, "sha256")
+        key_bytes = HASHES[hash_algo][1] if hash_algo in HASHES else 0  # an unknown one: open() names it
+        if layout.bytes_per_block + key_bytes + REQUEST_ROOM > self.config.max_frame:
+            raise ProtocolError(Code.LAYOUT, f"a block of this layout is {layout.bytes_per_block} bytes: with its key "
+                                f"it does not fit this daemon's max_frame of {self.config.max_frame} bytes "
+                                "(raise max_frame in the daemon's config)")
+        state = self.registry.open(model_id, layout, hash_algo)
         pool = state.store.shared_pool
         want_shm = field_of(meta, "shm", bool, False)
         session.principal, session.state = principal, state
@@ -221,7 +235,7 @@ class Ops:
         return {"version": VERSION, "tenant": principal.tenant, "namespace": state.id,
                 "key_bytes": state.store.hasher.key_bytes, "block_bytes": layout.bytes_per_block,
                 "max_frame": self.config.max_frame, "max_inflight": self.config.max_inflight,
-                "max_blocks": self.max_blocks(state), "max_keys": MAX_KEYS, "lease_s": self.config.lease_s,
+                "max_blocks": self.max_blocks(state), "max_keys": self.max_keys(state), "lease_s": self.config.lease_s,
                 "shm": shm, "pid": os.getpid()}, b""
 
     def op_lookup(self, session: Session, meta: dict[str, Any], data: bytes) -> Reply:

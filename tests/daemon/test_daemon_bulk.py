@@ -18,7 +18,7 @@ import pytest
 import torch
 from test_daemon_frames import reply
 
-from kvstore import CapacityError, KVLayout
+from kvstore import CapacityError, KVLayout, LayoutMismatchError
 from kvstore.daemon.connection import BULK_MAX_S, BULK_MIN, BulkPace
 from kvstore.daemon.protocol import HEADER, VERSION, encode
 from kvstore.daemon.registry import layout_to_dict
@@ -137,6 +137,36 @@ def test_a_large_put_of_small_blocks_lands_in_its_many_slots(tmp_path: Path) -> 
             c.put(keys, blocks(keys))
             assert torch.equal(c.get(keys), blocks(keys))
             assert c.stats()["host"]["num_blocks"] == 600
+    finally:
+        assert d.stop() == 0
+
+
+@pytest.mark.parametrize("shm", [False, True])
+def test_with_small_frames_every_call_is_split_to_fit(tmp_path: Path, shm: bool) -> None:
+    """With an 8 KiB max_frame, hello tells the client how many keys (224) and blocks (13) a
+    request carries, and every call of any size is split to fit: before, a lookup, exists,
+    pin, unpin or delete of more keys than fit one frame was refused with TOO_LARGE, which
+    also closed the connection. A layout whose one block cannot fit is refused at hello with
+    a clear error, taking no namespace slot."""
+    config = tmp_path / "kvstore.toml"
+    config.write_text("max_frame = 8192\n")
+    d = DaemonProc(tmp_path / "data", "--config", str(config), "--max-namespaces", "1", host_mem="8MiB", disk="0")
+    try:
+        too_big = KVLayout(num_layers=2, num_kv_heads=1, head_dim=64, block_size=16, dtype=torch.float32)
+        with pytest.raises(LayoutMismatchError, match="16384 bytes: with its key it does not fit this daemon's max_frame of 8192"):
+            d.connect(layout=too_big)
+        with d.connect(shm=shm) as c:
+            assert (c.max_keys, c.max_blocks) == ((8192 - 1024) // 32, (8192 - 1024) // (LAYOUT.bytes_per_block + 32))
+            keys = c.block_keys(prompt(500, 600))
+            c.put(keys, blocks(keys))
+            assert c.lookup(keys).num_blocks == 600 and c.contains(keys) == [True] * 600
+            assert torch.equal(c.get(keys), blocks(keys))
+            c.pin(keys)
+            with pytest.raises(CapacityError):
+                c.delete(keys[:10])  # pinned: refused, the connection still serves
+            c.unpin(keys)
+            assert c.delete(keys) == 600
+            assert c.contains(keys) == [False] * 600 and c.stats()["host"]["num_blocks"] == 0
     finally:
         assert d.stop() == 0
 
