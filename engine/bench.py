@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import tempfile
 import time
 from pathlib import Path
@@ -23,7 +22,7 @@ from engine.sampling import SamplingParams
 from engine.sequence import STAGES
 from engine.serve import bench as served
 from kvstore.argtypes import positive
-from kvstore.bench import DOCS, machine, ratio_text, write_section
+from kvstore.bench import DOCS, drop_page_cache, machine, ratio_text, write_section
 
 BENCH_MODEL = dict(num_layers=24, hidden_size=256, intermediate_size=1024, num_heads=4, num_kv_heads=2,
                    head_dim=64, vocab_size=32000, max_position_embeddings=8192)
@@ -62,16 +61,6 @@ def ttft(llm: LLMEngine, prompt: list[int]) -> tuple[float, Any]:
 
 
 Sample = tuple[float, Any]  # (TTFT seconds, the request's metrics)
-
-
-def drop_page_cache(path: Path) -> None:
-    for f in path.rglob("*"):
-        if f.is_file():
-            fd = os.open(f, os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
 
 
 def bench_ttft(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
@@ -309,7 +298,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.no_write:
         write_section("engine", text)
         plot(t, d, DOCS / "img" / "bench_engine.png")
-        print(f"wrote {DOCS / 'benchmarks.md'} and {DOCS / 'img' / 'bench_engine.png'}")
+        print(f"wrote {DOCS / 'img' / 'bench_engine.png'}")
     return 0
 
 

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from kvstore.argtypes import positive
-from kvstore.bench import BENCH_LAYOUT, DOCS, _drop_cache, interleaved, machine, write_section
+from kvstore.bench import BENCH_LAYOUT, drop_page_cache, interleaved, machine, write_section
 from kvstore.codecs import get_codec
 from kvstore.config import StoreConfig
 from kvstore.layout import KVLayout
@@ -105,7 +105,7 @@ def bench_disk_read(blocks: torch.Tensor, repeat: int, workdir: Path) -> dict[st
     def cold(codec: str) -> float:
         store = TieredStore(configs[codec])  # promotion="never": the blocks stay on disk only
         store.get(keys, out=out)  # as in a long-running store: its staging rows are warm
-        _drop_cache(Path(configs[codec].disk_path) / "slab-000.bin")  # type: ignore[arg-type]
+        drop_page_cache(Path(configs[codec].disk_path) / "slab-000.bin")  # type: ignore[arg-type]
         t0 = time.perf_counter()
         store.get(keys, out=out)
         elapsed = time.perf_counter() - t0
@@ -122,7 +122,7 @@ def bench_disk_read(blocks: torch.Tensor, repeat: int, workdir: Path) -> dict[st
 
 def bench_ttft(prompt_tokens: int, repeat: int, workdir: Path) -> dict[str, Any]:
     """TTFT of a prompt whose prefix sits only on disk (page cache dropped), raw vs int8."""
-    from engine.bench import BENCH_MODEL, BLOCK, drop_page_cache, ttft
+    from engine.bench import BENCH_MODEL, BLOCK, ttft
     from engine.llm import LLMEngine
 
     prompt = torch.randint(0, int(BENCH_MODEL["vocab_size"]), (prompt_tokens,),
@@ -247,7 +247,6 @@ def run(args: argparse.Namespace) -> int:
     print(text)
     if not args.no_write:
         write_section("codecs", text)
-        print(f"wrote {DOCS / 'benchmarks.md'}")
     return 0
 
 

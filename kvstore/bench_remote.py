@@ -254,7 +254,6 @@ def run_remote_bench(args: argparse.Namespace) -> int:
     print(text)
     if not args.no_write:
         write_section("remote", text)
-        print("wrote docs/benchmarks.md (remote section)")
     return 0
 
 

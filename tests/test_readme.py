@@ -56,9 +56,10 @@ def _env() -> dict[str, str]:
 
 
 @contextmanager
-def running_daemon(cwd: Path, _arg: str) -> Iterator[None]:
-    args = ["--host-mem", "64MiB", "--disk", "128MiB", "--listen", "", "--http", ""]
-    proc = subprocess.Popen([sys.executable, "-m", "kvstore.cli", "serve", *args], cwd=cwd, env=_env(),
+def _running(cwd: Path, command: str, args: list[str]) -> Iterator[None]:
+    """``kvstore COMMAND ARGS`` in the background until the block ends; it must print "ready"
+    first, and drain and exit 0 on SIGTERM after."""
+    proc = subprocess.Popen([sys.executable, "-m", "kvstore.cli", command, *args], cwd=cwd, env=_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     assert proc.stdout is not None
     lines = []
@@ -67,32 +68,20 @@ def running_daemon(cwd: Path, _arg: str) -> Iterator[None]:
         if "ready" in line:
             break
     else:
-        raise RuntimeError(f"kvstore serve did not start (exit {proc.wait()}): {''.join(lines)}")
+        raise RuntimeError(f"kvstore {command} did not start (exit {proc.wait()}): {''.join(lines)}")
     try:
         yield
     finally:
         proc.terminate()
-        assert proc.wait(30) == 0, "kvstore serve did not drain and exit 0 on SIGTERM"
+        assert proc.wait(30) == 0, f"kvstore {command} did not drain and exit 0 on SIGTERM"
 
 
-@contextmanager
-def running_engine(cwd: Path, _arg: str) -> Iterator[None]:
-    args = ["--random-model", "--port", "8000", "--host-mem", "16MiB", "--kv-cache", "16MiB"]
-    proc = subprocess.Popen([sys.executable, "-m", "kvstore.cli", "engine", *args], cwd=cwd, env=_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    assert proc.stdout is not None
-    lines = []
-    for line in proc.stdout:
-        lines.append(line)
-        if "ready" in line:
-            break
-    else:
-        raise RuntimeError(f"kvstore engine did not start (exit {proc.wait()}): {''.join(lines)}")
-    try:
-        yield
-    finally:
-        proc.terminate()
-        assert proc.wait(30) == 0, "kvstore engine did not drain and exit 0 on SIGTERM"
+def running_daemon(cwd: Path, _arg: str) -> AbstractContextManager[None]:
+    return _running(cwd, "serve", ["--host-mem", "64MiB", "--disk", "128MiB", "--listen", "", "--http", ""])
+
+
+def running_engine(cwd: Path, _arg: str) -> AbstractContextManager[None]:
+    return _running(cwd, "engine", ["--random-model", "--port", "8000", "--host-mem", "16MiB", "--kv-cache", "16MiB"])
 
 
 @contextmanager

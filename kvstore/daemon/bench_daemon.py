@@ -256,7 +256,6 @@ def run_daemon_bench(args: argparse.Namespace) -> int:
     if not args.no_write:
         section = "daemon-pinned" if pin else "daemon"
         write_section(section, text)
-        print(f"wrote docs/benchmarks.md ({section} section)")
     return 0
 
 

@@ -176,7 +176,6 @@ def run_events_bench(args: argparse.Namespace) -> int:
     print(text)
     if not args.no_write:
         write_section("events", text)
-        print("wrote docs/benchmarks.md (events section)")
     return 0
 
 

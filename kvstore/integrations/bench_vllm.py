@@ -25,9 +25,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from engine.bench import BENCH_MODEL, drop_page_cache
+from engine.bench import BENCH_MODEL
 from kvstore.argtypes import positive
-from kvstore.bench import machine, write_section
+from kvstore.bench import drop_page_cache, machine, write_section
 
 BLOCK = 128  # vLLM's CPU block
 
@@ -251,7 +251,6 @@ def run(args: argparse.Namespace) -> int:
     print(text)
     if not args.no_write:
         write_section("vllm", text)
-        print("wrote docs/benchmarks.md")
     return 0
 
 

@@ -213,7 +213,7 @@ def run(args: argparse.Namespace) -> int:
         image = DOCS / "img" / "bench_route.png"
         plot(rows, image, args.capacity[len(args.capacity) // 2])
         write_section("route", text + f"\n\n![cached fraction and load spread]({image.relative_to(DOCS)})")
-        print(f"wrote {DOCS / 'benchmarks.md'} and {image}")
+        print(f"wrote {image}")
     return 0
 
 
