@@ -160,7 +160,7 @@ def bench_run_lengths(url: str, repeat: int) -> list[dict[str, Any]]:
     found = []
     for j, (g, t) in enumerate(tiers.items()):
         names = t.names(held[g], group_tags(held[g], g))
-        nodes = {t._topology.owner(name) for name in names}
+        nodes = {t.owner(name) for name in names}
         found.append({"G": g, "get_s": min(times[2 * j]), "put_s": min(times[2 * j + 1]),
                       "slots": len({key_slot(name) for name in names}), "nodes": len(nodes)})
         t.close()

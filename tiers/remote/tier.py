@@ -88,6 +88,11 @@ class RemoteTier:
         self._check_tags(keys, tags)
         return [block_name(k, t, self.prefix, self.run_length) for k, t in zip(keys, tags or keys, strict=True)]
 
+    def owner(self, name: bytes) -> Node | None:
+        """The primary that owns a key name now (as the client last learned the cluster's
+        slot map), or None if no known node does."""
+        return self._topology.owner(name)
+
     def _check_tags(self, keys: Sequence[bytes], tags: Sequence[bytes] | None) -> None:
         if tags is None and self.run_length != 1:
             raise ValueError(f"with run_length={self.run_length} every block needs its group tag")
