@@ -46,6 +46,7 @@ from tiers.host import PayloadViews
 TIER_NAMES = {"h": "host", "d": "disk", "r": "remote"}
 TOUCH_BATCH = 4096  # lock-free reads told to the daemon in one touch, at the latest
 TOUCH_DELAY_S = 0.05  # or once this long has passed, or with the next request
+CLOSE_WAIT_S = 2.0  # close() waits at most this long for the daemon to end the connection
 
 log = logging.getLogger(__name__)
 
@@ -517,6 +518,9 @@ class StoreClient:
         return True
 
     def close(self) -> None:
+        """End the connection. Once it returns the daemon has ended it too (or did not answer
+        within ``CLOSE_WAIT_S``): this connection's pins and leases are released, and it no
+        longer counts against the daemon's ``max_connections``."""
         if self._executor is not None:
             self._executor.shutdown(wait=True)
         self._copier.close()
@@ -527,9 +531,32 @@ class StoreClient:
                 log.warning("the last shared-memory put was not stored: %s", exc)
             finally:
                 self._sock.sendall(self._touch_frame())
+            self._sock.shutdown(socket.SHUT_WR)
+            self._wait_for_daemon_close()
         self._pool = self._payloads = None
         self._generations = None
         self._sock.close()
+
+    def abort(self) -> None:
+        """Drop the connection at once, without a word to the daemon: for a connection that
+        failed or timed out, where ``close`` could wait on a daemon that does not answer. The
+        daemon ends its pins and leases when it sees the connection go."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=False)
+        self._copier.close()
+        self._pool = self._payloads = None
+        self._generations = None
+        with contextlib.suppress(OSError):
+            self._sock.close()
+
+    def _wait_for_daemon_close(self) -> None:
+        """Read (and drop) what the daemon still sends, up to its close: it serves what it was
+        sent, ends the connection's pins and leases, then closes its side."""
+        deadline = time.monotonic() + CLOSE_WAIT_S
+        while (left := deadline - time.monotonic()) > 0:
+            self._sock.settimeout(left)
+            if not self._sock.recv(1 << 16):
+                return
 
     def __enter__(self) -> StoreClient:
         return self

@@ -421,8 +421,11 @@ class Connection(asyncio.BufferedProtocol):
         task.add_done_callback(self.tasks.discard)
 
     async def _close_when_idle(self) -> None:
+        """The peer closed its side: serve what it sent, end its pins and leases, then close
+        ours, so that a client that waits for the close knows they have ended."""
         while self.tasks - {asyncio.current_task()}:
             await asyncio.wait(self.tasks - {asyncio.current_task()})
+        await self.daemon.end_session(self)
         self.close()
 
     def stop(self) -> None:

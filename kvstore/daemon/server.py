@@ -238,9 +238,13 @@ class Daemon:
         finally:
             self.num_connections -= 1
             self._connections.discard(conn)
-            loop = asyncio.get_running_loop()
-            with contextlib.suppress(Exception):
-                await loop.run_in_executor(self.pool, self._end_session, conn.session)
+            await self.end_session(conn)
+
+    async def end_session(self, conn: Connection) -> None:
+        """End a connection's pins and leases (again, harmlessly, if they have ended)."""
+        loop = asyncio.get_running_loop()
+        with contextlib.suppress(Exception):
+            await loop.run_in_executor(self.pool, self._end_session, conn.session)
 
     def track(self, task: asyncio.Task[None]) -> None:
         """Count a request's task as in flight until it ends (shutdown waits for these)."""

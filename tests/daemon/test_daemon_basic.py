@@ -199,3 +199,25 @@ def test_a_put_the_full_disk_cannot_take_is_refused_not_acknowledged(tmp_path: P
         assert "Traceback" not in log, log  # an error reply, not a bug report
     finally:
         subprocess.run(["umount", "-l", str(fs)], check=False)
+
+
+def test_once_close_returns_the_daemon_has_ended_the_connection(tmp_path: Path) -> None:
+    """close() waits for the daemon to end the connection: its pins are gone (another client
+    deletes the blocks at once), the slots its write leases held are free, and it no longer
+    counts against max_connections (a new connection right after is served, every time).
+    Before, the daemon ended it a moment later, so each of these could fail."""
+    config = tmp_path / "kvstore.toml"
+    config.write_text("max_connections = 2\n")
+    d = DaemonProc(tmp_path / "data", "--config", str(config), "--max-namespaces", "1", host_mem="1MiB", disk="0")
+    try:
+        with d.connect(shm=False) as other:
+            for i in range(25):
+                c = d.connect(shm=True)
+                keys = c.block_keys(prompt(100 + i, 4))
+                c.put(keys, blocks(keys))
+                c.pin(keys)
+                c.close()
+                assert other.delete(keys) == 4  # a pinned block would be refused
+                assert other.stats()["host"]["used_bytes"] == 0  # no slot still reserved ahead
+    finally:
+        assert d.stop() == 0

@@ -175,7 +175,7 @@ class GuardedStore:
             self._store = None
         logger.warning("kvstore: %s failed (%s: %s); serving without it while it reconnects",
                        self.settings.describe(), type(exc).__name__, exc)
-        self._release(store)
+        self._release(store, failed=True)
 
     def _call(self, op: Callable[[Any], _T], default: _T, retry: bool = False, connect: bool = False) -> _T:
         """``op(store)``, or ``default`` at once while the store is down or when op fails.
@@ -204,10 +204,14 @@ class GuardedStore:
         with self._lock:
             return self._store
 
-    def _release(self, store: Any) -> None:
+    def _release(self, store: Any, failed: bool = False) -> None:
+        """Close a store this no longer uses; a daemon client that ``failed`` is dropped at
+        once (its daemon may not answer: a graceful close would wait on it)."""
         try:
             if isinstance(store, TieredStore):
                 _close_embedded(store)
+            elif failed:
+                store.abort()
             else:
                 store.close()
         except Exception as exc:  # a broken connection may fail to close too
