@@ -77,6 +77,8 @@ class Daemon:
         if cfg.kv_events:
             self._start_kv_events()
         await loop.run_in_executor(self.pool, self._reopen_existing)
+        if cfg.remote is not None:
+            await loop.run_in_executor(self.pool, self._probe_remote)
         if cfg.socket_path:
             self._servers.append(await self._start_unix(Path(cfg.socket_path)))
         if cfg.listen:
@@ -86,6 +88,24 @@ class Daemon:
             self.addresses.append(f"tcp://{_fmt(sock.getsockname())}")
         if cfg.http:
             self.addresses.append(await self._start_http(*parse_hostport(cfg.http)))
+
+    def _probe_remote(self) -> None:
+        """Say at once when no seed node of the remote tier answers: the daemon still serves
+        (the remote is a cache: its misses are misses), but an operator should know now, not
+        from the remote's counters later. The URL is shown without its password."""
+        from tiers.remote.url import parse_url
+
+        assert self.config.remote is not None
+        url = parse_url(self.config.remote)
+        errors = []
+        for host, port in url.nodes:
+            try:
+                socket.create_connection((host, port), timeout=self.config.remote_timeout_s).close()
+                return
+            except OSError as exc:
+                errors.append(f"{host}:{port}: {exc.strerror or exc}")
+        print(f"kvstore serve: warning: no node of the remote tier {url.redacted()} answers ({'; '.join(errors)}); "
+              "serving without it until it does", file=sys.stderr, flush=True)
 
     def _reopen_existing(self) -> None:
         try:

@@ -11,15 +11,26 @@ SCHEMES = ("tcp://", "ipc://", "inproc://")
 DEFAULT_ENDPOINT = "tcp://127.0.0.1:5557"
 
 
+def _tcp_parts(endpoint: str, name: str = "endpoint") -> tuple[str, str]:
+    """``("tcp://HOST", PORT)`` of a tcp endpoint, PORT a port number or ``*``."""
+    match = re.fullmatch(r"(tcp://.+):(\d+|\*)", endpoint)
+    if match is None:
+        raise ConfigError(f"{name}: a tcp endpoint is tcp://HOST:PORT (PORT a number or *), got {endpoint!r}")
+    port = match.group(2)
+    if port != "*" and not 0 < int(port) < 65536:
+        raise ConfigError(f"{name}: port {port} of {endpoint!r} is not in 1-65535 (* takes a free one)")
+    return match.group(1), port
+
+
 def replay_endpoint_for(endpoint: str) -> str:
     """The replay socket's default address: the next TCP port (``*`` stays ``*``), or the
     same ipc/inproc name with ``-replay`` appended."""
     if endpoint.startswith("tcp://"):
-        match = re.fullmatch(r"(tcp://.+):(\d+|\*)", endpoint)
-        if match is None:
-            raise ConfigError(f"a tcp endpoint is tcp://HOST:PORT, got {endpoint!r}")
-        port = match.group(2)
-        return f"{match.group(1)}:{port if port == '*' else int(port) + 1}"
+        host, port = _tcp_parts(endpoint)
+        if port == "65535":
+            raise ConfigError(f"the replay endpoint of {endpoint!r} would take the next port, and there is "
+                              "none: choose a lower port or set replay_endpoint")
+        return f"{host}:{port if port == '*' else int(port) + 1}"
     return endpoint + "-replay"
 
 
@@ -60,6 +71,8 @@ class EventsConfig:
             value = getattr(self, name)
             if value and (not isinstance(value, str) or not value.startswith(SCHEMES)):
                 raise ConfigError(f"{name} must start with one of {list(SCHEMES)}, got {value!r}")
+            if value and value.startswith("tcp://"):
+                _tcp_parts(value, name)
         if not self.endpoint:
             raise ConfigError("endpoint is required")
         if self.replay_endpoint is None:

@@ -16,7 +16,7 @@ import torch
 
 import kvstore
 from kvstore import KVLayout
-from kvstore.redis_local import RedisCluster, RedisServer
+from kvstore.redis_local import RedisCluster, RedisServer, free_port
 
 from remote_helpers import Daemon
 
@@ -79,6 +79,25 @@ def test_two_daemons_share_blocks_and_tenants_stay_apart(cluster: RedisCluster, 
         node_a.stop()
         node_b.stop()
     assert node_a.proc.returncode == 0 and node_b.proc.returncode == 0
+    assert not any("warning" in line for line in node_a.lines + node_b.lines)  # the cluster answered
+
+
+def test_a_remote_that_does_not_answer_is_named_at_start_and_the_daemon_serves(tmp_path: Path) -> None:
+    secret = "pw-nobody-2b7c"
+    url = f"redis://default:{secret}@127.0.0.1:{free_port(bus=False)}"  # nothing listens there
+    daemon = Daemon(tmp_path / "d", "--remote", url, "--remote-timeout", "0.2")
+    try:
+        output = "".join(daemon.lines)
+        assert "warning: no node of the remote tier redis://default:***@127.0.0.1:" in output
+        assert "Connection refused" in output and secret not in output
+        assert output.index("warning") < output.index("ready")
+        with connect(daemon, "") as client:  # served from this node's tiers meanwhile
+            keys = client.block_keys(list(range(16)))
+            client.put(keys, payload(keys))
+            assert torch.equal(client.get(keys), payload(keys))
+    finally:
+        daemon.stop()
+    assert daemon.proc.returncode == 0
 
 
 def test_the_remote_password_never_leaves_the_daemon(tmp_path: Path) -> None:
