@@ -21,6 +21,12 @@ class CapacityError(KVStoreError):
     """A tier cannot make room: e.g. ``need 12 blocks, 3 free of 4096 (4093 pinned)``."""
 
 
+class DaemonUnreachableError(KVStoreError, OSError):
+    """No kvstore daemon answers at the address given (the message names the socket or
+    host:port tried). What is raised is also the ``OSError`` the connection met:
+    ``FileNotFoundError``, ``ConnectionRefusedError``, ..."""
+
+
 class CodecError(KVStoreError, ValueError):
     """A block cannot be encoded: NaN/Inf values, or a scale out of the scale dtype's range."""
 
@@ -36,6 +42,7 @@ __all__ = [
     "CodecFormatError",
     "ConfigError",
     "CorruptSlotError",
+    "DaemonUnreachableError",
     "KVStoreError",
     "LayoutMismatchError",
     "TierError",

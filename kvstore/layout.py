@@ -27,7 +27,8 @@ class KVLayout:
     """One block is ``[num_layers, 2 (K, V), block_size, num_kv_heads, head_dim]``, contiguous.
 
     ``tp_rank``/``tp_size`` name this worker's shard under tensor parallelism: each rank stores
-    its own heads, so they enter the namespace and never share keys.
+    its own heads, so they enter the namespace and never share keys. ``dtype`` is a torch
+    dtype or its name (``"float16"``, as ``dtype_name`` gives it).
     """
 
     num_layers: int
@@ -46,8 +47,11 @@ class KVLayout:
         # bool is an int, but True would fingerprint as "tpTrue" while comparing equal to 1.
         if not isinstance(self.tp_rank, int) or isinstance(self.tp_rank, bool) or not 0 <= self.tp_rank < self.tp_size:
             raise ConfigError(f"KVLayout.tp_rank must be in [0, {self.tp_size}), got {self.tp_rank!r}")
-        if self.dtype not in DTYPE_NAMES:
-            raise ConfigError(f"KVLayout.dtype {self.dtype!r} is not one of {sorted(DTYPE_NAMES.values())}")
+        if isinstance(self.dtype, str) and self.dtype in DTYPES_BY_NAME:
+            object.__setattr__(self, "dtype", DTYPES_BY_NAME[self.dtype])
+        if not isinstance(self.dtype, torch.dtype) or self.dtype not in DTYPE_NAMES:
+            raise ConfigError(f"KVLayout.dtype must be one of {sorted(DTYPE_NAMES.values())} (a torch dtype or "
+                              f"its name), got {self.dtype!r}")
 
     @property
     def block_shape(self) -> tuple[int, int, int, int, int]:

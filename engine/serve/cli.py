@@ -12,7 +12,7 @@ import sys
 
 from kvstore import env
 from kvstore.argtypes import port
-from kvstore.errors import ConfigError
+from kvstore.errors import ConfigError, DaemonUnreachableError
 
 
 def run_engine(args: argparse.Namespace) -> int:
@@ -40,7 +40,7 @@ def run_engine(args: argparse.Namespace) -> int:
             max_num_batched_tokens=args.max_num_batched_tokens, device_write_policy=args.device_write_policy,
             seed=args.seed)
         return serve(config)
-    except (ConfigError, CheckpointError, json.JSONDecodeError) as exc:
+    except (ConfigError, CheckpointError, json.JSONDecodeError, DaemonUnreachableError) as exc:
         print(f"kvstore engine: {exc}", file=sys.stderr)
         return 2
 

@@ -36,7 +36,7 @@ from kvstore.daemon.protocol import (
     recv_meta,
 )
 from kvstore.daemon.registry import layout_to_dict
-from kvstore.errors import CapacityError, LayoutMismatchError
+from kvstore.errors import CapacityError, DaemonUnreachableError, LayoutMismatchError
 from kvstore.index import HOST, PrefixMatch
 from kvstore.keys import BlockHasher, ExtraKey, Namespace
 from kvstore.layout import KVLayout, raw_rows
@@ -583,11 +583,18 @@ def parse_address(url: str) -> tuple[str, Any]:
     raise ValueError(f"url must be unix://PATH (absolute or relative) or tcp://HOST:PORT, got {url!r}")
 
 
+_UNREACHABLE: dict[type[OSError], type[OSError]] = {}
+
+
 def _unreachable(exc: OSError, url: str, tried: str) -> OSError:
-    """``exc`` again, of the same type, naming what was tried."""
+    """``exc`` again, naming what was tried: of its own type (``FileNotFoundError``...) and
+    a ``DaemonUnreachableError``, so a caller may catch either."""
+    kind = _UNREACHABLE.get(type(exc))
+    if kind is None:
+        kind = _UNREACHABLE[type(exc)] = type(type(exc).__name__, (type(exc), DaemonUnreachableError), {})
     message = f"no kvstore daemon answers at {url!r} (tried {tried}): {exc.strerror or exc}; " \
               "is `kvstore serve` running?"
-    return type(exc)(exc.errno, message) if exc.errno is not None else type(exc)(message)
+    return kind(exc.errno, message) if exc.errno is not None else kind(message)
 
 
 def _same_prefix(now: list[int], want: list[int]) -> int:

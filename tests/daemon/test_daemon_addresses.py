@@ -3,6 +3,7 @@ what was tried."""
 
 from __future__ import annotations
 
+import errno
 import os
 from pathlib import Path
 
@@ -49,5 +50,7 @@ def test_missing_socket_error_names_the_path_tried(tmp_path: Path, monkeypatch: 
     message = str(info.value)
     assert os.path.join(str(tmp_path), ".kvstore", "kvstore.sock") in message
     assert "unix://.kvstore/kvstore.sock" in message and "kvstore serve" in message
-    with pytest.raises(ConnectionRefusedError, match=r"tried 127\.0\.0\.1:1\b"):
+    assert isinstance(info.value, kvstore.DaemonUnreachableError) and info.value.errno == errno.ENOENT
+    with pytest.raises(ConnectionRefusedError, match=r"tried 127\.0\.0\.1:1\b") as refused:
         kvstore.connect("tcp://127.0.0.1:1", layout=LAYOUT, model_id="m")
+    assert isinstance(refused.value, kvstore.DaemonUnreachableError)

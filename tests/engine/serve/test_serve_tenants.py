@@ -97,3 +97,11 @@ def test_a_taken_port_is_a_clear_error() -> None:
         proc = subprocess.run([sys.executable, "-m", "kvstore.cli", "engine", "--random-model", "--port", port],
                               cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in proc.stderr, proc.stderr
+
+
+def test_a_store_daemon_that_does_not_answer_is_a_clear_error(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "kvstore.cli", "engine", "--random-model", "--port", "0",
+                           "--store", "unix://nothing.sock"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith("kvstore engine: ") and "Traceback" not in proc.stderr
+    assert f"tried the socket {tmp_path / 'nothing.sock'}" in proc.stderr and "is `kvstore serve` running?" in proc.stderr
