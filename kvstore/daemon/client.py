@@ -255,8 +255,7 @@ class StoreClient:
     def lookup(self, keys: Sequence[bytes]) -> PrefixMatch:
         """The leading run of ``keys`` the daemon holds, and the fastest tier of each."""
         tiers: list[str] = []
-        for start in range(0, len(keys), self.max_keys):
-            chunk = keys[start : start + self.max_keys]
+        for chunk in self._key_batches(keys):
             reply = self._call({"op": "lookup", "keys": self._keys_blob(chunk)})[0]
             tiers += [TIER_NAMES[c] for c in reply["tiers"]]
             if reply["num_blocks"] < len(chunk):
@@ -424,10 +423,9 @@ class StoreClient:
             return b""
         keys, self._touched = self._touched, []
         frames = []
-        for start in range(0, len(keys), self.max_keys):
+        for batch in self._key_batches(keys):
             self._next_id += 1
-            frames.append(encode({"op": "touch", "keys": b"".join(keys[start : start + self.max_keys]),
-                                  "noreply": True, "id": self._next_id}))
+            frames.append(encode({"op": "touch", "keys": b"".join(batch), "noreply": True, "id": self._next_id}))
         return b"".join(frames)
 
     def _read_leased(self, keys: Sequence[bytes], dst: torch.Tensor) -> int:
