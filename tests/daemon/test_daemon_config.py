@@ -33,8 +33,8 @@ def test_a_toml_value_of_the_wrong_type_names_key_file_and_type(tmp_path: Path, 
     toml.write_text(line + "\n")
     with pytest.raises(ConfigError, match=message.format(file=re.escape(str(toml)))) as info:
         load_config(toml, {"data_dir": tmp_path / "data"})
-    if line.startswith("token"):
-        assert "123" not in str(info.value)
+    if line.startswith("token"):  # the secret is not shown (the file's path may hold any digits: pytest-123)
+        assert "123" not in str(info.value).replace(str(toml), "")
 
 
 def test_toml_values_of_the_right_type_load(tmp_path: Path) -> None:
