@@ -48,7 +48,7 @@ test-vllm: $(VLLM_VENV)/.stamp
 	$(VLLM_PY) -m pytest -q tests_vllm
 
 lint: $(VENV)/.stamp-test
-	$(VENV)/bin/ruff check kvstore tiers kernels engine tests bench
+	$(VENV)/bin/ruff check kvstore tests tests_vllm scripts
 	$(VENV)/bin/mypy
 
 bench: $(VENV)/.stamp-base

@@ -44,7 +44,7 @@ from kvstore.errors import CapacityError, KVStoreError, TierError
 from kvstore.eviction import EvictionPolicy
 from kvstore.index import BlockEntry, BlockIndex
 from kvstore.levels.base import Level
-from kvstore.levels.host import HostLevel
+from kvstore.levels.host_level import HostLevel
 from kvstore.levels.shared import SharedLevel
 from kvstore.listeners import Listeners
 

@@ -3,18 +3,18 @@
 from __future__ import annotations
 
 import argparse
-import importlib
-import importlib.util
 import sys
 from collections.abc import Sequence
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from kvstore import bench, demo
-    from kvstore.daemon import cli as daemon_cli
-    from kvstore.events import command as events_cli
-    from kvstore.replay import command as replay
-    from kvstore.route import cli as route_cli
+    from kvstore.services.daemon import cli as daemon_cli
+    from kvstore.services.engine_server import cli as engine_cli
+    from kvstore.services.router import cli as route_cli
+    from kvstore.tools import watch_events as events_cli
+    from kvstore.tools.bench import command as bench
+    from kvstore.tools.demo import command as demo
+    from kvstore.tools.replay import command as replay
 
     parser = argparse.ArgumentParser(
         prog="kvstore",
@@ -28,8 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     daemon_cli.register(subparsers)
     events_cli.register(subparsers)
     route_cli.register(subparsers)
-    if importlib.util.find_spec("engine"):  # `kvstore engine`, where the engine package is installed
-        importlib.import_module("engine.serve.cli").register(subparsers)
+    engine_cli.register(subparsers)
     return parser
 
 

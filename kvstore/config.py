@@ -135,8 +135,8 @@ class StoreConfig:
     def _check_remote(self) -> None:
         if self.remote_url is None:
             return
-        from tiers.remote.naming import check_prefix
-        from tiers.remote.url import parse_url
+        from kvstore.tiers.remote.naming import check_prefix
+        from kvstore.tiers.remote.url import parse_url
 
         try:
             parse_url(self.remote_url)  # the message shows the URL redacted

@@ -1,16 +1,9 @@
-"""Every environment variable kvstore reads, in one place."""
+"""Every environment variable kvstore reads, in one place, but one: ``KVSTORE_KERNELS``, which the
+kernels read themselves (``kvstore.kernels.kernel_backend``), since they import nothing of the store."""
 
 from __future__ import annotations
 
 import os
-
-
-def kernel_backend() -> str:
-    """``KVSTORE_KERNELS``: "auto" (Triton on CUDA, reference on CPU), "triton" or "reference"."""
-    value = os.environ.get("KVSTORE_KERNELS", "auto").strip().lower() or "auto"
-    if value not in ("auto", "triton", "reference"):
-        raise ValueError(f"KVSTORE_KERNELS must be auto, triton or reference, got {value!r}")
-    return value
 
 
 def token() -> str | None:

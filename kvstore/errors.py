@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tiers.errors import CorruptSlotError, TierError, TierFullError, TierIOError
+from kvstore.tiers.errors import CorruptSlotError, TierError, TierFullError, TierIOError
 
 
 class KVStoreError(Exception):

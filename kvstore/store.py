@@ -30,9 +30,9 @@ from kvstore.levels import Level, SharedLevel
 from kvstore.levels.build import build_levels, build_shared
 from kvstore.listeners import StoreListener
 from kvstore.reads import ReadPath
+from kvstore.tiers.records import check_name
 from kvstore.transfer import FetchHandle, FetchResult
 from kvstore.writes import HostWrite, WritePath
-from tiers.records import check_name
 
 # Lookups made while another thread held the store lock wait in a queue to be counted (see
 # lookup); past this many, the next lookup waits for the lock once and counts them.

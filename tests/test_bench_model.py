@@ -1,4 +1,4 @@
-"""bench/shm_put_model.py: the shared-memory put model runs, both wakeups, and refuses bad arguments."""
+"""scripts/shm_put_model.py: the shared-memory put model runs, both wakeups, and refuses bad arguments."""
 
 from __future__ import annotations
 

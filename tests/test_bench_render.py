@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvstore.bench import Row, ratio_text, render
+from kvstore.tools.bench.harness import Row, ratio_text, render
 
 
 def _line(rows: list[Row], name: str) -> str:

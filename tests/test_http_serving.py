@@ -1,4 +1,4 @@
-"""What the long-running servers share (kvstore.http_serving): the listening socket and the
+"""What the long-running servers share (kvstore.services.common.http): the listening socket and the
 heap freeze once started."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 
 from kvstore.errors import ConfigError
-from kvstore.http_serving import bind, freeze_start_heap
+from kvstore.services.common.http import bind, freeze_start_heap
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ ignores them when it renders the page:
     daemon                 a real ``kvstore serve`` with its defaults in that directory (data
                            in ./.kvstore, socket ./.kvstore/kvstore.sock), small sizes, no TCP
     hf-checkpoint=PATH     a small random Llama checkpoint (Hugging Face layout) at PATH
-    redis-cluster=PORT     a real local Redis Cluster (kvstore.redis_local: 3 primaries and 3
+    redis-cluster=PORT     a real local Redis Cluster (kvstore.tools.testing.redis_local: 3 primaries and 3
                            replicas) on PORT .. PORT+5
     engine                 a real ``kvstore engine --random-model --port 8000`` (small sizes)
 
@@ -86,7 +86,7 @@ def running_engine(cwd: Path, _arg: str) -> AbstractContextManager[None]:
 
 @contextmanager
 def hf_checkpoint(cwd: Path, path: str) -> Iterator[None]:
-    from engine.loader import random_checkpoint, save_random_checkpoint
+    from kvstore.engine.loader import random_checkpoint, save_random_checkpoint
 
     save_random_checkpoint(cwd / path, random_checkpoint(TINY_LLAMA, 0))
     yield
@@ -94,7 +94,7 @@ def hf_checkpoint(cwd: Path, path: str) -> Iterator[None]:
 
 @contextmanager
 def redis_cluster(cwd: Path, port: str) -> Iterator[None]:
-    from kvstore.redis_local import RedisCluster
+    from kvstore.tools.testing.redis_local import RedisCluster
 
     cluster = RedisCluster.start(cwd / "redis-cluster", base_port=int(port))
     try:

@@ -12,9 +12,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvstore import replay as rp
-from kvstore.replay.estimate import CostModel, estimate, measured_gbps
-from kvstore.replay.workloads import write_trace as write_workload
+from kvstore.tools import replay as rp
+from kvstore.tools.replay.estimate import CostModel, estimate, measured_gbps
+from kvstore.tools.replay.workloads import write_trace as write_workload
 
 from factories import require
 

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvstore import CapacityError, TieredStore
-from tiers.host import HostTier
+from kvstore.tiers.host import HostTier
 
 from factories import blocks_for, chain, make_store, run_in_threads
 

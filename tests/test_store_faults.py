@@ -18,10 +18,10 @@ from typing import Any
 import pytest
 import torch
 
-import tiers.catalog as catalog_module
+import kvstore.tiers.catalog as catalog_module
 from kvstore import CapacityError
 from kvstore.index import BlockEntry
-from tiers.errors import TierFullError
+from kvstore.tiers.errors import TierFullError
 
 from factories import blocks_for, chain, make_store, started
 
@@ -111,7 +111,7 @@ def test_flipped_bytes_are_misses_and_counted(tmp_path: Path) -> None:
 
 def test_disk_errors_are_counted_and_host_keeps_working(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     store = make_store(tmp_path, host_blocks=2, disk_blocks=16)
-    import tiers.slab as slab_module
+    import kvstore.tiers.slab as slab_module
 
     failing = {"on": True}
     real_pwritev = os.pwritev

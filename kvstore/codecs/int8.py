@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-import kernels
+from kvstore import kernels
 from kvstore.codecs.header import SCALE_PER_TOKEN_HEAD
 from kvstore.codecs.scaled import ScaledCodec
 from kvstore.errors import CodecError

@@ -29,7 +29,7 @@ import zmq
 
 from kvstore.errors import ConfigError
 from kvstore.events.config import EventsConfig
-from kvstore.events.replay import Held, ReplayRing, serve_request, snapshot_batches
+from kvstore.events.replay_ring import Held, ReplayRing, serve_request, snapshot_batches
 from kvstore.events.wire import (
     AllBlocksCleared,
     BlockRemoved,

@@ -17,7 +17,7 @@ import threading
 from typing import Any
 
 from kvstore.events.publisher import EventPublisher
-from kvstore.events.replay import Held
+from kvstore.events.replay_ring import Held
 from kvstore.events.wire import TIER_MEDIA
 
 

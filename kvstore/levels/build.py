@@ -10,11 +10,11 @@ from kvstore.keys import Namespace
 from kvstore.layout import KVLayout
 from kvstore.levels.base import Level
 from kvstore.levels.coding import LevelCodec
-from kvstore.levels.disk import CODED_SUFFIX, DiskLevel
-from kvstore.levels.host import HostLevel
+from kvstore.levels.disk_level import CODED_SUFFIX, DiskLevel
+from kvstore.levels.host_level import HostLevel
 from kvstore.levels.shared import SharedLevel
-from tiers.disk import DiskTier
-from tiers.host import HostTier
+from kvstore.tiers.disk import DiskTier
+from kvstore.tiers.host import HostTier
 
 
 def build_levels(config: StoreConfig, namespace: Namespace) -> list[Level]:
@@ -49,8 +49,8 @@ def build_shared(config: StoreConfig) -> list[SharedLevel]:
     """The shared levels below the local ones: the remote tier when ``remote_url`` is set."""
     if config.remote_url is None:
         return []
-    from kvstore.levels.remote import RemoteLevel
-    from tiers.remote import RemoteTier
+    from kvstore.levels.remote_level import RemoteLevel
+    from kvstore.tiers.remote import RemoteTier
 
     coding = _coding(config.remote_codec, config.layout, 1)
     # Under a lossy codec the names and the layout id say so: stores with other codecs never

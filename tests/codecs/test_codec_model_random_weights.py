@@ -8,8 +8,8 @@ from pathlib import Path
 
 import torch
 
-from engine import LLMEngine, SamplingParams
 from kvstore import KVLayout, StoreConfig, TieredStore
+from kvstore.engine import LLMEngine, SamplingParams
 
 MODEL = dict(num_layers=4, hidden_size=128, intermediate_size=256, num_heads=4, num_kv_heads=2, head_dim=32,
              vocab_size=512, max_position_embeddings=512)

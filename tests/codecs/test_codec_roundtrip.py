@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
+from kvstore import kernels
 from kvstore.codecs import CODECS, get_codec
 from kvstore.codecs.fp8 import E4M3_MAX
 from kvstore.errors import CodecError, LayoutMismatchError

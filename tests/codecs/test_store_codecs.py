@@ -12,8 +12,8 @@ import torch
 from kvstore import KVLayout, StoreConfig, TieredStore
 from kvstore.codecs import get_codec
 from kvstore.errors import CodecError, ConfigError, KVStoreError
-from tiers.disk import DiskTier
-from tiers.errors import TierError
+from kvstore.tiers.disk import DiskTier
+from kvstore.tiers.errors import TierError
 
 from codec_testing import int8_bound, random_kv
 

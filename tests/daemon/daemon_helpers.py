@@ -17,14 +17,14 @@ import torch
 
 import kvstore
 from kvstore import KVLayout
-from kvstore.daemon.client import StoreClient
+from kvstore.client.client import StoreClient
 
 ROOT = Path(__file__).resolve().parents[2]
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=1, head_dim=8, block_size=4, dtype=torch.float32)  # 512 B blocks
 
 
 class DaemonProc:
-    """``python -m kvstore.daemon serve`` in a subprocess; the addresses it printed."""
+    """``python -m kvstore.services.daemon serve`` in a subprocess; the addresses it printed."""
 
     def __init__(self, data_dir: Path, *args: str, host_mem: str = "1MiB", disk: str = "2MiB",
                  env: dict[str, str] | None = None) -> None:
@@ -36,7 +36,7 @@ class DaemonProc:
         self.start()
 
     def start(self) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "kvstore.daemon", "serve", *self.args], cwd=ROOT,
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvstore.services.daemon", "serve", *self.args], cwd=ROOT,
                                      env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.lines: list[str] = []
         deadline = time.monotonic() + 60

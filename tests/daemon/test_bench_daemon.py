@@ -16,7 +16,7 @@ import threading
 import pytest
 import torch
 
-from kvstore.daemon.bench_daemon import on_cpus, split_cpus
+from kvstore.tools.bench.daemon import on_cpus, split_cpus
 
 CPUS = sorted(os.sched_getaffinity(0))
 needs_two = pytest.mark.skipif(len(CPUS) < 2, reason="pinning needs two CPUs")  # the CI machine has two

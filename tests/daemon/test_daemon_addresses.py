@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import kvstore
-from engine import LLMEngine, SamplingParams
-from kvstore.daemon.client import parse_address
+from kvstore.client.client import parse_address
+from kvstore.engine import LLMEngine, SamplingParams
 
 from daemon_helpers import LAYOUT, DaemonProc, blocks, daemon_fixture, prompt  # noqa: F401
 

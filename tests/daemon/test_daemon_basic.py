@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from kvstore import CapacityError, KVLayout, LayoutMismatchError
-from kvstore.daemon.config import default_host_bytes, load_config
-from kvstore.daemon.protocol import Code, RemoteError
+from kvstore.client.protocol import Code, RemoteError
 from kvstore.errors import ConfigError
+from kvstore.services.daemon.config import default_host_bytes, load_config
 
 from daemon_helpers import LAYOUT, ROOT, DaemonProc, blocks, daemon_fixture, prompt, shared_daemon_fixture  # noqa: F401
 
@@ -136,7 +136,7 @@ def test_namespaces_share_the_daemon_within_the_total(daemon: DaemonProc) -> Non
 
 
 def test_off_loopback_needs_a_token(tmp_path: Path) -> None:
-    proc = subprocess.run([sys.executable, "-m", "kvstore.daemon", "serve", "--data-dir", str(tmp_path),
+    proc = subprocess.run([sys.executable, "-m", "kvstore.services.daemon", "serve", "--data-dir", str(tmp_path),
                            "--listen", "0.0.0.0:0", "--http", "", "--socket", "", "--host-mem", "1MiB"],
                           cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "token is required" in proc.stderr
@@ -146,7 +146,7 @@ def test_a_taken_rest_port_is_a_clear_error(tmp_path: Path) -> None:
     daemon = DaemonProc(tmp_path / "a")
     try:
         taken = daemon.http.removeprefix("http://")
-        proc = subprocess.run([sys.executable, "-m", "kvstore.daemon", "serve", "--data-dir", str(tmp_path / "b"),
+        proc = subprocess.run([sys.executable, "-m", "kvstore.services.daemon", "serve", "--data-dir", str(tmp_path / "b"),
                                "--listen", "", "--http", taken, "--socket", "", "--host-mem", "1MiB", "--disk", "0"],
                               cwd=ROOT, capture_output=True, text=True, timeout=60)
         assert proc.returncode == 2, proc.stderr
@@ -160,7 +160,7 @@ def test_host_ram_defaults_when_left_out_and_zero_is_refused(tmp_path: Path) -> 
     assert load_config(None, {"data_dir": tmp_path, "host_bytes": "64MiB"}).host_bytes == 64 << 20
     with pytest.raises(ConfigError, match="host_bytes=0 leaves no slot for 4 namespaces"):
         load_config(None, {"data_dir": tmp_path, "host_bytes": "0"})
-    proc = subprocess.run([sys.executable, "-m", "kvstore.daemon", "serve", "--data-dir", str(tmp_path),
+    proc = subprocess.run([sys.executable, "-m", "kvstore.services.daemon", "serve", "--data-dir", str(tmp_path),
                            "--listen", "", "--http", "", "--host-mem", "0"],
                           cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "every put lands in host RAM" in proc.stderr, proc.stderr

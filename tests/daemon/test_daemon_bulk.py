@@ -19,9 +19,8 @@ import torch
 from test_daemon_frames import reply
 
 from kvstore import CapacityError, KVLayout, LayoutMismatchError
-from kvstore.daemon.connection import BULK_MAX_S, BULK_MIN, BulkPace
-from kvstore.daemon.protocol import HEADER, VERSION, encode
-from kvstore.daemon.registry import layout_to_dict
+from kvstore.client.protocol import HEADER, VERSION, encode, layout_to_dict
+from kvstore.services.daemon.connection import BULK_MAX_S, BULK_MIN, BulkPace
 
 from daemon_helpers import LAYOUT, DaemonProc, blocks, prompt
 from factories import run_in_threads

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from kvstore import KVLayout
-from kvstore.daemon.config import load_config
 from kvstore.errors import ConfigError
+from kvstore.services.daemon.config import load_config
 
 from daemon_helpers import DaemonProc, blocks, prompt
 

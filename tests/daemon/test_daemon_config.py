@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.daemon.config import MAX_SIZE, DaemonConfig, load_config, parse_size
-from kvstore.daemon.registry import Principal, Tokens
 from kvstore.errors import ConfigError
+from kvstore.services.daemon.config import MAX_SIZE, DaemonConfig, load_config, parse_size
+from kvstore.services.daemon.registry import Principal, Tokens
 
 
 @pytest.mark.parametrize(("line", "message"), [

@@ -1,4 +1,4 @@
-"""The daemon's lease table (kvstore/daemon/shm.py): one connection's limit on the leases it
+"""The daemon's lease table (kvstore/services/daemon/shm.py): one connection's limit on the leases it
 holds, against a real store, and through a real daemon process."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvstore.daemon.protocol import Code, ProtocolError, RemoteError
-from kvstore.daemon.registry import NamespaceState
-from kvstore.daemon.shm import Leases, leases_per_connection
+from kvstore.client.protocol import Code, ProtocolError, RemoteError
+from kvstore.services.daemon.registry import NamespaceState
+from kvstore.services.daemon.shm import Leases, leases_per_connection
 
 from daemon_helpers import DaemonProc, blocks, prompt
 from factories import make_store

@@ -16,11 +16,11 @@ import pytest
 import torch
 
 from kvstore import KVLayout
-from kvstore.daemon import client as client_module
-from kvstore.daemon.client import StoreClient
-from kvstore.daemon.pool_map import MappedPool
-from kvstore.daemon.protocol import Code, RemoteError
-from tiers.host import PayloadViews
+from kvstore.client import client as client_module
+from kvstore.client.client import StoreClient
+from kvstore.client.pool_map import MappedPool
+from kvstore.client.protocol import Code, RemoteError
+from kvstore.tiers.host import PayloadViews
 
 from daemon_helpers import LAYOUT, DaemonProc, blocks, prompt
 from factories import run_in_threads

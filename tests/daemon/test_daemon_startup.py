@@ -22,9 +22,9 @@ from pathlib import Path
 import pytest
 
 from kvstore.cli import main
-from kvstore.daemon.config import DaemonConfig
-from kvstore.daemon.server import Daemon, _remove_stale_socket
 from kvstore.errors import ConfigError
+from kvstore.services.daemon.config import DaemonConfig
+from kvstore.services.daemon.server import Daemon, _remove_stale_socket
 
 from daemon_helpers import ROOT, DaemonProc, blocks, prompt
 
@@ -159,7 +159,7 @@ def test_a_second_daemon_on_a_held_data_dir_or_socket_is_refused(holder: DaemonP
 
 
 def test_a_failed_start_exits_2_without_a_traceback(holder: DaemonProc, short_dir: Path) -> None:
-    proc = subprocess.run([sys.executable, "-m", "kvstore.daemon", "serve", "--data-dir", str(holder.data_dir),
+    proc = subprocess.run([sys.executable, "-m", "kvstore.services.daemon", "serve", "--data-dir", str(holder.data_dir),
                            "--listen", "", "--http", "", "--socket", str(short_dir / "s"), "--host-mem", "1MiB",
                            "--disk", "2MiB"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr

@@ -21,8 +21,8 @@ import pytest
 import torch
 
 from kvstore import KVLayout, StoreConfig, TieredStore
-from kvstore.daemon.registry import COUNTERS
-from kvstore.daemon.rest import create_app
+from kvstore.services.daemon.registry import COUNTERS
+from kvstore.services.daemon.rest import create_app
 
 from daemon_helpers import DaemonProc, blocks, prompt
 from factories import require

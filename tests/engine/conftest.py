@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from engine import LLMEngine, SamplingParams
+from kvstore.engine import LLMEngine, SamplingParams
 
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine import SamplingParams
+from kvstore.engine import SamplingParams
 from tests.engine.conftest import make_engine
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)

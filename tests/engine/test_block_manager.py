@@ -8,9 +8,9 @@ from typing import TypeVar
 
 import torch
 
-from engine.block_manager import DEMOTE_RUN, BlockManager
 from kvstore import KVLayout, StoreConfig, TieredStore
-from tiers.device import DevicePool
+from kvstore.engine.block_manager import DEMOTE_RUN, BlockManager
+from kvstore.tiers.device import DevicePool
 
 LAYOUT = KVLayout(num_layers=1, num_kv_heads=1, head_dim=4, block_size=2, dtype=torch.float32)
 

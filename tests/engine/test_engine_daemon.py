@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from engine.loader import random_checkpoint
 from kvstore import KVLayout
+from kvstore.engine.loader import random_checkpoint
 from tests.daemon.daemon_helpers import ROOT, DaemonProc
 
 BLOCK = 4
@@ -26,7 +26,7 @@ LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, block_size=BLOCK, d
 RUN = r"""
 import json, sys
 import torch
-from engine import LLMEngine, SamplingParams
+from kvstore.engine import LLMEngine, SamplingParams
 
 url, runs, tiny = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
 results = []

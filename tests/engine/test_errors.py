@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from engine import CheckpointError, LLMEngine, SamplingParams
+from kvstore.engine import CheckpointError, LLMEngine, SamplingParams
 from kvstore.errors import ConfigError
 from tests.engine.conftest import GREEDY, make_engine
 

@@ -1,11 +1,11 @@
-"""engine/model.py's Linear (the weight kept transposed) gives F.linear's result for every row
+"""kvstore/engine/model.py's Linear (the weight kept transposed) gives F.linear's result for every row
 count, with and without a bias."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.model import Linear
+from kvstore.engine.model import Linear
 
 
 @pytest.mark.parametrize("rows", [1, 2, 16, 300])

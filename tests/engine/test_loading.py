@@ -9,10 +9,10 @@ from typing import Any
 
 import torch
 
-from engine import SamplingParams
-from engine.fetcher import LATENCY_S, Fetcher
-from engine.sequence import SeqStatus
 from kvstore import KVLayout, StoreConfig, TieredStore
+from kvstore.engine import SamplingParams
+from kvstore.engine.fetcher import LATENCY_S, Fetcher
+from kvstore.engine.sequence import SeqStatus
 from kvstore.transfer import FetchHandle
 from tests.engine.conftest import GREEDY, make_engine
 

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 import torch
 
-from engine import SamplingParams
-from engine.loader import load_checkpoint
+from kvstore.engine import SamplingParams
+from kvstore.engine.loader import load_checkpoint
 from tests.engine.conftest import PROMPTS, hf_greedy_check, make_engine
 
 WITH_LOGITS = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, prompt_logits=True)

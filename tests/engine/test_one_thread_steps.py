@@ -1,5 +1,5 @@
 """On the CPU, steps of one sequence and at most ONE_THREAD_ROWS rows run on the engine's
-one-thread worker (engine/threads.py): its torch ops use one thread, every other step runs on
+one-thread worker (kvstore/engine/threads.py): its torch ops use one thread, every other step runs on
 the caller with the caller's count, and no other thread's count changes, also for threads
 started after the engine."""
 
@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 import torch
 
-from engine.runner import ONE_THREAD_ROWS
-from engine.threads import OneThreadWorker
+from kvstore.engine.runner import ONE_THREAD_ROWS
+from kvstore.engine.threads import OneThreadWorker
 from tests.engine.conftest import GREEDY, hf_greedy_check, make_engine
 
 

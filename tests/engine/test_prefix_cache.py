@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from engine import SamplingParams
+from kvstore.engine import SamplingParams
 from tests.engine.conftest import GREEDY, PROMPTS, make_engine
 
 LONG = [list(range(3, 3 + 29)), [*list(range(40, 40 + 22)), 7], [11, 12] * 9]  # 29, 23, 18 tokens
@@ -156,7 +156,7 @@ class _Failed:
 
 @pytest.mark.parametrize("keep", [0, 2])
 def test_failed_fetch_falls_back_to_recompute(llama_dir: Path, expected: list[list[int]], keep: int) -> None:
-    from engine import LLMEngine
+    from kvstore.engine import LLMEngine
 
     first = make_engine(llama_dir)
     first.generate(LONG, GREEDY)

@@ -14,7 +14,7 @@ import pytest
 
 SCRIPT = """
 import json, torch
-from engine import LLMEngine, SamplingParams
+from kvstore.engine import LLMEngine, SamplingParams
 llm = LLMEngine(None, block_size=16, kv_cache_bytes=1 << 20, host_bytes=1 << 20, fetch_policy="always",
                 random_model=dict(num_layers=1, hidden_size=64, intermediate_size=64, num_heads=4,
                                   num_kv_heads=2, head_dim=16, vocab_size=64))

@@ -5,8 +5,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from kvstore import ports
 from kvstore.events import Subscriber
+from kvstore.tools.testing import ports
 
 
 def until(cond: Callable[[], bool], sub: Subscriber, timeout: float = 30.0) -> None:

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from engine import LLMEngine, SamplingParams
+from kvstore.engine import LLMEngine, SamplingParams
 from kvstore.events import Subscriber
 from kvstore.events.wire import CPU, DISK, GPU, BlockStored
 

@@ -285,7 +285,7 @@ def test_kvstore_events_names_an_endpoint_it_cannot_use() -> None:
 
 
 def test_replay_ring_keeps_the_newest_within_its_count_and_bytes() -> None:
-    from kvstore.events.replay import ReplayRing
+    from kvstore.events.replay_ring import ReplayRing
 
     ring = ReplayRing(capacity=4, max_bytes=100)
     for seq in range(6):
@@ -490,7 +490,7 @@ def test_kvstore_events_prints_no_snapshot_unless_asked(pub: EventPublisher) -> 
 
 
 def test_snapshot_batches_hold_at_most_a_chunk_of_hashes() -> None:
-    from kvstore.events.replay import SNAPSHOT_CHUNK, snapshot_batches
+    from kvstore.events.replay_ring import SNAPSHOT_CHUNK, snapshot_batches
 
     chains = []
     for length in (1000, 1000, 3, 2500, 1):  # runs that would overfill a batch

@@ -121,7 +121,7 @@ def test_guarded_store_embedded_round_trip(tmp_path: Path) -> None:
 
 
 def test_embedded_stores_of_two_nodes_share_blocks_through_a_remote_tier(tmp_path: Path) -> None:
-    from kvstore.redis_local import RedisServer
+    from kvstore.tools.testing.redis_local import RedisServer
     from tests.remote.conftest import require_redis
 
     require_redis()

@@ -18,11 +18,11 @@ import torch
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 TRITON_MODULES = (
-    "kernels.decode_attention",
-    "kernels.prefill_attention",
-    "kernels.cache_write",
-    "kernels.block_copy",
-    "kernels.dequant",
+    "kvstore.kernels.decode_attention",
+    "kvstore.kernels.prefill_attention",
+    "kvstore.kernels.cache_write",
+    "kvstore.kernels.block_copy",
+    "kvstore.kernels.dequant",
 )
 
 if DEVICE.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":

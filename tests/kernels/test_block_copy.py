@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import reference
-from kernels.block_copy import _word_size, gather_blocks, scatter_blocks
+from kvstore.kernels import reference
+from kvstore.kernels.block_copy import _word_size, gather_blocks, scatter_blocks
 
 from kernel_testing import DEVICE, assert_same_bits
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import reference
-from kernels.cache_write import store_kv
+from kvstore.kernels import reference
+from kvstore.kernels.cache_write import store_kv
 
 from kernel_testing import DEVICE, assert_same_bits, make_paged_kv, random_queries
 

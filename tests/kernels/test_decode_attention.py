@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import reference
-from kernels.decode_attention import _should_split, paged_decode_attention
+from kvstore.kernels import reference
+from kvstore.kernels.decode_attention import _should_split, paged_decode_attention
 
 from kernel_testing import BF16_NEEDS_GPU, DEVICE, assert_close, make_paged_kv, poisoned_like, random_queries
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import reference
-from kernels.dequant import dequantize_fp8, dequantize_int8
+from kvstore.kernels import reference
+from kvstore.kernels.dequant import dequantize_fp8, dequantize_int8
 
 from kernel_testing import DEVICE, assert_same_bits, poisoned_like
 

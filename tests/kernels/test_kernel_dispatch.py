@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 import torch
 
-import kernels
-from kernels import block_copy, cache_write, decode_attention, dequant, prefill_attention, reference
+from kvstore import kernels
+from kvstore.kernels import block_copy, cache_write, decode_attention, dequant, prefill_attention, reference
 
 from kernel_testing import DEVICE, assert_close, cu_seqlens, make_paged_kv, random_queries
 

@@ -7,7 +7,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from kernels import block_copy, cache_write, decode_attention, prefill_attention, reference
+from kvstore.kernels import block_copy, cache_write, decode_attention, prefill_attention, reference
 
 from kernel_testing import DEVICE, cu_seqlens, make_paged_kv, random_queries
 

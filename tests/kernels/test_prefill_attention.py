@@ -7,8 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels import reference
-from kernels.prefill_attention import paged_prefill_attention
+from kvstore.kernels import reference
+from kvstore.kernels.prefill_attention import paged_prefill_attention
 
 from kernel_testing import (
     BF16_NEEDS_GPU,

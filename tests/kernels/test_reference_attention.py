@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import reference
+from kvstore.kernels import reference
 
 from kernel_testing import (
     DEVICE,

@@ -18,8 +18,8 @@ import numpy as np
 import redis
 from redis.crc import key_slot
 
-from kvstore.redis_local import RedisCluster
-from tiers.remote import RemoteTier
+from kvstore.tiers.remote import RemoteTier
+from kvstore.tools.testing.redis_local import RedisCluster
 
 PAYLOAD = 64 * 1024
 LAYOUT_ID = "L2-H2-D64-B16-float16-tp0of1"
@@ -57,7 +57,7 @@ class Daemon:
 
     def __init__(self, data_dir: Path, *args: str) -> None:
         self.sock_dir = tempfile.mkdtemp(prefix="kvr-", dir="/tmp")  # sun_path is 108 bytes
-        cmd = [sys.executable, "-m", "kvstore.daemon", "serve", "--data-dir", str(data_dir), "--host-mem", "2MiB",
+        cmd = [sys.executable, "-m", "kvstore.services.daemon", "serve", "--data-dir", str(data_dir), "--host-mem", "2MiB",
                "--disk", "0", "--socket", f"{self.sock_dir}/s", "--listen", "", "--http", "127.0.0.1:0", *args]
         self.proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True)

@@ -16,7 +16,7 @@ import torch
 
 import kvstore
 from kvstore import KVLayout
-from kvstore.redis_local import RedisCluster, RedisServer, free_port
+from kvstore.tools.testing.redis_local import RedisCluster, RedisServer, free_port
 
 from remote_helpers import Daemon
 
@@ -124,6 +124,6 @@ def test_the_remote_password_never_leaves_the_daemon(tmp_path: Path) -> None:
 def test_a_bad_remote_url_is_a_clear_error(tmp_path: Path, bad: str) -> None:
     import sys
 
-    proc = subprocess.run([sys.executable, "-m", "kvstore.daemon", "serve", "--data-dir", str(tmp_path),
+    proc = subprocess.run([sys.executable, "-m", "kvstore.services.daemon", "serve", "--data-dir", str(tmp_path),
                            "--remote", bad], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "--remote" in proc.stderr and "remote URL" in proc.stderr

@@ -14,9 +14,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvstore.redis_local import RedisCluster, RedisServer, cli, free_port
-from tiers.remote import RemoteTier, parse_url
-from tiers.remote.topology import Topology, error_kind
+from kvstore.tiers.remote import RemoteTier, parse_url
+from kvstore.tiers.remote.topology import Topology, error_kind
+from kvstore.tools.testing.redis_local import RedisCluster, RedisServer, cli, free_port
 
 from remote_helpers import PAYLOAD, TrickleNode, keys, owner_port, payloads, tier
 

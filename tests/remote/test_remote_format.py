@@ -7,9 +7,9 @@ import hashlib
 import pytest
 from redis.crc import key_slot
 
-from tiers.remote import codec
-from tiers.remote.naming import block_name, group_tags
-from tiers.remote.url import parse_url
+from kvstore.tiers.remote import codec
+from kvstore.tiers.remote.naming import block_name, group_tags
+from kvstore.tiers.remote.url import parse_url
 
 
 def key(i: int) -> bytes:

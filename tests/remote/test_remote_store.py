@@ -12,10 +12,10 @@ import torch
 from kvstore import ConfigError, StoreConfig
 from kvstore.codecs.int8 import Int8Codec
 from kvstore.levels.coding import LevelCodec
-from kvstore.levels.remote import RemoteLevel
-from kvstore.redis_local import RedisCluster, cli, free_port
+from kvstore.levels.remote_level import RemoteLevel
 from kvstore.store import TieredStore
-from tiers.remote import RemoteTier
+from kvstore.tiers.remote import RemoteTier
+from kvstore.tools.testing.redis_local import RedisCluster, cli, free_port
 
 from factories import SLOT, SMALL_LAYOUT, blocks_for, chain, make_store
 

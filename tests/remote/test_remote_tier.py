@@ -11,8 +11,8 @@ import pytest
 import redis
 from redis.crc import key_slot
 
-from kvstore.redis_local import RedisCluster, RedisServer, cli
-from tiers.remote import RemoteTier, group_tags
+from kvstore.tiers.remote import RemoteTier, group_tags
+from kvstore.tools.testing.redis_local import RedisCluster, RedisServer, cli
 
 from remote_helpers import LAYOUT_ID, PAYLOAD, keys, owner_port, payloads, tier
 

@@ -22,10 +22,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from kvstore.http_serving import bind, uvicorn_server
-from kvstore.ports import free_port_pair
-from kvstore.route.config import RouteConfig
-from kvstore.route.server import run
+from kvstore.services.common.http import bind, uvicorn_server
+from kvstore.services.router.config import RouteConfig
+from kvstore.services.router.server import run
+from kvstore.tools.testing.ports import free_port_pair
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "engine" / "serve"))
@@ -39,7 +39,7 @@ __all__ = ["BLOCK", "ENGINE_ARGS", "MAX_MODEL_LEN", "ROUTER_TOKEN", "EngineServe
 
 def free_ports(count: int) -> list[int]:
     """``count`` TCP ports, each followed by a free one (a KV-events replay port), none handed
-    out before in this process, below Linux's ephemeral range (kvstore.ports)."""
+    out before in this process, below Linux's ephemeral range (kvstore.tools.testing.ports)."""
     return [free_port_pair() for _ in range(count)]
 
 
@@ -127,7 +127,7 @@ class RouterProcess(RouterViews, CliServer):
 
 
 class RouterThread(RouterViews):
-    """``kvstore route``'s own ``run`` (kvstore/route/server.py: app, proxy, health loop, uvicorn,
+    """``kvstore route``'s own ``run`` (kvstore/services/router/server.py: app, proxy, health loop, uvicorn,
     drain) on a thread and event loop of its own, without a process start. ``drain()`` does
     what SIGTERM does; ``close()`` drains and returns run's exit status."""
 

@@ -9,9 +9,9 @@ import pytest
 
 from kvstore.cli import main
 from kvstore.errors import ConfigError
-from kvstore.route.config import RouteConfig
-from kvstore.route.replica import ReplicaLink, parse_info
-from kvstore.routing import Router
+from kvstore.services.router.config import RouteConfig
+from kvstore.services.router.policy import Router
+from kvstore.services.router.replica import ReplicaLink, parse_info
 
 INFO: dict[str, Any] = {
     "model": "random", "engine_id": "e1", "block_size": 16, "max_model_len": 4096,

@@ -24,7 +24,7 @@ from route_helpers import (
 )
 from starlette.responses import JSONResponse, Response
 
-from kvstore.routing import RouterConfig
+from kvstore.services.router.policy import RouterConfig
 
 
 @pytest.fixture

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from kvstore.cli import main
-from kvstore.replay.trace import ReplayError
-from kvstore.routing import RouterConfig
-from kvstore.routing.sim import SimConfig, load_requests, simulate
+from kvstore.services.router.policy import RouterConfig
+from kvstore.tools.replay.route_sim import SimConfig, load_requests, simulate
+from kvstore.tools.replay.trace import ReplayError
 
 
 def write_trace(path: Path, conversations: int = 25, turns: int = 5) -> Path:

@@ -7,7 +7,7 @@ import torch
 
 from kvstore.keys import BlockHasher, Namespace
 from kvstore.layout import KVLayout
-from kvstore.routing import (
+from kvstore.services.router.policy import (
     CPU,
     DISK,
     GPU,

@@ -10,8 +10,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from kvstore.routing import CPU, DISK, GPU, REMOTE, KeyTable, PrefixIndex, TierWeights, key_ids
-from kvstore.routing.keytable import MIN_CAPACITY
+from kvstore.services.router.policy import CPU, DISK, GPU, REMOTE, KeyTable, PrefixIndex, TierWeights, key_ids
+from kvstore.services.router.policy.keytable import MIN_CAPACITY
 
 
 def keys(n: int, salt: str = "") -> list[bytes]:

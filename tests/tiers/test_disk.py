@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
-import tiers.slab as slab_module
-from tiers.checksums import checksum
-from tiers.disk import DiskEntry, DiskTier
-from tiers.errors import TierFullError
-from tiers.records import Record, decode_record, encode_record
+import kvstore.tiers.slab as slab_module
+from kvstore.tiers.checksums import checksum
+from kvstore.tiers.disk import DiskEntry, DiskTier
+from kvstore.tiers.errors import TierFullError
+from kvstore.tiers.records import Record, decode_record, encode_record
 
 from factories import require
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tiers.disk import DiskTier
+from kvstore.tiers.disk import DiskTier
 
 PAYLOAD = 12000  # two 4 KiB pages and most of a third: a slot is 12 KiB with padding
 NUM_SLOTS = 48  # small, so slots are reused all the time
@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 CHILD = r"""
 import hashlib, random, sys
-from tiers.disk import DiskTier
+from kvstore.tiers.disk import DiskTier
 
 path, seed, sync, direct = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1", sys.argv[4] == "1"
 PAYLOAD, NUM_SLOTS = 12000, 48

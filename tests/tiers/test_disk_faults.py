@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-import tiers.catalog as catalog_module
-import tiers.slab as slab_module
-from tiers.disk import DiskTier
-from tiers.errors import TierError, TierFullError, TierIOError
+import kvstore.tiers.catalog as catalog_module
+import kvstore.tiers.slab as slab_module
+from kvstore.tiers.disk import DiskTier
+from kvstore.tiers.errors import TierError, TierFullError, TierIOError
 
 PAYLOAD = 6000
 SLOT = 8192

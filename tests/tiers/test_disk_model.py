@@ -12,7 +12,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from tiers.disk import DiskTier
+from kvstore.tiers.disk import DiskTier
 
 PAYLOAD = 100
 SLOT = 4096

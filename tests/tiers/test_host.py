@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tiers.errors import TierFullError
-from tiers.host import PAGE, HostTier
+from kvstore.tiers.errors import TierFullError
+from kvstore.tiers.host import PAGE, HostTier
 
 
 @pytest.mark.parametrize("payload", [PAGE, 3 * PAGE, 1000], ids=["one-page", "three-pages", "padded"])

@@ -116,7 +116,7 @@ class GuardedStore:
         """
         with torch.inference_mode(False):
             if self.settings.is_daemon:
-                from kvstore.daemon.client import connect
+                from kvstore.client.client import connect
 
                 return connect(self.settings.store, self.settings.token, layout=self.layout,
                                model_id=self.model_id, hash_algo=self.settings.hash_algo, timeout=self.timeout_s)

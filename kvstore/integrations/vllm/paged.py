@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
-import kernels
+from kvstore import kernels
 from kvstore.buffer_pool import BufferPool
 from kvstore.errors import LayoutMismatchError
 from kvstore.layout import KVLayout

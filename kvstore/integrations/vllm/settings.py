@@ -10,11 +10,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+from kvstore.client.client import parse_address
 from kvstore.config import WRITE_POLICIES
-from kvstore.daemon.client import parse_address
-from kvstore.daemon.config import parse_size
 from kvstore.errors import ConfigError
 from kvstore.keys import HASHES
+from kvstore.services.daemon.config import parse_size
 
 TIERS = ("host", "disk", "remote")
 _TEXT = ("disk_path", "remote_url", "model_id")  # optional text settings: unset or a non-empty str

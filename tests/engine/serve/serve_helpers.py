@@ -129,7 +129,7 @@ class EngineServer(CliServer):
 
 def reference_engine() -> Any:
     """An in-process LLMEngine with the server's model, seed and block size."""
-    from engine import LLMEngine
+    from kvstore.engine import LLMEngine
 
     return LLMEngine(None, random_model=TINY, seed=3, block_size=BLOCK, max_model_len=MAX_MODEL_LEN,
                      kv_cache_bytes=4 << 20, host_bytes=0, dtype=torch.float32)
@@ -141,10 +141,10 @@ class InProcessServer:
     engine it serves. ``kv_cache_bytes`` sizes the device pool (small: preemption)."""
 
     def __init__(self, kv_cache_bytes: int = 4 << 20) -> None:
-        from engine.serve.app import create_app
-        from engine.serve.config import ServeConfig
-        from engine.serve.server import build_state
-        from kvstore.http_serving import bind, uvicorn_server, where
+        from kvstore.services.common.http import bind, uvicorn_server, where
+        from kvstore.services.engine_server.app import create_app
+        from kvstore.services.engine_server.config import ServeConfig
+        from kvstore.services.engine_server.server import build_state
 
         config = ServeConfig(random_config=TINY, port=0, host_bytes=8 << 20, kv_cache_bytes=kv_cache_bytes,
                              block_size=BLOCK, max_model_len=MAX_MODEL_LEN, seed=3)

@@ -3,9 +3,9 @@ UTF-8 held back until they resolve (the server's streaming depends on these exac
 
 from __future__ import annotations
 
-from engine.sequence import CompletionOutput, RequestMetrics, RequestOutput
-from engine.serve.generation import Generation
-from engine.serve.tokenizer import ByteTokenizer
+from kvstore.engine.sequence import CompletionOutput, RequestMetrics, RequestOutput
+from kvstore.services.engine_server.generation import Generation
+from kvstore.services.engine_server.tokenizer import ByteTokenizer
 
 
 def feed(gen: Generation, text: bytes, finish: str | None = None) -> list[tuple[int, str, str | None]]:

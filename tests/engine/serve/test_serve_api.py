@@ -15,10 +15,10 @@ import httpx
 import openai
 import pytest
 
-from engine import SamplingParams
-from engine.serve.tokenizer import ByteTokenizer
+from kvstore.engine import SamplingParams
 from kvstore.keys import Namespace
 from kvstore.layout import DTYPES_BY_NAME, KVLayout
+from kvstore.services.engine_server.tokenizer import ByteTokenizer
 
 from serve_helpers import BLOCK, MAX_MODEL_LEN, EngineServer, reference_engine, stream_in_background
 

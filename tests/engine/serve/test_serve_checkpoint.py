@@ -12,8 +12,8 @@ import httpx
 import pytest
 import torch
 
-from engine import LLMEngine, SamplingParams
-from engine.loader import random_checkpoint, save_random_checkpoint
+from kvstore.engine import LLMEngine, SamplingParams
+from kvstore.engine.loader import random_checkpoint, save_random_checkpoint
 
 from serve_helpers import EngineServer
 

@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 
-from engine.serve.config import ServeConfig
+from kvstore.services.engine_server.config import ServeConfig
 
 from serve_helpers import BLOCK, ROOT, EngineServer
 

@@ -1,6 +1,0 @@
-"""The store daemon: ``kvstore serve``, its block protocol, client, REST app and dashboard.
-
-``kvstore.connect(url, ...)`` (kvstore.daemon.client.connect) opens a client.
-"""
-
-from __future__ import annotations

@@ -1,0 +1,267 @@
+"""BlockManager: the device tier. Owns the KV pool's blocks, their reference counts, the device
+prefix cache (key -> block) and the LRU of free-but-cached blocks; writes blocks to the store on
+the demoter's thread (the engine loop only gathers the bytes): each block right after the step
+that filled it (write-through), or, with write-back, when an allocation evicts it.
+With an event publisher it announces the device tier (medium GPU): a block when it is sealed
+under its key, its removal when the key leaves the device cache.
+
+A block is in exactly one of three states:
+  in use    ref_count > 0 (held by sequences; never evicted or overwritten)
+  cached    ref_count == 0, has a key: findable by lookup, in ``evictable`` (LRU first)
+  free      ref_count == 0, no key: in the DevicePool's free list
+Sequences release their blocks tail first, so a prefix's tail is evicted before its head.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from kvstore import kernels
+from kvstore.engine.demoter import Demoter
+from kvstore.errors import KVStoreError
+from kvstore.events.wire import GPU
+from kvstore.tiers.device import DevicePool
+
+# Blocks per background put: a put holds the store lock while it indexes its blocks and takes
+# their slots (and through its copy, below writes.UNLOCKED_COPY_BYTES), and a fetch
+# of the request being admitted waits for it; short puts let those in between.
+DEMOTE_RUN = 16
+
+
+class Block:
+    __slots__ = ("block_id", "key", "parent_key", "ref_count", "tenant")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_count = 0
+        self.key: bytes | None = None
+        self.parent_key: bytes | None = None
+        self.tenant = ""
+
+
+class BlockManager:
+    """Device block allocation, sharing and eviction (single-threaded: the engine loop)."""
+
+    def __init__(self, pool: DevicePool, block_size: int, store: Any = None, events: Any = None,
+                 write_through: bool = False) -> None:
+        self.pool = pool
+        self.block_size = block_size
+        self.store = store  # TieredStore-like; None: evicted blocks are dropped
+        self.events = events  # an EventPublisher (stored/removed never block), or None
+        self.blocks = [Block(i) for i in range(pool.num_blocks)]
+        self.cached: dict[bytes, int] = {}
+        self.evictable: OrderedDict[int, None] = OrderedDict()
+        self.num_demoted = 0
+        self.num_dropped = 0
+        self.demote_s = 0.0  # seconds the engine loop spent demoting (gathers; puts when synchronous)
+        # Puts run on a background thread (bounded: up to the pool's size, at least 64 MiB, of
+        # gathered bytes): write-throughs and evictions' demotions; evict_all and write_back wait.
+        self.demoter = Demoter(store, max(pool.capacity_bytes, 64 << 20)) if store is not None else None
+        # Write-through: blocks sealed by a step, written by write_sealed() after it. Evicting a
+        # block the store already holds then costs no gather and no put on the request's path.
+        self.write_through = write_through and store is not None
+        self._sealed: list[int] = []
+
+    @property
+    def num_available(self) -> int:
+        """Blocks an allocation can get: free ones plus cached ones it may evict."""
+        return self.pool.num_free + len(self.evictable)
+
+    def match(self, keys: Sequence[bytes]) -> list[int]:
+        """Pure query: block ids of the leading run of ``keys`` cached on the device."""
+        ids: list[int] = []
+        for key in keys:
+            block_id = self.cached.get(key)
+            if block_id is None:
+                break
+            ids.append(block_id)
+        return ids
+
+    def num_reusable(self, block_ids: Sequence[int]) -> int:
+        """How many of ``block_ids`` are cached but unreferenced (acquiring them uses availability)."""
+        return sum(1 for b in block_ids if self.blocks[b].ref_count == 0)
+
+    def acquire(self, block_ids: Sequence[int]) -> None:
+        """Add a reference to each block (device prefix hits, forked samples)."""
+        for b in block_ids:
+            block = self.blocks[b]
+            if block.ref_count == 0:
+                del self.evictable[b]
+            block.ref_count += 1
+
+    def allocate(self, n: int) -> list[int]:
+        """``n`` fresh blocks with one reference each; evicts cached blocks LRU first if needed."""
+        if n > self.num_available:
+            raise KVStoreError(f"need {n} device blocks, {self.num_available} available of {self.pool.num_blocks}")
+        short = n - self.pool.num_free
+        if short > 0:
+            self._evict(short)
+        ids = self.pool.allocate(n)
+        for b in ids:
+            self.blocks[b].ref_count = 1
+        return ids
+
+    def release(self, block_ids: Sequence[int]) -> None:
+        """Drop one reference of each block, tail first: keyed blocks stay cached, others free."""
+        freed: list[int] = []
+        for b in reversed(block_ids):
+            block = self.blocks[b]
+            assert block.ref_count > 0, f"block {b} released more often than acquired"
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                if block.key is not None:
+                    self.evictable[b] = None
+                else:
+                    freed.append(b)
+        self.pool.release(freed)
+
+    def seal(self, block_id: int, key: bytes, parent_key: bytes | None, tenant: str,
+             token_ids: Sequence[int] | None = None, computed: bool = True) -> None:
+        """Publish a full block under its key (``token_ids``: its tokens, for the KV events;
+        ``computed``: False for a block fetched from the store, which write-through skips).
+        A key already cached elsewhere keeps that block; this one stays private and is freed
+        with its sequence."""
+        block = self.blocks[block_id]
+        if block.key is not None or key in self.cached:
+            return
+        block.key, block.parent_key, block.tenant = key, parent_key, tenant
+        self.cached[key] = block_id
+        if computed and self.write_through:
+            self._sealed.append(block_id)
+        if self.events is not None:
+            self.events.stored(GPU, [key], [parent_key], self.block_size, token_ids)
+
+    def copy_on_write(self, block_id: int) -> int:
+        """A private copy of a shared block (the caller's reference moves to the copy)."""
+        (new,) = self.allocate(1)
+        self.pool.pool[new].copy_(self.pool.pool[block_id])
+        self.release([block_id])
+        return new
+
+    def _evict(self, n: int, background: bool = True) -> None:
+        victims = [self.evictable.popitem(last=False)[0] for _ in range(n)]
+        self._demote(victims, background)
+        keys = []
+        for b in victims:
+            block = self.blocks[b]
+            keys.append(block.key)
+            del self.cached[block.key]  # type: ignore[arg-type]
+            block.key = block.parent_key = None
+        self.pool.release(victims)
+        if self.events is not None:
+            self.events.removed(GPU, keys)
+
+    def evict_all(self) -> int:
+        """Push every cached-but-unused block out of the device (to the store); returns how many."""
+        n = len(self.evictable)
+        if n:
+            self._evict(n, background=False)
+        return n
+
+    def write_back(self) -> None:
+        """Copy every keyed block the store lacks to the store, keeping it on the device."""
+        self._demote([b.block_id for b in self.blocks if b.key is not None], background=False)
+
+    def write_sealed(self) -> None:
+        """Write-through: queue the blocks sealed since the last call for the store (the engine
+        calls it after each step). Over the demoter's bound they are skipped, not lost: a block
+        the store lacks is still demoted when it is evicted."""
+        if self._sealed:
+            ids, self._sealed = self._sealed, []
+            self._demote([b for b in reversed(ids) if self.blocks[b].key is not None], background=True,
+                         optional=True)
+
+    def close(self) -> None:
+        """Finish the background demotions and stop their thread."""
+        if self.demoter is not None:
+            self.demoter.close()
+
+    def _demote(self, block_ids: list[int], background: bool, optional: bool = False) -> None:
+        """Put the blocks' bytes in the store, one put per chain run, or per DEMOTE_RUN blocks of
+        it in the background (heads before tails; the ids come tail first).
+
+        ``background``: gather the bytes now and leave the puts to the demoter thread;
+        otherwise put them now, after the demotions queued before. ``optional``: the blocks
+        stay on the device (write-through), so a run over the demoter's bound is not counted
+        as dropped.
+        """
+        if self.store is None or not block_ids:
+            self.num_dropped += len(block_ids) if self.store is None else 0
+            return
+        t0 = time.perf_counter()
+        try:
+            if background and self.demoter is not None:
+                for run in self._runs(self._unstored(block_ids)):
+                    for i in range(0, len(run), DEMOTE_RUN):
+                        part = run[i : i + DEMOTE_RUN]
+                        self.demoter.submit([b.key for b in part], self._gather(part), part[0].tenant,  # type: ignore[misc]
+                                            optional)
+            else:
+                if self.demoter is not None:
+                    self.demoter.drain()  # keep the order: heads queued before are stored first
+                self._demote_now(block_ids)
+        finally:
+            self.demote_s += time.perf_counter() - t0
+
+    @staticmethod
+    def _runs(blocks: list[Block]) -> list[list[Block]]:
+        """Chain runs of ``blocks`` (given tail first, in eviction order), heads first."""
+        runs: list[list[Block]] = []
+        for b in reversed(blocks):
+            if runs and runs[-1][-1].key == b.parent_key and runs[-1][-1].tenant == b.tenant:
+                runs[-1].append(b)
+            else:
+                runs.append([b])
+        return runs
+
+    def _unstored(self, block_ids: list[int]) -> list[Block]:
+        """The blocks whose bytes no queued run holds (a write-through's) and the store lacks.
+        The store is asked only about the others: its lock may be held by a long put."""
+        blocks = [self.blocks[b] for b in block_ids]
+        queued = self.demoter.queued([b.key for b in blocks]) if self.demoter is not None else [False] * len(blocks)  # type: ignore[misc]
+        ask = [b.key for b, q in zip(blocks, queued, strict=True) if not q]
+        held = iter(self.store.contains(ask) if ask else ())
+        return [b for b, q in zip(blocks, queued, strict=True) if not q and not next(held)]
+
+    def _gather(self, run: list[Block]) -> torch.Tensor:
+        """A copy of the blocks' bytes out of the pool (they may be reused right after)."""
+        return kernels.gather_blocks(self.pool.pool, torch.tensor([b.block_id for b in run], dtype=torch.long))
+
+    def _demote_now(self, block_ids: list[int]) -> None:
+        for run in self._runs(self._unstored(block_ids)):
+            try:
+                self.store.put([b.key for b in run], self._gather(run), tenant=run[0].tenant)
+                self.num_demoted += len(run)
+            except KVStoreError:
+                self.num_dropped += len(run)  # the store is full of pinned or in-flight blocks
+
+    def held_blocks(self) -> list[tuple[bytes, bytes | None]]:
+        """(key, parent key) of every block in the device prefix cache. Safe to call from
+        another thread (the KV-event snapshot): it copies the map in one step."""
+        items = list(self.cached.items())
+        blocks = self.blocks
+        return [(key, blocks[b].parent_key) for key, b in items]
+
+    def stats(self) -> dict[str, int]:
+        d = self.demoter
+        in_use = sum(1 for b in self.blocks if b.ref_count > 0)
+        bpb = self.pool.bytes_per_block
+        return {"capacity_bytes": self.pool.capacity_bytes, "used_bytes": (in_use + len(self.evictable)) * bpb,
+                "num_blocks": in_use + len(self.evictable), "num_in_use": in_use, "num_cached": len(self.cached),
+                "num_free": self.pool.num_free, "demoted": self.num_demoted + (d.num_demoted if d else 0),
+                "dropped": self.num_dropped + (d.num_dropped if d else 0), "demoting": d.num_pending if d else 0,
+                "write_through_skipped": d.num_skipped if d else 0}
+
+    def check_integrity(self) -> None:
+        used = [b.block_id for b in self.blocks if b.ref_count > 0 or b.key is not None]
+        self.pool.check_integrity(used)
+        for key, b in self.cached.items():
+            assert self.blocks[b].key == key, f"cached key of block {b} disagrees"
+        for b in self.evictable:
+            assert self.blocks[b].ref_count == 0 and self.blocks[b].key is not None, f"block {b} wrongly evictable"
+        assert sum(1 for b in self.blocks if b.ref_count == 0 and b.key is not None) == len(self.evictable)

@@ -1,0 +1,202 @@
+"""Plain-torch versions of every kernel: the truth the Triton kernels are tested against, and the
+implementation the engine runs on CPU.
+
+Attention is computed in float32 whatever the storage dtype, and cast back on the way out. Each
+function checks its inputs like the Triton launchers do (see ``kvstore/kernels/_checks.py``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kvstore.kernels import _checks
+
+
+def _gather_paged(cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+    """Gather each sequence's rows contiguous: ``[num_seqs, max_len, kv_heads, head_dim]`` (float32).
+
+    Rows past a sequence's length are zero: the slots behind them hold stale bytes (maybe inf or
+    NaN), and a masked score times a NaN value would still poison the output.
+    """
+    num_seqs = block_tables.shape[0]
+    block_size = cache.shape[1]
+    lens = seq_lens.long()
+    max_len = int(lens.max()) if num_seqs else 0
+    num_cols = -(-max_len // block_size)
+    table = block_tables[:, :num_cols].long()
+    # Entries past ceil(seq_len / block_size) are never meaningful (padding such as -1).
+    in_use = torch.arange(num_cols, device=table.device) < ((lens + block_size - 1) // block_size)[:, None]
+    table = torch.where(in_use, table, 0)
+    # index_select reads only the chosen blocks of the strided per-layer view; plain advanced
+    # indexing (cache[table]) first materialises the whole layer slice of the pool.
+    picked = cache.index_select(0, table.flatten()).view(num_seqs, num_cols, *cache.shape[1:])
+    rows = picked.float().flatten(1, 2)[:, :max_len]  # [num_seqs, max_len, kv_heads, head_dim]
+    in_seq = torch.arange(max_len, device=rows.device) < lens[:, None]
+    return torch.where(in_seq[:, :, None, None], rows, 0.0)
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Reference of ``kernels.paged_decode_attention`` (one query row per sequence)."""
+    num_blocks, block_size, num_kv_heads, head_dim = _checks.check_paged_cache(k_cache, v_cache)
+    num_seqs, num_heads, _ = _checks.check_query("q", q, k_cache)
+    _checks.check_block_table(block_tables, seq_lens, num_seqs, num_blocks, block_size)
+    out = _checks.check_out(out, q)
+    if num_seqs == 0:
+        return out
+    group = num_heads // num_kv_heads
+    keys = _gather_paged(k_cache, block_tables, seq_lens).transpose(1, 2)  # [S, kvh, T, D]
+    values = _gather_paged(v_cache, block_tables, seq_lens).transpose(1, 2)
+    if keys.shape[2] == 0:
+        return out.zero_()
+    # The `group` query heads sharing a KV head become `group` query rows of that head.
+    queries = q.float().view(num_seqs, num_kv_heads, group, head_dim)
+    lens = seq_lens.long()
+    visible = torch.arange(keys.shape[2], device=q.device) < lens[:, None]  # [S, T]
+    attn = F.scaled_dot_product_attention(
+        queries, keys, values, attn_mask=visible[:, None, None, :], scale=scale
+    )
+    # A sequence of length 0 sees nothing; its output is defined as zeros.
+    attn = torch.where((lens > 0)[:, None, None, None], attn, 0.0)
+    out.copy_(attn.reshape(num_seqs, num_heads, head_dim))
+    return out
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    scale: float,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Reference of ``kernels.paged_prefill_attention`` (causal over the cached prefix + new rows)."""
+    num_blocks, block_size, num_kv_heads, head_dim = _checks.check_paged_cache(k_cache, v_cache)
+    total_tokens, num_heads, _ = _checks.check_query("q", q, k_cache)
+    num_seqs = _checks.check_tensor("seq_lens", seq_lens, 1, (torch.int32,)).shape[0]
+    _checks.check_block_table(block_tables, seq_lens, num_seqs, num_blocks, block_size)
+    _checks.check_cu_seqlens(cu_seqlens_q, seq_lens, total_tokens)
+    out = _checks.check_out(out, q)
+    group = num_heads // num_kv_heads
+    starts = cu_seqlens_q.tolist()
+    for i, seq_len in enumerate(seq_lens.tolist()):
+        start, end = starts[i], starts[i + 1]
+        q_len = end - start
+        if q_len == 0:
+            continue
+        context_len = seq_len - q_len
+        keys = _gather_paged(k_cache, block_tables[i : i + 1], seq_lens[i : i + 1])[0].transpose(0, 1)
+        values = _gather_paged(v_cache, block_tables[i : i + 1], seq_lens[i : i + 1])[0].transpose(0, 1)
+        # New row r sits at absolute position context_len + r and sees positions [0, context_len + r].
+        positions = torch.arange(seq_len, device=q.device)
+        visible = positions[None, :] <= (context_len + torch.arange(q_len, device=q.device))[:, None]
+        # [q_len, H, D] -> [kvh, group * q_len, D]: rows of one KV head share its keys.
+        queries = q[start:end].float().view(q_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
+        attn = F.scaled_dot_product_attention(
+            queries.reshape(num_kv_heads, group * q_len, head_dim),
+            keys,
+            values,
+            attn_mask=visible.repeat(group, 1),
+            scale=scale,
+        )
+        attn = attn.view(num_kv_heads, group, q_len, head_dim).permute(2, 0, 1, 3)
+        out[start:end] = attn.reshape(q_len, num_heads, head_dim)
+    return out
+
+
+def store_kv(
+    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Reference of ``kernels.store_kv``: row t goes to slot ``slot_mapping[t]`` (-1: skipped)."""
+    _checks.check_store_kv(key, value, k_cache, v_cache, slot_mapping)
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    for cache, rows in ((k_cache, key[keep]), (v_cache, value[keep])):
+        if _has_token_rows(cache):
+            _token_rows(cache).index_copy_(0, _row_ids(cache, slots), rows)
+        else:  # an unusual stride pattern: index the 4-d view (slower, same result)
+            block_size = cache.shape[1]
+            cache[slots // block_size, slots % block_size] = rows
+
+
+def _has_token_rows(cache: torch.Tensor) -> bool:
+    row = cache.stride(1)
+    return cache.stride(3) == 1 and cache.stride(2) == cache.shape[3] and row == cache.shape[2] * cache.shape[3] \
+        and cache.stride(0) % row == 0 and cache.stride(0) >= cache.shape[1] * row
+
+
+def _token_rows(cache: torch.Tensor) -> torch.Tensor:
+    """The strided per-layer view as one row per token slot of the pool: ``[rows, kv_heads, head_dim]``.
+
+    In the block-major pool a layer's block b starts ``stride(0)`` elements after block b - 1 and
+    its tokens are ``stride(1)`` apart, so every token row of every block is a row of this view
+    (rows between blocks belong to other layers and are never addressed). Writing through it is
+    a plain index_copy; advanced indexing on the 4-d view would copy the whole layer slice.
+    """
+    num_blocks, block_size, heads, dim = cache.shape
+    row = cache.stride(1)
+    num_rows = (num_blocks - 1) * (cache.stride(0) // row) + block_size
+    return cache.as_strided((num_rows, heads, dim), (row, dim, 1))
+
+
+def _row_ids(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    block_size = cache.shape[1]
+    return (slots // block_size) * (cache.stride(0) // cache.stride(1)) + slots % block_size
+
+
+def gather_blocks(pool: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Reference of ``kernels.gather_blocks``: ``out[i] = pool[block_ids[i]]``."""
+    if out is None:
+        out = torch.empty((block_ids.shape[0], *pool.shape[1:]), dtype=pool.dtype, device=pool.device)
+    _checks.check_block_copy(pool, block_ids, out, unique=False)
+    ids = block_ids.to(pool.device, torch.long)
+    if out.device == pool.device:
+        torch.index_select(pool, 0, ids, out=out)
+    else:
+        out.copy_(pool.index_select(0, ids))
+    return out
+
+
+def scatter_blocks(pool: torch.Tensor, block_ids: torch.Tensor, src: torch.Tensor) -> None:
+    """Reference of ``kernels.scatter_blocks``: ``pool[block_ids[i]] = src[i]``."""
+    _checks.check_block_copy(pool, block_ids, src, unique=True)
+    pool.index_copy_(0, block_ids.to(pool.device, torch.long), src.to(pool.device))
+
+
+def dequantize_int8(data: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Reference of ``kernels.dequantize_int8``: ``out[b, r] = data[b, r] * scales[b, r]``."""
+    _checks.check_dequantize_int8(data, scales, out)
+    # The product of an int8 and a float16 or float32 scale is formed in float32 and rounded
+    # once into out, as the kernel does. (On the CPU this float32 pass, with its temporary,
+    # is also faster than multiplying in float16 in place: every float16 op converts anyway.)
+    column = scales.float().unsqueeze(-1)
+    if out.dtype == torch.float32:
+        out.copy_(data)  # |q| <= 127: exact
+        out.mul_(column)
+    else:
+        out.copy_(data.float().mul_(column))
+    return out
+
+
+def dequantize_fp8(data: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Reference of ``kernels.dequantize_fp8``: ``out[b, r] = e4m3(data[b, r]) * scales[b, r]``."""
+    _checks.check_dequantize_fp8(data, scales, out)
+    # e4m3fn bits moved into float16 bits give the value times 2**-8, exactly (torch converts
+    # float8 one element at a time on the CPU): the byte widened with its sign extended, << 7,
+    # bit 14 cleared. Then the product with the scale, in float32, rounded once into out.
+    bits = data.view(torch.int8).to(torch.int16)
+    values = bits.bitwise_left_shift_(7).bitwise_and_(-0x4001).view(torch.float16).float()
+    out.copy_(values.mul_(scales.float().mul(256.0).unsqueeze(-1)))
+    return out

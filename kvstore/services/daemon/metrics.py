@@ -1,0 +1,106 @@
+"""Prometheus exposition: per-tier gauges and counters (label ``tier``, ``namespace``), read
+from the stores at scrape time, plus the daemon's request and error counters, and the
+per-tenant series for the tenants the caller may see (rest.py decides which)."""
+
+from __future__ import annotations
+
+from collections.abc import Container, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from kvstore.events.metrics import event_families
+from kvstore.services.daemon.registry import Registry
+
+GAUGES = {"capacity_bytes": "Capacity of the tier in bytes", "used_bytes": "Bytes the tier's blocks occupy",
+          "num_blocks": "Blocks the tier holds"}
+COUNTERS = {"hits": "Blocks found in the tier by lookups and reads",
+            "misses": "Blocks asked of the tier and not found", "evictions": "Blocks evicted from the tier",
+            "bytes_read": "Bytes read from the tier", "bytes_written": "Bytes written to the tier",
+            "errors": "I/O and checksum errors of the tier",
+            "refused": "Blocks in an encoding this reader refuses (another codec version): misses"}
+
+
+class StoreCollector(Collector):
+    def __init__(self, registry: Registry, daemon: Any = None, tenants: Container[str] | None = None) -> None:
+        self.registry = registry
+        self.daemon = daemon
+        self.tenants = tenants
+
+    def collect(self) -> Iterator[Any]:
+        rows = [(s.id, tier, stats) for s in self.registry.namespaces() for tier, stats in s.store.stats().items()]
+        for name, doc in GAUGES.items():
+            g = GaugeMetricFamily(f"kvstore_tier_{name}", doc, labels=["tier", "namespace"])
+            for ns, tier, stats in rows:
+                g.add_metric([tier, ns], stats[name])
+            yield g
+        for name, doc in COUNTERS.items():
+            c = CounterMetricFamily(f"kvstore_tier_{name}", doc, labels=["tier", "namespace"])
+            for ns, tier, stats in rows:
+                c.add_metric([tier, ns], stats[name])
+            yield c
+        yield from remote_families(rows, self.registry.remote_nodes())
+        tenants = CounterMetricFamily("kvstore_tenant_requests", "Block protocol requests per tenant",
+                                      labels=["tenant"])
+        for tenant, counters in self.registry.tenant_counters().items():
+            if self.tenants is None or tenant in self.tenants:
+                tenants.add_metric([tenant], counters["requests"])
+        yield tenants
+        if self.daemon is not None:
+            ops = CounterMetricFamily("kvstore_daemon_requests", "Block protocol requests by op", labels=["op"])
+            for op, n in sorted(self.daemon.ops.requests.items()):
+                ops.add_metric([op], n)
+            yield ops
+            errors = CounterMetricFamily("kvstore_daemon_errors", "Error frames sent, by code", labels=["code"])
+            for code, n in sorted(self.daemon.ops.errors.items()):
+                errors.add_metric([code], n)
+            yield errors
+            yield GaugeMetricFamily("kvstore_daemon_connections", "Open block protocol connections",
+                                    value=self.daemon.num_connections)
+            yield GaugeMetricFamily("kvstore_daemon_leases", "Live shared-memory leases", value=len(self.daemon.leases))
+            if getattr(self.daemon, "kv_events", None) is not None:
+                yield from event_families(self.daemon.kv_events.stats())
+
+
+NODE_GAUGES = {"used_memory": "Bytes the remote node uses (Redis INFO used_memory)",
+               "maxmemory": "The remote node's maxmemory limit in bytes (0: none)",
+               "keys": "Keys in the remote node's database (DBSIZE)"}
+
+
+def remote_families(rows: list[tuple[str, str, dict[str, int]]], nodes: list[dict[str, Any]]) -> Iterator[Any]:
+    """The remote tier's own series: dropped writes per namespace, and per node (label
+    ``node``, HOST:PORT) memory, limit, keys, evictions and whether it answered."""
+    shared = [(ns, tier, stats) for ns, tier, stats in rows if "dropped" in stats]
+    if not shared and not nodes:
+        return
+    dropped = CounterMetricFamily("kvstore_tier_dropped", "Blocks a write-behind gave up on (queue full or "
+                                  "node failed)", labels=["tier", "namespace"])
+    for ns, tier, stats in shared:
+        dropped.add_metric([tier, ns], stats["dropped"])
+    yield dropped
+    for name, doc in NODE_GAUGES.items():
+        g = GaugeMetricFamily(f"kvstore_remote_node_{name}", doc, labels=["node"])
+        for node in nodes:
+            g.add_metric([node["address"]], node[name])
+        yield g
+    evicted = CounterMetricFamily("kvstore_remote_node_evicted_keys", "Keys the remote node evicted "
+                                  "(Redis INFO evicted_keys)", labels=["node"])
+    up = GaugeMetricFamily("kvstore_remote_node_up", "1 when the remote node answered INFO", labels=["node"])
+    for node in nodes:
+        evicted.add_metric([node["address"]], node["evicted_keys"])
+        up.add_metric([node["address"]], 1 if node["up"] else 0)
+    yield evicted
+    yield up
+
+
+def render(registry: Registry, daemon: Any = None, tenants: Container[str] | None = None) -> bytes:
+    """The text exposition format, from a private registry (no global state).
+
+    Args:
+        tenants: the tenants whose series to include (None: every tenant; empty: none).
+    """
+    prom = CollectorRegistry(auto_describe=False)
+    prom.register(StoreCollector(registry, daemon, tenants))
+    return generate_latest(prom)

@@ -1,0 +1,334 @@
+"""Registry: the daemon's namespaces (one TieredStore each), its tokens, its counters.
+
+Capacity rule: the configured host and disk sizes are hard totals. They are cut into
+``max_namespaces`` equal slots; a namespace takes one slot on its first hello (or at start,
+when its disk directory already exists) and keeps it for the daemon's life.
+
+Tenant isolation: a connection's tenant comes from its token. Every key a tenant sends is
+scoped before it reaches a store: ``stored = SHA-256(SCOPE_TAG || lp(tenant) || key)``
+(truncated to the key size), so no key a tenant can send names another tenant's block,
+whatever salt it hashed its prompt with.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+import sys
+import threading
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvstore.client.protocol import Code, ProtocolError, layout_from_dict, layout_to_dict
+from kvstore.codecs import get_codec, stored_bytes
+from kvstore.config import PAGE, StoreConfig
+from kvstore.errors import ConfigError
+from kvstore.keys import HASHES, Namespace
+from kvstore.layout import KVLayout
+from kvstore.services.daemon.config import DaemonConfig
+from kvstore.stats import TierCounters, is_count, tier_stats
+from kvstore.store import TieredStore
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+SCOPE_TAG = b"kvstore/tenant-scope/v1\x00"
+SCOPE_MEMO = 1 << 16  # memoised scoped keys per tenant (~13 MB at most)
+SCOPE_MEMO_TENANTS = 64
+COUNTERS = ("requests", "lookup_blocks", "hit_blocks", "put_blocks", "get_blocks",
+            "bytes_in", "bytes_out", "errors")
+
+
+SHARED_OCCUPANCY = ("capacity_bytes", "used_bytes", "num_blocks", "evictions", "nodes_up")
+
+
+@dataclass(frozen=True)
+class Principal:
+    """Who a token authenticates: a tenant, whether it is the admin, whether it may map shm."""
+
+    tenant: str
+    admin: bool = False
+    shm: bool = True
+
+
+class AuthError(Exception):
+    """Missing or unknown token."""
+
+
+class Tokens:
+    """token -> Principal. Open (anonymous tenant "") only when no token is configured."""
+
+    def __init__(self, admin_token: str | None, tokens_file: str | None) -> None:
+        self._by_digest: dict[bytes, Principal] = {}
+        if admin_token:
+            self._by_digest[_digest(admin_token)] = Principal("", admin=True)
+        if tokens_file:
+            for token, principal in _read_tokens_file(tokens_file):
+                self._by_digest[_digest(token)] = principal
+        self.is_open = not self._by_digest
+        self.has_admin = bool(admin_token)
+
+    def authenticate(self, token: str | None) -> Principal:
+        if self.is_open and not token:
+            return Principal("")
+        principal = self._by_digest.get(_digest(token or ""))
+        if principal is None:
+            raise AuthError("missing token" if not token else "unknown token")
+        return principal
+
+
+def _digest(token: str) -> bytes:
+    return hashlib.sha256(token.encode("utf-8", "replace")).digest()
+
+
+TENANT_KEYS = frozenset({"name", "tokens", "shm"})
+
+
+def _read_tokens_file(path: str) -> list[tuple[str, Principal]]:
+    """``[[tenant]]`` tables: ``name = "acme"``, ``tokens = ["..."]``, optional ``shm = false``.
+
+    Raises:
+        ConfigError: naming the file and the problem, for anything else: unknown keys (at the
+            top or in a table), ``tenant`` not an array of tables, a table without a non-empty
+            name and a non-empty list of non-empty tokens, a non-bool ``shm``, a token listed
+            for two tenants, or no token at all (an empty file would leave the daemon open).
+            Errors never show a token.
+    """
+    try:
+        with open(path, "rb") as f:
+            doc = tomllib.load(f)
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"cannot read tokens file {path}: {exc}") from None
+    unknown = sorted(set(doc) - {"tenant"})
+    if unknown:
+        raise ConfigError(f"tokens file {path}: unknown keys {unknown}; it holds [[tenant]] tables only")
+    tenants = doc.get("tenant", [])
+    if not isinstance(tenants, list) or not all(isinstance(item, dict) for item in tenants):
+        raise ConfigError(f"tokens file {path}: 'tenant' must be an array of tables ([[tenant]]), "
+                          f"got {type(tenants).__name__}")
+    out: list[tuple[str, Principal]] = []
+    owners: dict[str, str] = {}
+    for i, item in enumerate(tenants):
+        name, tokens, shm = item.get("name"), item.get("tokens"), item.get("shm", True)
+        extra = sorted(set(item) - TENANT_KEYS)
+        if extra:
+            raise ConfigError(f"tokens file {path}: tenant #{i} has unknown keys {extra}; "
+                              f"known: {sorted(TENANT_KEYS)}")
+        named = isinstance(name, str) and name != ""
+        listed = isinstance(tokens, list) and tokens != [] and all(isinstance(t, str) and t for t in tokens)
+        if not named or not listed:
+            raise ConfigError(f"tokens file {path}: tenant #{i} needs name = \"...\" and tokens = [\"...\"] "
+                              "(non-empty strings)")
+        if not isinstance(shm, bool):
+            raise ConfigError(f"tokens file {path}: tenant #{i} ({name}): shm must be true or false, got {shm!r}")
+        for token in tokens:
+            if owners.setdefault(token, name) != name:
+                raise ConfigError(f"tokens file {path}: a token of tenant {name!r} is also one of {owners[token]!r}")
+        out += [(t, Principal(name, shm=shm)) for t in tokens]
+    if not out:
+        raise ConfigError(f"tokens file {path} defines no token (add [[tenant]] tables with "
+                          "name = \"...\" and tokens = [\"...\"])")
+    return out
+
+
+@dataclass
+class NamespaceState:
+    """One namespace the daemon serves: its store and its per-tenant counters."""
+
+    id: str
+    model_id: str
+    layout: KVLayout
+    hash_algo: str
+    store: TieredStore
+    scoped: bool = True
+    counters: dict[str, dict[str, int]] = field(default_factory=lambda: defaultdict(lambda: dict.fromkeys(COUNTERS, 0)))
+    _memo: dict[str, dict[bytes, bytes]] = field(default_factory=dict, repr=False)
+
+    def scope(self, tenant: str, keys: list[bytes]) -> list[bytes]:
+        """The stored keys for a tenant's keys (identity for an embedded, unscoped store).
+
+        Results are memoised per tenant (a bounded dict, cleared when full): engines look up
+        the same prefixes again and again, and a hash costs more than a dict hit.
+        """
+        if not self.scoped:
+            return keys
+        memo = self._memo.get(tenant)
+        if memo is None or len(memo) > SCOPE_MEMO:
+            memo = self._memo[tenant] = {}
+            if len(self._memo) > SCOPE_MEMO_TENANTS:
+                self._memo.clear()
+                self._memo[tenant] = memo
+        n = self.store.hasher.key_bytes
+        base = None
+        out = []
+        for key in keys:
+            stored = memo.get(key)
+            if stored is None:
+                if base is None:
+                    base = hashlib.sha256(SCOPE_TAG + struct.pack("<I", len(tenant.encode())) + tenant.encode())
+                h = base.copy()
+                h.update(key)
+                stored = memo[key] = h.digest()[:n]
+            out.append(stored)
+        return out
+
+    def count(self, tenant: str, **deltas: int) -> None:
+        row = self.counters[tenant]
+        for name, value in deltas.items():
+            row[name] += value
+
+    def describe(self) -> dict[str, Any]:
+        tiers = self.store.stats()
+        return {"id": self.id, "model_id": self.model_id, "layout": layout_to_dict(self.layout),
+                "hash_algo": self.hash_algo, "block_bytes": self.layout.bytes_per_block,
+                "num_blocks": len(self.store),
+                "capacity_bytes": {t: s["capacity_bytes"] for t, s in tiers.items()},
+                "codecs": self.store.codecs()}
+
+
+class Registry:
+    """Namespaces by id, created on first use within the configured totals. Thread-safe."""
+
+    def __init__(self, config: DaemonConfig | None, tokens: Tokens) -> None:
+        self.config = config
+        self.tokens = tokens
+        self._lock = threading.Lock()
+        self._namespaces: dict[str, NamespaceState] = {}
+        self.on_open: list[Callable[[TieredStore], None]] = []  # called with each store it opens (KV events)
+
+    @classmethod
+    def embedded(cls, store: TieredStore, tokens: Tokens | None = None) -> Registry:
+        """A registry over one existing store (REST mounted in an embedding process)."""
+        reg = cls(None, tokens or Tokens(None, None))
+        ns = store.namespace
+        reg._namespaces[ns.id] = NamespaceState(ns.id, ns.model_id, ns.layout, ns.hash_algo, store, scoped=False)
+        return reg
+
+    def reopen_existing(self) -> None:
+        """Open every namespace whose directory a previous run left (the catalog is the truth)."""
+        assert self.config is not None
+        root = self.config.data_dir / "namespaces"
+        for manifest in sorted(root.glob("*/namespace.json")) if root.exists() else []:
+            d = json.loads(manifest.read_text())
+            self.open(d["model_id"], layout_from_dict(d["layout"]), d["hash_algo"])
+
+    def open(self, model_id: str, layout: KVLayout, hash_algo: str = "sha256") -> NamespaceState:
+        """The namespace of (model, layout, hash), opened on first use.
+
+        Raises:
+            ProtocolError: LAYOUT when all namespace slots are taken or the store cannot open.
+        """
+        if hash_algo not in HASHES:
+            raise ProtocolError(Code.LAYOUT, f"hash_algo must be one of {sorted(HASHES)}, got {hash_algo!r}")
+        ns = Namespace(model_id, layout, hash_algo)
+        with self._lock:
+            state = self._namespaces.get(ns.id)
+            if state is not None:
+                return state
+            cfg = self.config
+            if cfg is None or len(self._namespaces) >= cfg.max_namespaces:
+                limit = cfg.max_namespaces if cfg else 1
+                raise ProtocolError(Code.LAYOUT, f"all {limit} namespace slots are taken; cannot open "
+                                    f"{model_id} {layout.fingerprint()}")
+            store = TieredStore(self._store_config(ns))
+            for hook in self.on_open:
+                hook(store)
+            state = NamespaceState(ns.id, model_id, layout, hash_algo, store)
+            self._namespaces[ns.id] = state
+            return state
+
+    def _store_config(self, ns: Namespace) -> StoreConfig:
+        cfg = self.config
+        assert cfg is not None
+        slot = -(-ns.layout.bytes_per_block // PAGE) * PAGE
+        host, disk = cfg.host_bytes_per_namespace, cfg.disk_bytes_per_namespace
+        if host < slot:
+            raise ProtocolError(Code.CAPACITY, f"host share of {host} bytes per namespace is below one "
+                                f"{slot}-byte block of {ns.layout.fingerprint()}")
+        kwargs: dict[str, Any] = {"layout": ns.layout, "model_id": ns.model_id, "host_bytes": host,
+                                  "hash_algo": ns.hash_algo, "shared_host": cfg.shm, "pin_host_memory": False,
+                                  "disk_codec": cfg.disk_codec, "remote_codec": cfg.remote_codec,
+                                  "remote_url": cfg.remote, "remote_writes": cfg.remote_writes,
+                                  "remote_timeout_s": cfg.remote_timeout_s}
+        disk_codec = get_codec(cfg.disk_codec)
+        if disk >= -(-stored_bytes(disk_codec, ns.layout, PAGE) // PAGE) * PAGE:
+            where = cfg.data_dir / "namespaces" / ns.id
+            where.mkdir(parents=True, exist_ok=True)
+            manifest = {"model_id": ns.model_id, "layout": layout_to_dict(ns.layout), "hash_algo": ns.hash_algo}
+            (where / "namespace.json").write_text(json.dumps(manifest, indent=1) + "\n")
+            kwargs.update(disk_path=where / "disk", disk_bytes=disk, write_policy=cfg.write_policy)
+        return StoreConfig(**kwargs)
+
+    def namespaces(self) -> list[NamespaceState]:
+        with self._lock:
+            return list(self._namespaces.values())
+
+    def get(self, ns_id: str) -> NamespaceState | None:
+        with self._lock:
+            return self._namespaces.get(ns_id)
+
+    def find_model(self, model: str) -> list[NamespaceState]:
+        """Namespaces whose model id (or namespace id) is ``model``."""
+        return [s for s in self.namespaces() if model in (s.model_id, s.id)]
+
+    def tiers(self) -> dict[str, dict[str, Any]]:
+        """Per tier name, every counter summed over the namespaces, and the tier's codec.
+
+        A daemon's configured tiers are there from its start, before any namespace opens: their
+        ``capacity_bytes`` is the configured total (``--host-mem``, ``--disk``; every namespace
+        slot's share), their use and counters start at zero. A shared tier (remote: its rows
+        have ``nodes_up``) reports the cluster's own occupancy in every namespace: that part is
+        taken once (the largest seen), not summed.
+        """
+        out: dict[str, dict[str, Any]] = {}
+        cfg = self.config
+        if cfg is not None:
+            out["host"] = tier_stats(TierCounters(), cfg.host_bytes, 0, 0)
+            if cfg.disk_bytes_per_namespace >= PAGE:
+                out["disk"] = tier_stats(TierCounters(), cfg.disk_bytes, 0, 0)
+            for tier, codec_name in (("host", "none"), ("disk", cfg.disk_codec)):
+                if tier in out:
+                    out[tier].update(codec=codec_name, lossy=get_codec(codec_name).lossy)
+            if cfg.remote is not None:
+                out["remote"] = dict(tier_stats(TierCounters(), 0, 0, 0), dropped=0, pending=0, nodes_up=0,
+                                     codec=cfg.remote_codec, lossy=get_codec(cfg.remote_codec).lossy)
+        configured = {"host", "disk"} & set(out)
+        for state in self.namespaces():
+            for tier, row in state.store.stats().items():
+                acc = out.setdefault(tier, {k: 0 for k, v in row.items() if is_count(v)})
+                shared = "nodes_up" in row
+                for name, value in row.items():
+                    if not is_count(value):
+                        acc[name] = value  # codec and lossy: the same in every namespace
+                    elif shared and name in SHARED_OCCUPANCY:
+                        acc[name] = max(acc.get(name, 0), value)
+                    elif name != "capacity_bytes" or tier not in configured:
+                        acc[name] = acc.get(name, 0) + value
+        return out
+
+    def remote_nodes(self) -> list[dict[str, Any]]:
+        """The remote tier's nodes (memory, evictions, breaker), as the first namespace sees
+        them (every namespace's store talks to the same cluster); empty without a remote."""
+        for state in self.namespaces():
+            nodes = state.store.remote_nodes()
+            if nodes:
+                return nodes
+        return []
+
+    def tenant_counters(self) -> dict[str, dict[str, int]]:
+        out: dict[str, dict[str, int]] = {}
+        for state in self.namespaces():
+            for tenant, row in list(state.counters.items()):
+                acc = out.setdefault(tenant, dict.fromkeys(COUNTERS, 0))
+                for name, value in row.items():
+                    acc[name] += value
+        return out
+
+    def close(self) -> None:
+        for state in self.namespaces():
+            state.store.close()

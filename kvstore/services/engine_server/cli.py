@@ -1,0 +1,96 @@
+"""``kvstore engine``: the engine as an OpenAI-compatible HTTP server (docs/serving.md).
+
+Registered by kvstore/cli.py when the engine package is present; nothing heavy is imported
+until the command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from kvstore import env
+from kvstore.errors import ConfigError, DaemonUnreachableError
+from kvstore.services.common.argtypes import port
+
+
+def run_engine(args: argparse.Namespace) -> int:
+    from kvstore.engine.loader import CheckpointError
+    from kvstore.layout import DTYPES_BY_NAME
+    from kvstore.services.daemon.config import parse_size
+    from kvstore.services.engine_server.config import ServeConfig
+    from kvstore.services.engine_server.server import serve
+
+    try:
+        random_config = json.loads(args.random_config) if args.random_config else None
+        if random_config is not None and not isinstance(random_config, dict):
+            raise ConfigError("--random-config must be a JSON object")
+        config = ServeConfig(
+            model=None if args.random_model else args.model, random_config=random_config, host=args.host,
+            port=args.port, served_model_name=args.served_model_name, store=args.store,
+            store_token=(args.store_token or env.token()) if args.store else None,
+            host_bytes=parse_size(args.host_mem), disk_path=args.disk_path,
+            disk_bytes=parse_size(args.disk) if args.disk_path else 0, tokens_file=args.tokens,
+            router_token=args.router_token or env.router_token(),
+            kv_events=args.kv_events, kv_events_replay=args.kv_events_replay, remote_url=args.remote,
+            drain_s=args.drain_s, device=args.device,
+            dtype=DTYPES_BY_NAME[args.dtype], kv_cache_bytes=parse_size(args.kv_cache), block_size=args.block_size,
+            max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens, device_write_policy=args.device_write_policy,
+            seed=args.seed)
+        return serve(config)
+    except (ConfigError, CheckpointError, json.JSONDecodeError, DaemonUnreachableError) as exc:
+        print(f"kvstore engine: {exc}", file=sys.stderr)
+        return 2
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "engine", help="serve the engine over an OpenAI-compatible HTTP API",
+        description="Serve a model (or the seeded random model) with OpenAI's completions and chat API, "
+        "plus /v1/kvstore/{info,load,tokenize} for routers. SIGTERM drains requests in flight and exits 0; "
+        "a second signal exits at once. See docs/serving.md.",
+    )
+    which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument("--model", help="a Hugging Face checkpoint directory (nothing is downloaded)")
+    which.add_argument("--random-model", action="store_true",
+                       help="the seeded random Llama with a byte-level tokenizer (demos, tests)")
+    p.add_argument("--random-config", default=None,
+                   help='JSON overrides of the random model\'s config, e.g. \'{"num_layers": 2}\'')
+    p.add_argument("--seed", type=int, default=0, help="seed of the random model's weights (default 0)")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model name clients use (default: the directory name, or 'random')")
+    p.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1; off loopback needs "
+                   "--tokens or --router-token)")
+    p.add_argument("--port", type=port, default=8000, help="listen port (default 8000; 0: any free port)")
+    p.add_argument("--store", default=None, help="a kvstore daemon as the host/disk tiers: unix:///path or tcp://h:p")
+    p.add_argument("--store-token", default=None, help="the daemon token (default KVSTORE_TOKEN)")
+    p.add_argument("--host-mem", default="1GiB", help="embedded store's host RAM tier (default 1GiB; 0: none)")
+    p.add_argument("--disk-path", default=None, help="embedded store's disk tier directory (default: none)")
+    p.add_argument("--disk", default="10GiB", help="embedded store's disk tier size (default 10GiB)")
+    p.add_argument("--kv-cache", default="256MiB", help="device KV pool size (default 256MiB)")
+    p.add_argument("--tokens", default=None, help="TOML file mapping Bearer tokens to tenants")
+    p.add_argument("--router-token", default=None,
+                   help="secret that lets a trusted router name the tenant in X-KVStore-Tenant "
+                   "(default KVSTORE_ROUTER_TOKEN)")
+    p.add_argument("--kv-events", default=None, metavar="ENDPOINT",
+                   help="publish KV events on this ZeroMQ endpoint, e.g. tcp://127.0.0.1:5557 (docs/kv-events.md)")
+    p.add_argument("--kv-events-replay", default=None, metavar="ENDPOINT",
+                   help="the replay/snapshot socket (default: the next port; '' for none)")
+    p.add_argument("--remote", default=None, metavar="URL",
+                   help="a remote tier under the embedded store, shared with other engines: "
+                   "redis+cluster://HOST:PORT[,HOST:PORT...] or redis://HOST:PORT (docs/remote.md)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"],
+                   help="weights and KV dtype (default float32)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
+    p.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="sequences running at once (default 64)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="per-step token budget (default 2048)")
+    p.add_argument("--device-write-policy", default="write_through", choices=["write_through", "write_back"],
+                   help="when a device block goes to the store: write_through (default: once the step that "
+                   "filled it ends; other engines on the same store see it at once, evicting it is free) or "
+                   "write_back (when evicted)")
+    p.add_argument("--drain-s", type=float, default=10.0, help="SIGTERM waits this long for requests (default 10)")
+    p.set_defaults(func=run_engine)

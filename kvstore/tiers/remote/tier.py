@@ -1,0 +1,323 @@
+"""RemoteTier: block payloads in a Redis Cluster (or one Redis server), shared by many nodes.
+
+A dumb slot store like the others, except that the slots belong to Redis: the tier names keys
+(tiers.remote.naming), frames values (tiers.remote.codec), routes each key to its primary
+(tiers.remote.topology) and counts. It decides nothing about what to keep: Redis evicts on
+its own (``maxmemory`` + ``allkeys-lru``), and a block that vanished is a miss.
+
+It is a cache. No method raises for anything the remote does (timeouts, refused connections,
+CLUSTERDOWN, TRYAGAIN, OOM, MOVED, auth errors, garbage values): every failure is a counted
+miss or a counted dropped write. Only caller errors (bad arguments) raise.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from kvstore.tiers.buffers import byte_view
+from kvstore.tiers.remote import codec
+from kvstore.tiers.remote.counters import RemoteCounters
+from kvstore.tiers.remote.info import NodeInfo, NodeInfoCache
+from kvstore.tiers.remote.naming import DEFAULT_PREFIX, MAX_RUN_LENGTH, block_name, check_prefix
+from kvstore.tiers.remote.topology import Command, Topology, error_kind
+from kvstore.tiers.remote.url import Node, RemoteURL, parse_url
+from kvstore.tiers.remote.writer import PendingWrite, Room, WriteBehind
+
+log = logging.getLogger(__name__)
+
+
+class RemoteTier:
+    """Blocks of ``payload_bytes`` of one layout, under names derived from their block keys.
+
+    Args:
+        url: ``redis://``, ``rediss://``, ``redis+cluster://`` or ``rediss+cluster://`` (see
+            tiers.remote.url); the password is never shown in repr, stats or errors.
+        payload_bytes: bytes per block.
+        layout_id: the layout fingerprint text; a value of another layout is a miss.
+        prefix: first part of every Redis key name.
+        run_length: G, blocks of a chain per hash slot (see tiers.remote.naming).
+        timeout_s: the deadline of every call: by then each node has answered or is a
+            timeout (a miss or a dropped write), however slowly it sends.
+        queue_blocks: write-behind bound: at most this many framed values are held (queued,
+            being sent, or being framed); blocks offered beyond it are dropped uncopied.
+        batch_blocks: most blocks one write-behind round sends.
+        breaker_threshold, breaker_cooldown_s: consecutive failures that open a node's
+            circuit, and the wait before the first probe.
+
+    Every batch method takes ``tags``: the group head key of each block (``naming.group_tags``);
+    None means each block is its own head, which is right only for ``run_length == 1``.
+
+    Attributes:
+        on_stored: called with the keys of each batch a put or the write-behind wrote (not
+            those it found there already); None: nobody listens. It runs on
+            the writing thread and must not block; an exception from it is logged and ignored.
+    """
+
+    def __init__(
+        self, url: str | RemoteURL, payload_bytes: int, layout_id: str, *, prefix: str = DEFAULT_PREFIX,
+        run_length: int = 1, timeout_s: float = 0.5, queue_blocks: int = 256, batch_blocks: int = 64,
+        breaker_threshold: int = 3, breaker_cooldown_s: float = 0.5,
+    ) -> None:
+        if not isinstance(payload_bytes, int) or payload_bytes <= 0:
+            raise ValueError(f"payload_bytes must be a positive int, got {payload_bytes!r}")
+        if not isinstance(run_length, int) or not 1 <= run_length <= MAX_RUN_LENGTH:
+            raise ValueError(f"run_length must be 1..{MAX_RUN_LENGTH}, got {run_length!r}")
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be positive, got {timeout_s!r}")
+        self.url = url if isinstance(url, RemoteURL) else parse_url(url)
+        self.payload_bytes, self.layout_id = payload_bytes, layout_id
+        self.prefix, self.run_length, self.timeout_s = check_prefix(prefix), run_length, timeout_s
+        self._layout = codec.layout_digest(layout_id)
+        self.counters = RemoteCounters()
+        self._topology = Topology(self.url, timeout_s, breaker_threshold=breaker_threshold,
+                                  breaker_cooldown_s=breaker_cooldown_s)
+        self._info = NodeInfoCache(self._topology)
+        self.on_stored: Callable[[list[bytes]], None] | None = None
+        self._writer = WriteBehind(self._send, queue_blocks, batch_blocks,
+                                   lambda n: self.counters.add(dropped=n))
+
+    def __repr__(self) -> str:
+        return f"RemoteTier({self.url.redacted()!r}, payload_bytes={self.payload_bytes}, G={self.run_length})"
+
+    # ----------------------------------------------------------------------------- names
+
+    def names(self, keys: Sequence[bytes], tags: Sequence[bytes] | None = None) -> list[bytes]:
+        """The Redis key name of each block."""
+        self._check_tags(keys, tags)
+        return [block_name(k, t, self.prefix, self.run_length) for k, t in zip(keys, tags or keys, strict=True)]
+
+    def owner(self, name: bytes) -> Node | None:
+        """The primary that owns a key name now (as the client last learned the cluster's
+        slot map), or None if no known node does."""
+        return self._topology.owner(name)
+
+    def _check_tags(self, keys: Sequence[bytes], tags: Sequence[bytes] | None) -> None:
+        if tags is None and self.run_length != 1:
+            raise ValueError(f"with run_length={self.run_length} every block needs its group tag")
+        if tags is not None and len(tags) != len(keys):
+            raise ValueError(f"got {len(tags)} tags for {len(keys)} keys")
+
+    def _by_node(self, names: Sequence[bytes]) -> tuple[dict[Node, list[int]], list[int]]:
+        """Indices of ``names`` per owning primary, and those no known node owns."""
+        groups: dict[Node, list[int]] = {}
+        unowned: list[int] = []
+        for i, name in enumerate(names):
+            node = self._topology.owner(name)
+            if node is None:
+                unowned.append(i)
+            else:
+                groups.setdefault(node, []).append(i)
+        if unowned:
+            self.counters.error("unavailable", 1)
+        return groups, unowned
+
+    def _ask(self, names: Sequence[bytes], command: str) -> list[Any]:
+        """``command name`` for every name, one pipeline per node in parallel. Per name: the
+        reply, or the exception it failed with (each node failure counted once)."""
+        groups, unowned = self._by_node(names)
+        replies = self._topology.run({n: [(command, names[i]) for i in idx] for n, idx in groups.items()})
+        out: list[Any] = [None] * len(names)
+        for i in unowned:
+            out[i] = ConnectionError("no node owns this slot yet")
+        for node, idx in groups.items():
+            reply = replies[node]
+            if reply.results is None:
+                assert reply.error is not None
+                self.counters.error(error_kind(reply.error))
+                for i in idx:
+                    out[i] = reply.error
+                continue
+            for i, result in zip(idx, reply.results, strict=True):
+                if isinstance(result, BaseException):
+                    self.counters.error(error_kind(result))
+                out[i] = result
+        return out
+
+    # ----------------------------------------------------------------------------- reads
+
+    def contains(self, keys: Sequence[bytes], tags: Sequence[bytes] | None = None) -> list[bool]:
+        """Per block: does the remote hold a value under its name now? (Failures: False.)"""
+        return [r is True or r == 1 for r in self._ask(self.names(keys, tags), "EXISTS")]
+
+    def exists(self, keys: Sequence[bytes], tags: Sequence[bytes] | None = None) -> int:
+        """How many leading blocks of ``keys`` the remote holds (pipelined EXISTS, one round
+        trip per node, stop counting at the first gap)."""
+        found = self.contains(keys, tags)
+        return found.index(False) if False in found else len(found)
+
+    def get(self, keys: Sequence[bytes], outs: Sequence[Any], tags: Sequence[bytes] | None = None) -> list[bool]:
+        """Read blocks into caller memory (CPU tensors or writable buffers of >= payload_bytes).
+
+        Returns:
+            Per block, True when ``outs[i][:payload_bytes]`` now holds exactly the bytes put
+            under ``keys[i]``. A missing, unreachable or invalid value is False (and counted);
+            an invalid one is also deleted from the remote.
+        """
+        if len(outs) != len(keys):
+            raise ValueError(f"get needs one out per key: {len(keys)} keys, {len(outs)} outs")
+        views = [byte_view(o, writable=True)[0] for o in outs]
+        for view in views:
+            if view.nbytes < self.payload_bytes:
+                raise ValueError(f"out of {view.nbytes} bytes is shorter than payload_bytes={self.payload_bytes}")
+        names = self.names(keys, tags)
+        ok = [False] * len(keys)
+        bad: list[bytes] = []
+        pb = self.payload_bytes
+        for i, value in enumerate(self._ask(names, "GET")):
+            if not isinstance(value, bytes):
+                continue  # None: not there (never put, or evicted); an exception: counted already
+            payload, reason = codec.decode(value, keys[i], self._layout, pb)
+            if payload is None:
+                self.counters.error("corrupt", reason=reason)
+                bad.append(names[i])
+                continue
+            views[i][:pb] = payload
+            ok[i] = True
+        num_hits = sum(ok)
+        self.counters.add(hits=num_hits, misses=len(keys) - num_hits, bytes_read=num_hits * pb)
+        if bad:
+            self._ask(bad, "DEL")
+        return ok
+
+    # ----------------------------------------------------------------------------- writes
+
+    def encode(self, keys: Sequence[bytes], payloads: Sequence[Any],
+               tags: Sequence[bytes] | None = None) -> list[PendingWrite]:
+        """Name and frame blocks (each value a private copy of its payload)."""
+        if len(payloads) != len(keys):
+            raise ValueError(f"put needs one payload per key: {len(keys)} keys, {len(payloads)} payloads")
+        names = self.names(keys, tags)
+        pending = []
+        for name, key, payload in zip(names, keys, payloads, strict=True):
+            view = byte_view(payload, writable=False)[0]
+            if view.nbytes < self.payload_bytes:
+                raise ValueError(f"payload of {view.nbytes} bytes is shorter than payload_bytes={self.payload_bytes}")
+            pending.append(PendingWrite(name, codec.encode(key, self._layout, view[: self.payload_bytes]), key))
+        return pending
+
+    def put(self, keys: Sequence[bytes], payloads: Sequence[Any], tags: Sequence[bytes] | None = None) -> int:
+        """Write blocks now, sending only those the remote lacks. Returns how many were sent
+        and acknowledged; failures are counted in ``dropped`` (and ``errors``)."""
+        return self._send(self.encode(keys, payloads, tags))
+
+    def put_async(self, keys: Sequence[bytes], payloads: Sequence[Any], tags: Sequence[bytes] | None = None) -> int:
+        """Copy blocks into the write-behind queue and return at once: how many were queued.
+        Only the leading blocks the queue has room for are copied; the rest are dropped and
+        counted without being read. ``flush`` waits for the queued ones."""
+        if len(payloads) != len(keys):
+            raise ValueError(f"put needs one payload per key: {len(keys)} keys, {len(payloads)} payloads")
+        self._check_tags(keys, tags)
+        with self.reserve(len(keys)) as room:
+            n = room.size
+            return self.put_into(room, keys[:n], payloads[:n], None if tags is None else tags[:n])
+
+    def reserve(self, n: int) -> Room:
+        """Claim room in the write-behind queue for up to ``n`` blocks before making anything
+        to send (``put_async`` in two steps, for a caller that encodes blocks first): the
+        blocks past ``room.size`` are dropped and counted now. Use it as ``with`` block and
+        hand it to ``put_into``; room left unused is counted as dropped."""
+        return self._writer.reserve(n)
+
+    def put_into(self, room: Room, keys: Sequence[bytes], payloads: Sequence[Any],
+                 tags: Sequence[bytes] | None = None) -> int:
+        """Frame up to ``room.size`` blocks and queue them in ``room``: how many were queued."""
+        if len(keys) > room.size:
+            raise ValueError(f"{len(keys)} blocks for room of {room.size}")
+        return room.fill(self.encode(keys, payloads, tags))
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every block given to ``put_async`` is written or counted as dropped."""
+        return self._writer.flush(timeout)
+
+    @property
+    def num_pending(self) -> int:
+        """Blocks in the write-behind queue or being sent."""
+        return self._writer.num_pending
+
+    def _send(self, items: list[PendingWrite]) -> int:
+        """EXISTS, then SET of the missing blocks, per node: each node's SETs follow its own
+        EXISTS replies at once (no wait for the slowest node). Returns how many were written."""
+        groups, unowned = self._by_node([item.name for item in items])
+
+        def missing(node: Node, held: list[Any]) -> list[int]:  # an error is not a 0: not sent
+            return [i for i, r in zip(groups[node], held, strict=True) if r == 0]
+
+        def sets(node: Node, held: list[Any]) -> list[Command]:
+            return [("SET", items[i].name, items[i].value) for i in missing(node, held)]
+
+        replies = self._topology.run({n: [("EXISTS", items[i].name) for i in idx] for n, idx in groups.items()},
+                                     then=sets)
+        stored: list[bytes] = []
+        written, failed = 0, len(unowned)
+        for node, idx in groups.items():
+            reply = replies[node]
+            if reply.results is None:  # the EXISTS pipeline failed: nothing sent
+                assert reply.error is not None
+                self.counters.error(error_kind(reply.error))
+                failed += len(idx)
+                continue
+            for result in reply.results:
+                if isinstance(result, BaseException):
+                    self.counters.error(error_kind(result))
+                    failed += 1
+            self.counters.add(skipped=sum(1 for r in reply.results if r == 1))
+            sent = missing(node, reply.results)
+            if sent and reply.followup is None:  # the SET pipeline failed
+                assert reply.error is not None
+                self.counters.error(error_kind(reply.error))
+                failed += len(sent)
+                continue
+            for i, result in zip(sent, reply.followup or (), strict=True):
+                if result is True:
+                    written += 1
+                    stored.append(items[i].key)
+                else:
+                    failed += 1
+                    if isinstance(result, BaseException):
+                        self.counters.error(error_kind(result))
+        self.counters.add(bytes_written=written * self.payload_bytes, dropped=failed)
+        if stored and self.on_stored is not None:
+            try:
+                self.on_stored(stored)
+            except Exception:
+                log.exception("remote tier on_stored callback failed")
+        return written
+
+    def delete(self, keys: Sequence[bytes], tags: Sequence[bytes] | None = None) -> None:
+        """Remove blocks from the remote (best effort, failures counted)."""
+        self._ask(self.names(keys, tags), "DEL")
+
+    # ----------------------------------------------------------------------------- state
+
+    def nodes(self) -> list[NodeInfo]:
+        """Each primary's memory, evictions and keys from INFO (cached ~1 s; never raises)."""
+        return self._info.nodes()
+
+    def stats(self) -> dict[str, int]:
+        """capacity_bytes (sum of maxmemory), used_bytes (used_memory), num_blocks (DBSIZE),
+        evictions (evicted_keys) over the primaries that answered, then our counters
+        (hits, misses, bytes_read, bytes_written, errors, dropped, skipped, pending, ...)."""
+        nodes = [n for n in self.nodes() if n.up]
+        out = {
+            "capacity_bytes": sum(n.maxmemory for n in nodes),
+            "used_bytes": sum(n.used_memory for n in nodes),
+            "num_blocks": sum(n.keys for n in nodes),
+            "evictions": sum(n.evicted_keys for n in nodes),
+            "nodes_up": len(nodes),
+        }
+        out.update(self.counters.snapshot())
+        out["pending"] = self.num_pending
+        return out
+
+    def close(self, timeout: float | None = 5.0) -> None:
+        """Send what the write-behind queue holds (up to ``timeout``), then disconnect."""
+        self._writer.close(timeout)
+        self._topology.close()
+
+    def __enter__(self) -> RemoteTier:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

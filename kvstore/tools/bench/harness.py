@@ -1,0 +1,160 @@
+"""What every ``kvstore bench`` target shares: result rows, ratios that never round a miss up, the
+machine's description, timing loops, page-cache drops, and the sections of docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import re
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kvstore.layout import KVLayout
+
+BENCH_LAYOUT = KVLayout(num_layers=24, num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.float16)
+
+
+def _docs_dir() -> Path:
+    """docs/ of the checkout kvstore runs from; elsewhere (an installed wheel) ./docs."""
+    checkout = Path(__file__).resolve().parents[3] / "docs"
+    return checkout if (checkout / "benchmarks.md").exists() else Path.cwd() / "docs"
+
+
+DOCS = _docs_dir()
+
+
+
+@dataclass
+class Row:
+    name: str
+    ours_s: float
+    base_s: float
+    baseline: str
+    target: str
+    ratio_kind: str = "throughput"  # "throughput": base/ours; "speedup": as x faster; "lower": as x lower
+
+    @property
+    def ratio(self) -> float:
+        return self.base_s / self.ours_s
+
+
+class CacheFlush:
+    """Writes a buffer of twice the last-level cache, evicting what the caches held (call it
+    before a timed section, untimed).
+
+    The write is numpy's, on this thread alone: a torch op would leave torch's OpenMP worker
+    spinning on the other core for milliseconds afterwards (libgomp's spin-wait), so the
+    timed call would start on a machine with one core busy, and a process it wakes (the
+    daemon, redis-server) would land on the caller's core."""
+
+    def __init__(self, nbytes: int = 64 << 20) -> None:
+        self.buffer = np.zeros(nbytes, dtype=np.uint8)
+
+    def __call__(self) -> None:
+        np.add(self.buffer, 1, out=self.buffer)
+
+
+def best_of(fn: Callable[[], object], repeat: int, before: Callable[[], object] | None = None) -> float:
+    """The best time of ``repeat`` calls of ``fn``; ``before`` runs untimed ahead of each."""
+    times = []
+    for _ in range(repeat):
+        if before is not None:
+            before()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def interleaved(fns: list[Callable[[], object]], rounds: int) -> list[float]:
+    """Best time of each function over ``rounds`` rounds that run them in turn: a noisy
+    neighbour slows every side of a round alike, and the best of each is a fair floor."""
+    best = [float("inf")] * len(fns)
+    for _ in range(rounds):
+        for i, fn in enumerate(fns):
+            best[i] = min(best[i], best_of(fn, 1))
+    return best
+
+
+def dd_seconds(args: list[str]) -> float:
+    proc = subprocess.run(["dd", *args], capture_output=True, text=True, check=True)
+    match = re.search(r"copied, ([0-9.]+) s", proc.stderr)
+    if not match:
+        raise RuntimeError(f"could not parse dd output: {proc.stderr!r}")
+    return float(match.group(1))
+
+
+def drop_page_cache(path: Path) -> None:
+    """Drop a file's pages from the page cache, or those of every file below a folder, so
+    that the next read comes from the disk."""
+    for f in [path] if path.is_file() else [f for f in path.rglob("*") if f.is_file()]:
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{os.cpu_count()}-core {cpu}, Linux {platform.release()}, torch {torch.__version__}"
+
+
+def ratio_text(ratio: float, want: float) -> str:
+    """Two decimals, or as many more as it takes not to round a miss up to its target
+    (0.897 against 0.9: "0.897")."""
+    for digits in range(2, 7):
+        text = f"{ratio:.{digits}f}"
+        if ratio >= want or float(text) < want:
+            break
+    return text
+
+
+def render(rows: list[Row], where: str) -> str:
+    lines = [
+        "## Tiers (`kvstore bench tiers`)",
+        "",
+        f"Machine: {where}. Layout: 24 layers, 2 KV heads, head dim 64, block 16, fp16 (192 KiB blocks).",
+        "",
+        "| measurement | kvstore | baseline | baseline time | ratio | target | met |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if r.ratio_kind == "budget":
+            ratio, met = f"{r.ours_s * 1e3:.3f} ms", r.ours_s < r.base_s
+        elif r.ratio_kind in ("speedup", "lower"):
+            want = float(r.target.split()[1].rstrip("x"))
+            word = "faster" if r.ratio_kind == "speedup" else "lower"
+            ratio, met = f"{ratio_text(r.ratio, want)}x {word}", r.ratio >= want
+        else:
+            want = float(r.target.split()[1].rstrip("x"))
+            ratio, met = f"{ratio_text(r.ratio, want)}x", r.ratio >= want
+        lines.append(f"| {r.name} | {r.ours_s * 1e3:.2f} ms | {r.baseline} | {r.base_s * 1e3:.2f} ms "
+                     f"| {ratio} | {r.target} | {'yes' if met else 'NO'} |")
+    return "\n".join(lines)
+
+
+def write_section(name: str, text: str, path: Path = DOCS / "benchmarks.md") -> None:
+    """Replace the text between ``<!-- bench:NAME:start -->`` and its end marker, and say so."""
+    start, end = f"<!-- bench:{name}:start -->", f"<!-- bench:{name}:end -->"
+    doc = path.read_text() if path.exists() else f"# Benchmarks\n\n{start}\n{end}\n"
+    if start not in doc:
+        doc += f"\n{start}\n{end}\n"
+    head, rest = doc.split(start, 1)
+    _, tail = rest.split(end, 1)
+    path.write_text(f"{head}{start}\n{text}\n{end}{tail}")
+    print(f"wrote {path} ({name} section)")

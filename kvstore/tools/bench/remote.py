@@ -1,0 +1,269 @@
+"""``kvstore bench remote``: the remote tier against redis-py on the same local Redis Cluster.
+
+One run starts a real cluster (6 ``redis-server`` processes on loopback: 3 primaries, 3
+replicas, no persistence) and measures, in batches of 64 blocks of 192 KiB:
+
+- remote get and put vs redis-py's own cluster pipeline (``RedisCluster.pipeline()``) doing
+  GET/SET of the same bytes on the same cluster (its GET copies each value into the caller's
+  tensor once, as ours does; its SET sends ready-made bytes: no framing, no checksum, no
+  existence check);
+- the hash-tag run length sweep (G blocks of a chain per slot) that picks the default G;
+- through the engine (as ``kvstore bench engine`` does, same model): TTFT of a 2,048-token
+  prompt whose prefix only the remote tier holds (a fresh engine, local tiers empty) vs full
+  recompute.
+
+Rounds interleave ours and the baseline (best of N each), so a noisy neighbour slows both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvstore.services.common.argtypes import positive
+from kvstore.tiers.remote import RemoteTier, group_tags
+from kvstore.tools.bench.harness import BENCH_LAYOUT, Row, machine, render, write_section
+from kvstore.tools.testing.redis_local import MIB, RedisCluster, need_binaries
+
+NUM_BLOCKS = 64
+RUN_LENGTHS = (1, 4, 16, 64)
+
+
+def interleave(fns: list[Callable[[], object]], rounds: int) -> list[list[float]]:
+    """Every round runs each function once, in turn (the order reversed every other round,
+    so neither side always goes first); all times per function, by round."""
+    times: list[list[float]] = [[] for _ in fns]
+    for r in range(rounds):
+        order = list(range(len(fns)))
+        for i in order if r % 2 == 0 else order[::-1]:
+            t0 = time.perf_counter()
+            fns[i]()
+            times[i].append(time.perf_counter() - t0)
+    return times
+
+
+def paired_ratio(base: list[float], ours: list[float]) -> float:
+    """Median over rounds of base/ours, each pair measured back to back (robust to load)."""
+    ratios = sorted(b / o for b, o in zip(base, ours, strict=True))
+    return ratios[len(ratios) // 2]
+
+
+class Chains:
+    """Fresh 64-block chains from the store's own hasher (puts must write new blocks)."""
+
+    def __init__(self, model_id: str) -> None:
+        from kvstore.keys import BlockHasher, Namespace
+
+        self.hasher = BlockHasher(Namespace(model_id, BENCH_LAYOUT, "sha256"))
+        self.count = 0
+
+    def next(self) -> list[bytes]:
+        self.count += 1
+        base = self.count * 10**6
+        return self.hasher.block_keys(list(range(base, base + NUM_BLOCKS * BENCH_LAYOUT.block_size)))
+
+
+def bench_throughput(url: str, seeds: list[int], repeat: int) -> tuple[list[Row], dict[str, Any]]:
+    from redis.cluster import ClusterNode
+    from redis.cluster import RedisCluster as PyCluster
+
+    layout, n = BENCH_LAYOUT, NUM_BLOCKS
+    payload = layout.bytes_per_block
+    blocks = torch.randn((n, *layout.block_shape)).to(layout.dtype)
+    rows_in = blocks.view(torch.uint8).reshape(n, payload)
+    out = torch.empty_like(rows_in)
+    chains = Chains(f"bench-remote-{time.time()}")
+    tier = RemoteTier(url, payload, layout.fingerprint(), timeout_s=5.0)
+    base = PyCluster(startup_nodes=[ClusterNode("127.0.0.1", p) for p in seeds])
+    values = [bytes(rows_in[i].numpy()) for i in range(n)]  # redis-py needs bytes objects
+    held = chains.next()
+    tier.put(held, list(rows_in))
+    base_names = [f"base:{i}:{k.hex()}" for i, k in enumerate(held)]  # no hash tag: spread like ours
+    pipe = base.pipeline()
+    for name, value in zip(base_names, values, strict=True):
+        pipe.set(name, value)
+    pipe.execute()
+    put_round = [0]
+
+    def ours_get() -> None:
+        ok = tier.get(held, list(out))
+        assert all(ok), "remote get missed a block it holds"
+
+    def base_get() -> None:
+        pipe = base.pipeline()
+        for name in base_names:
+            pipe.get(name)
+        for i, v in enumerate(pipe.execute()):
+            out[i].copy_(torch.frombuffer(bytearray(v), dtype=torch.uint8))
+
+    def ours_put() -> None:
+        assert tier.put(chains.next(), list(rows_in)) == n
+
+    def base_put() -> None:
+        put_round[0] += 1
+        pipe = base.pipeline()
+        for i, value in enumerate(values):
+            pipe.set(f"base-put:{put_round[0]}:{i}", value)
+        pipe.execute()
+
+    get_s, base_get_s, put_s, base_put_s = interleave([ours_get, base_get, ours_put, base_put], repeat)
+    tier.get(held, list(out))
+    assert torch.equal(out, rows_in), "remote get returned other bytes"
+    size = f"{n} x {payload // 1024} KiB"
+    rows = [
+        Row(f"remote get, {size}", min(get_s), min(base_get_s), "redis-py cluster pipeline GET", ">= 0.9x"),
+        Row(f"remote put, {size}", min(put_s), min(base_put_s), "redis-py cluster pipeline SET", ">= 0.9x"),
+    ]
+    spread = {name: (sorted(t)[len(t) // 2] / min(t) - 1) * 100
+              for name, t in (("get", get_s), ("base_get", base_get_s), ("put", put_s), ("base_put", base_put_s))}
+    spread["paired_get"] = paired_ratio(base_get_s, get_s)
+    spread["paired_put"] = paired_ratio(base_put_s, put_s)
+    spread["read_gbps"] = n * payload / min(get_s) / 1e9
+    tier.close()
+    base.close()
+    return rows, spread
+
+
+def bench_run_lengths(url: str, repeat: int) -> list[dict[str, Any]]:
+    """Get and put of 64-block chains for each G: G=1 spreads a batch over every primary."""
+    from redis.crc import key_slot
+
+    layout, n = BENCH_LAYOUT, NUM_BLOCKS
+    payload = layout.bytes_per_block
+    rows_in = torch.randn((n, *layout.block_shape)).to(layout.dtype).view(torch.uint8).reshape(n, payload)
+    out = torch.empty_like(rows_in)
+    chains = Chains(f"bench-remote-sweep-{time.time()}")
+    tiers = {g: RemoteTier(url, payload, layout.fingerprint(), run_length=g, timeout_s=5.0) for g in RUN_LENGTHS}
+    held = {g: chains.next() for g in RUN_LENGTHS}
+    for g, t in tiers.items():
+        t.put(held[g], list(rows_in), group_tags(held[g], g))
+    fns: list[Callable[[], object]] = []
+    for g, t in tiers.items():
+        def get(t: RemoteTier = t, g: int = g) -> None:
+            t.get(held[g], list(out), group_tags(held[g], g))
+
+        fns.append(get)
+
+        def put(t: RemoteTier = t, g: int = g) -> None:
+            ks = chains.next()
+            t.put(ks, list(rows_in), group_tags(ks, g))
+
+        fns.append(put)
+    times = interleave(fns, repeat)
+    found = []
+    for j, (g, t) in enumerate(tiers.items()):
+        names = t.names(held[g], group_tags(held[g], g))
+        nodes = {t.owner(name) for name in names}
+        found.append({"G": g, "get_s": min(times[2 * j]), "put_s": min(times[2 * j + 1]),
+                      "slots": len({key_slot(name) for name in names}), "nodes": len(nodes)})
+        t.close()
+    return found
+
+
+def bench_ttft(url: str, prompt_tokens: int, repeat: int) -> tuple[Row, dict[str, Any]]:
+    """TTFT with the prefix only in the remote tier (a fresh engine each run) vs recompute."""
+    from kvstore.tools.bench.engine import BENCH_MODEL, engine, ttft
+
+    args = argparse.Namespace(device="cpu", prompt_tokens=prompt_tokens, decode_prompt=128, decode_tokens=32)
+    prompt = torch.randint(0, int(BENCH_MODEL["vocab_size"]), (prompt_tokens,),
+                           generator=torch.Generator().manual_seed(7)).tolist()
+    llm = engine(args, enable_prefix_caching=False, host_bytes=0)
+    ttft(llm, prompt[:64])  # warm-up
+    recompute_s = min(ttft(llm, prompt)[0] for _ in range(max(1, repeat)))
+    llm.close()
+    writer = engine(args, host_bytes=1 << 30, remote_url=url)
+    block_bytes = writer.layout.bytes_per_block
+    ttft(writer, prompt)
+    writer.evict_device_cache()  # device -> host -> remote (write-behind)
+    assert writer.store.flush(60), "the remote writes did not finish"
+    writer.close()
+    runs = []
+    for _ in range(max(1, repeat)):
+        reader = engine(args, host_bytes=1 << 30, remote_url=url)  # empty local tiers
+        seconds, m = ttft(reader, prompt)
+        runs.append((seconds, m))
+        reader.close()
+    remote_s, m = min(runs, key=lambda x: x[0])
+    detail = {"remote_tokens": m.cached_tokens.get("remote", 0), "loading_s": m.loading_s,
+              "bytes": m.cached_tokens.get("remote", 0) // writer.config.block_size * block_bytes}
+    row = Row(f"TTFT, {prompt_tokens}-token prompt, prefix only in the remote tier", remote_s, recompute_s,
+              "full recompute", ">= 5x", "speedup")
+    return row, detail
+
+
+def render_remote(rows: list[Row], sweep: list[dict[str, Any]], spread: dict[str, Any], where: str) -> str:
+    text = render(rows, where).replace("## Tiers (`kvstore bench tiers`)", "## Remote tier (`kvstore bench remote`)", 1)
+    text = text.replace("Layout: 24 layers", "A local Redis Cluster of 6 `redis-server` 7.0 processes on loopback "
+                        "(3 primaries, 3 replicas, `--save '' --appendonly no`), started by the bench. Ours: "
+                        "`RemoteTier` (framing + xxh3 checksum, EXISTS before SET, one pipeline per primary "
+                        "on a thread each). Layout: 24 layers", 1)
+    lines = [text, "",
+             f"Spread (median over best, %): get {spread['get']:.0f}, baseline get {spread['base_get']:.0f}, "
+             f"put {spread['put']:.0f}, baseline put {spread['base_put']:.0f}. Median of the per-round "
+             f"ratios (each pair run back to back): get {spread['paired_get']:.2f}x, put "
+             f"{spread['paired_put']:.2f}x. Remote read bandwidth {spread['read_gbps']:.2f} GB/s.", "",
+             f"Load average when the run started: {spread.get('load', 0.0):.1f} on {os.cpu_count()} cores "
+             "(the machine is shared; recompute is CPU-bound and slows with it).", "",
+             "Hash-tag run length G (blocks of one chain per hash slot), 64-block chains. The default is "
+             "G = 1 (docs/remote.md): with one pipeline per primary, all primaries at once, a batch is one "
+             "round trip per node for any G, so a larger G only puts a batch on fewer primaries.", "",
+             "| G | slots per batch | primaries per batch | get | put |", "|---|---|---|---|---|"]
+    for r in sweep:
+        lines.append(f"| {r['G']} | {r['slots']} | {r['nodes']} | {r['get_s'] * 1e3:.1f} ms | {r['put_s'] * 1e3:.1f} ms |")
+    if "remote_tokens" in spread:
+        lines += ["", f"TTFT run: the engine of `kvstore bench engine` (24 layers, fp32 KV, 384 KiB blocks, CPU); "
+                  f"{spread['remote_tokens']} prompt tokens came from the remote tier, "
+                  f"{spread['bytes'] / 2**20:.1f} MiB fetched in {spread['loading_s'] * 1e3:.0f} ms "
+                  f"({spread['bytes'] / max(spread['loading_s'], 1e-9) / 1e9:.2f} GB/s, lookup, GETs, checks and "
+                  "promotion included); the rest of TTFT is the prefill of the last partial block and the "
+                  "first decode step."]
+    return "\n".join(lines)
+
+
+def run_remote_bench(args: argparse.Namespace) -> int:
+    missing = need_binaries()
+    if missing is not None:
+        print(f"kvstore bench remote: needs a local Redis: {missing}")
+        return 2
+    with tempfile.TemporaryDirectory(prefix="kvstore-bench-remote-") as tmp:
+        load = os.getloadavg()[0]
+        print("starting a local Redis Cluster ...", flush=True)
+        cluster = RedisCluster.start(Path(tmp), maxmemory=1024 * MIB)
+        try:
+            seeds = [n.port for n in cluster.nodes[:3]]
+            print("get/put vs redis-py ...", flush=True)
+            rows, spread = bench_throughput(cluster.url, seeds, args.repeat)
+            spread["load"] = load
+            print("run length sweep ...", flush=True)
+            sweep = bench_run_lengths(cluster.url, args.repeat)
+            if not args.no_ttft:
+                print("TTFT through the engine (minutes on a CPU) ...", flush=True)
+                ttft_row, detail = bench_ttft(cluster.url, args.prompt_tokens, args.ttft_repeat)
+                rows.append(ttft_row)
+                spread.update(detail)
+        finally:
+            cluster.close()
+    text = render_remote(rows, sweep, spread, machine())
+    print(text)
+    if not args.no_write:
+        write_section("remote", text)
+    return 0
+
+
+def register_target(targets: argparse._SubParsersAction) -> None:
+    """Add ``remote`` to ``kvstore bench``'s targets."""
+    p = targets.add_parser("remote", help="remote tier (Redis Cluster) get/put vs redis-py, and the G sweep")
+    p.add_argument("--repeat", type=positive(int), default=25, help="rounds; the best is kept (default 25)")
+    p.add_argument("--prompt-tokens", type=positive(int), default=2048, help="TTFT prompt length (default 2048)")
+    p.add_argument("--ttft-repeat", type=positive(int), default=2, help="TTFT runs per side; the best is kept (default 2)")
+    p.add_argument("--no-ttft", action="store_true", help="skip the engine TTFT measurement")
+    p.add_argument("--no-write", action="store_true", help="print only; leave docs/ untouched")
+    p.set_defaults(func=run_remote_bench)
+

@@ -1,0 +1,30 @@
+"""Trace replay: Mooncake-format traces through kvstore's real eviction policy objects.
+
+``kvstore replay TRACE.jsonl --capacity 1000,2000`` (one tier, a sweep) or ``--device N --host N
+--disk N`` (the demotion cascade). Modules: ``trace`` (load, validate, key chains), ``belady``
+(the offline optimum as a policy), ``sim`` (the replay loop and its semantics), ``estimate``
+(bytes moved, prefill time saved), ``command`` (the CLI). Semantics: docs/eviction.md.
+"""
+
+from __future__ import annotations
+
+from kvstore.tools.replay.belady import BeladyPolicy, FutureIndex
+from kvstore.tools.replay.command import register, run
+from kvstore.tools.replay.estimate import CostModel, estimate
+from kvstore.tools.replay.sim import ReplayResult, TierSpec, replay
+from kvstore.tools.replay.trace import ReplayError, Trace, load_trace
+
+__all__ = [
+    "BeladyPolicy",
+    "CostModel",
+    "FutureIndex",
+    "ReplayError",
+    "ReplayResult",
+    "TierSpec",
+    "Trace",
+    "estimate",
+    "load_trace",
+    "register",
+    "replay",
+    "run",
+]

@@ -1,0 +1,1 @@
+"""Test support that users' own suites can use too: local Redis servers, free ports, a tiny checkpoint."""
