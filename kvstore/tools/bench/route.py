@@ -32,11 +32,11 @@ from kvstore.services.router.policy.config import (
     RouterConfig,
 )
 from kvstore.services.router.policy.router import Router
+from kvstore.tools.bench.harness import DOCS
 from kvstore.services.router.policy.tiers import GPU
 from kvstore.tools.replay.route_sim import SimConfig, SimResult, load_requests, simulate
 from kvstore.tools.replay.trace import ReplayError
 
-DOCS = Path(__file__).resolve().parents[2] / "docs"
 BENCH_NAMESPACE = Namespace("bench-route", KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, block_size=16,
                                                      dtype=torch.float16))
 

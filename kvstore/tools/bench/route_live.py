@@ -31,14 +31,13 @@ import numpy as np
 from kvstore.services.common.argtypes import positive
 from kvstore.tools.testing.ports import free_port_pair
 
-ROOT = Path(__file__).resolve().parents[2]
 MODEL = {"num_layers": 4, "hidden_size": 256, "intermediate_size": 512, "num_heads": 4, "num_kv_heads": 2,
          "head_dim": 64, "vocab_size": 512}
 
 
 class _Process:
     def __init__(self, args: list[str], what: str) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "kvstore.cli", *args], cwd=ROOT,
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvstore.cli", *args],
                                      env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True)
         assert self.proc.stdout is not None

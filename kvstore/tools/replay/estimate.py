@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvstore.tools.bench.harness import DOCS
 from kvstore.tools.replay.sim import ReplayResult
 
 BLOCK_TOKENS = 512
@@ -20,7 +21,7 @@ BLOCK_BYTES = 32 * 8 * 128 * 2 * 2 * BLOCK_TOKENS  # Llama-3-8B fp16: 64 MiB per
 HOST_GBPS = 20.0  # pinned host -> GPU over PCIe 4.0 x16, a typical achieved rate
 DISK_GBPS = 3.0  # one PCIe 4.0 NVMe drive, sequential reads
 PREFILL_TOKENS_PER_S = 10_000.0  # an 8B model's prefill on one current datacenter GPU
-BENCH_TIERS_JSON = Path(__file__).resolve().parents[2] / "docs" / "bench_tiers.json"
+BENCH_TIERS_JSON = DOCS / "bench_tiers.json"
 
 
 def measured_gbps(path: Path = BENCH_TIERS_JSON) -> dict[str, float]:
