@@ -47,9 +47,12 @@ test: $(VENV)/.stamp-test
 test-vllm: $(VLLM_VENV)/.stamp
 	$(VLLM_PY) -m pytest -q tests_vllm
 
+# ruff, mypy, and the layers of docs/architecture.md ([tool.importlinter] in pyproject.toml).
+# --no-cache: the import graph takes well under a second to build, and no cache folder is left.
 lint: $(VENV)/.stamp-test
 	$(VENV)/bin/ruff check kvstore tests tests_vllm scripts
 	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports --no-cache
 
 bench: $(VENV)/.stamp-base
 	$(VENV)/bin/kvstore bench tiers

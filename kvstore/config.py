@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvstore.codecs import CODECS, get_codec, stored_bytes
 from kvstore.errors import ConfigError, LayoutMismatchError
@@ -12,16 +13,75 @@ from kvstore.eviction import DEFAULT_POLICY, POLICIES
 from kvstore.keys import HASHES
 from kvstore.layout import KVLayout
 
+if TYPE_CHECKING:
+    from kvstore.settings import StoreSettings
+
 PAGE = 4096
 WRITE_POLICIES = ("write_back", "write_through")
 DISK_ADMISSIONS = ("all", "seen_twice")
 PROMOTIONS = ("get", "lookup", "never")
 REMOTE_WRITES = ("put", "demote")
+CODEC_FIELDS = ("host_codec", "disk_codec", "remote_codec")
+
+
+def check_store_knobs(knobs: StoreConfig | StoreSettings) -> None:
+    """Validate the knobs that need no layout; StoreConfig and StoreSettings both call this,
+    so a setting is refused with the same message before a model is known as after.
+    Turns ``disk_path`` into a Path (both classes are frozen, hence ``object.__setattr__``).
+
+    Raises:
+        ConfigError: naming the knob, the allowed values and the value (never the remote
+            URL: its message shows it redacted).
+    """
+    for name in CODEC_FIELDS:
+        value = getattr(knobs, name)
+        if value not in CODECS:
+            raise ConfigError(f"{name} must be one of {list(CODECS)}, got {value!r}")
+    if get_codec(knobs.host_codec).lossy and not get_codec(knobs.disk_codec).lossy and knobs.disk_path is not None:
+        raise ConfigError(f"disk_codec={knobs.disk_codec!r} below host_codec={knobs.host_codec!r} would store "
+                          "decoded values at full size; give the disk a lossy codec too")
+    for name in ("host_bytes", "disk_bytes"):
+        value = getattr(knobs, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ConfigError(f"{name} must be an int of bytes >= 0, got {value!r}")
+    if knobs.disk_path is not None:
+        if not isinstance(knobs.disk_path, (str, os.PathLike)) or not str(knobs.disk_path):
+            raise ConfigError(f"disk_path must be a directory path or None, got {knobs.disk_path!r}")
+        object.__setattr__(knobs, "disk_path", Path(knobs.disk_path))
+    for name, value, allowed in (
+        ("hash_algo", knobs.hash_algo, tuple(HASHES)),
+        ("write_policy", knobs.write_policy, WRITE_POLICIES),
+        ("disk_admission", knobs.disk_admission, DISK_ADMISSIONS),
+        ("promotion", knobs.promotion, PROMOTIONS),
+        ("remote_writes", knobs.remote_writes, REMOTE_WRITES),
+    ):
+        if value not in allowed:
+            raise ConfigError(f"{name} must be one of {list(allowed)}, got {value!r}")
+    if knobs.remote_url is None:
+        return
+    from kvstore.tiers.remote.naming import check_prefix
+    from kvstore.tiers.remote.url import parse_url
+
+    if not isinstance(knobs.remote_url, str):
+        raise ConfigError(f"remote_url must be a string, got a {type(knobs.remote_url).__name__}")
+    try:
+        parse_url(knobs.remote_url)  # the message shows the URL redacted
+        check_prefix(knobs.remote_prefix)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    timeout = knobs.remote_timeout_s
+    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not 0 < timeout < float("inf"):
+        raise ConfigError(f"remote_timeout_s must be a positive number of seconds, got {timeout!r}")
+    queue = knobs.remote_queue_blocks
+    if not isinstance(queue, int) or isinstance(queue, bool) or queue < 1:
+        raise ConfigError(f"remote_queue_blocks must be an int >= 1, got {queue!r}")
 
 
 @dataclass(frozen=True)
 class StoreConfig:
-    """Configuration of a TieredStore.
+    """Configuration of a TieredStore: a StoreSettings (the model-independent knobs,
+    ``settings`` gives it back; ``StoreSettings.store_config`` builds one from it) plus the
+    model and this process's knobs (policies, pinning, sync, direct I/O, threads, shared host).
 
     Attributes:
         layout: the KV geometry every block has.
@@ -87,66 +147,44 @@ class StoreConfig:
             raise ConfigError(f"layout must be a KVLayout, got {type(self.layout).__name__}")
         if not isinstance(self.model_id, str) or not self.model_id:
             raise ConfigError(f"model_id must be a non-empty string, got {self.model_id!r}")
-        for name in ("host_codec", "disk_codec", "remote_codec"):
-            value = getattr(self, name)
-            if value not in CODECS:
-                raise ConfigError(f"{name} must be one of {list(CODECS)}, got {value!r}")
+        check_store_knobs(self)
+        for name in CODEC_FIELDS:
             try:
-                get_codec(value).encoded_bytes(self.layout)
+                get_codec(getattr(self, name)).encoded_bytes(self.layout)
             except LayoutMismatchError as e:
-                raise ConfigError(f"{name}={value!r}: {e}") from e
-        if get_codec(self.host_codec).lossy and not get_codec(self.disk_codec).lossy and self.disk_path is not None:
-            raise ConfigError(f"disk_codec={self.disk_codec!r} below host_codec={self.host_codec!r} would store "
-                              "decoded values at full size; give the disk a lossy codec too")
+                raise ConfigError(f"{name}={getattr(self, name)!r}: {e}") from e
         if self.shared_host and get_codec(self.host_codec).lossy:
             raise ConfigError(f"shared_host needs host_codec='none' (other processes map raw slots), "
                               f"got {self.host_codec!r}")
         slot = self.tier_slot_bytes("host")
-        if not isinstance(self.host_bytes, int) or self.host_bytes < slot:
+        if self.host_bytes < slot:
             raise ConfigError(
                 f"host_bytes={self.host_bytes} is smaller than one block slot ({slot} bytes for "
                 f"{self.layout.bytes_per_block}-byte blocks)"
             )
         if self.disk_path is not None:
             slot = self.tier_slot_bytes("disk")
-            if not isinstance(self.disk_bytes, int) or self.disk_bytes < slot:
+            if self.disk_bytes < slot:
                 raise ConfigError(
                     f"disk_bytes={self.disk_bytes} is smaller than one block slot ({slot} bytes); "
                     "set disk_path=None for no disk tier"
                 )
-            object.__setattr__(self, "disk_path", Path(self.disk_path))
-        for name, value, allowed in (
-            ("hash_algo", self.hash_algo, tuple(HASHES)),
-            ("write_policy", self.write_policy, WRITE_POLICIES),
-            ("disk_admission", self.disk_admission, DISK_ADMISSIONS),
-            ("promotion", self.promotion, PROMOTIONS),
-            ("host_policy", self.host_policy, tuple(POLICIES)),
-            ("disk_policy", self.disk_policy, tuple(POLICIES)),
-            ("remote_writes", self.remote_writes, REMOTE_WRITES),
-        ):
-            if value not in allowed:
-                raise ConfigError(f"{name} must be one of {list(allowed)}, got {value!r}")
+        # Not a knob check: a daemon holds write_through for namespaces whose disk share may
+        # turn out smaller than one of their blocks (those get no disk tier, see its registry).
         if self.write_policy == "write_through" and self.disk_path is None:
             raise ConfigError("write_policy='write_through' needs a disk tier (disk_path)")
+        for name, value in (("host_policy", self.host_policy), ("disk_policy", self.disk_policy)):
+            if value not in POLICIES:
+                raise ConfigError(f"{name} must be one of {list(POLICIES)}, got {value!r}")
         if not isinstance(self.transfer_threads, int) or self.transfer_threads < 1:
             raise ConfigError(f"transfer_threads must be >= 1, got {self.transfer_threads!r}")
-        self._check_remote()
 
-    def _check_remote(self) -> None:
-        if self.remote_url is None:
-            return
-        from kvstore.tiers.remote.naming import check_prefix
-        from kvstore.tiers.remote.url import parse_url
+    @property
+    def settings(self) -> StoreSettings:
+        """The model-independent part of this config (``settings.store_config`` rebuilds it)."""
+        from kvstore.settings import StoreSettings
 
-        try:
-            parse_url(self.remote_url)  # the message shows the URL redacted
-            check_prefix(self.remote_prefix)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-        if not isinstance(self.remote_timeout_s, (int, float)) or not self.remote_timeout_s > 0:
-            raise ConfigError(f"remote_timeout_s must be positive, got {self.remote_timeout_s!r}")
-        if not isinstance(self.remote_queue_blocks, int) or self.remote_queue_blocks < 1:
-            raise ConfigError(f"remote_queue_blocks must be >= 1, got {self.remote_queue_blocks!r}")
+        return StoreSettings(**{name: getattr(self, name) for name in StoreSettings.names()})
 
     @property
     def slot_bytes(self) -> int:

@@ -1,4 +1,4 @@
-"""Per-tier counters, as reported by ``TieredStore.stats()`` (and later REST and /metrics)."""
+"""Per-tier counters, as reported by ``TieredStore.stats()`` (and through it the daemon's REST and /metrics)."""
 
 from __future__ import annotations
 

@@ -17,6 +17,7 @@ from typing import Any, overload
 import numpy as np
 import torch
 
+from kvstore.api import BlockStore
 from kvstore.cascade import Cascade
 from kvstore.config import StoreConfig
 from kvstore.demotions import budget as staging_budget
@@ -438,3 +439,7 @@ class TieredStore:
 def _check_tenant(tenant: str) -> None:
     """Refuse a tenant the disk catalog could not record (it would fail a later demotion)."""
     check_name("tenant", tenant)
+
+
+def _implements_the_contract(store: TieredStore) -> BlockStore:
+    return store  # mypy checks that TieredStore is a BlockStore, signature by signature

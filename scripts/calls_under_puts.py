@@ -72,7 +72,7 @@ def main() -> int:
         sock = Path(tmp) / "kv.sock"
         daemon = subprocess.Popen(
             [sys.executable, "-m", "kvstore.services.daemon", "serve", "--data-dir", str(Path(tmp) / "data"),
-             "--disk", args.disk, "--host-mem", args.host_mem, "--max-namespaces", "1", "--socket", str(sock),
+             "--disk-size", args.disk, "--host-mem", args.host_mem, "--max-namespaces", "1", "--socket", str(sock),
              "--listen", "", "--http", "", "--write-policy", args.write_policy],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         try:

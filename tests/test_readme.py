@@ -77,7 +77,7 @@ def _running(cwd: Path, command: str, args: list[str]) -> Iterator[None]:
 
 
 def running_daemon(cwd: Path, _arg: str) -> AbstractContextManager[None]:
-    return _running(cwd, "serve", ["--host-mem", "64MiB", "--disk", "128MiB", "--listen", "", "--http", ""])
+    return _running(cwd, "serve", ["--host-mem", "64MiB", "--disk-size", "128MiB", "--listen", "", "--http", ""])
 
 
 def running_engine(cwd: Path, _arg: str) -> AbstractContextManager[None]:

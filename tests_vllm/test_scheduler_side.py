@@ -76,7 +76,7 @@ def test_lookups_count_whole_blocks_beyond_vllms_hit_and_never_the_last_token(tm
     side, store = make(tmp_path)
     tokens = list(range(100, 112))  # 3 full blocks; the last token's block is never loaded
     keys = store.block_keys(tokens, "")
-    assert keys is not None and store.put(keys, torch.randn(3, *LAYOUT.block_shape))
+    assert store.try_put(keys, torch.randn(3, *LAYOUT.block_shape))
     r = request("b", tokens)
     assert side.get_num_new_matched_tokens(r, 0) == (2 * B, False)  # host hits: loaded inside the step
     assert side.get_num_new_matched_tokens(r, B) == (B, False)  # vLLM had the first block itself
@@ -108,7 +108,7 @@ def test_load_errors_stop_further_loads_for_that_request(tmp_path: Path) -> None
     side, store = make(tmp_path)
     tokens = list(range(200, 209))
     keys = store.block_keys(tokens, "")
-    assert keys is not None and store.put(keys, torch.randn(2, *LAYOUT.block_shape))
+    assert store.try_put(keys, torch.randn(2, *LAYOUT.block_shape))
     r = request("e", tokens)
     assert side.get_num_new_matched_tokens(r, 0) == (2 * B, False)
     side.update_state_after_alloc(r, [1, 2, 3], 2 * B)
@@ -124,7 +124,7 @@ def test_no_save_reads_a_block_whose_sync_load_is_unconfirmed(tmp_path: Path) ->
     side, store = make(tmp_path)
     tokens = list(range(400, 417))  # 17 tokens: 4 usable blocks; the store holds the first 2
     keys = store.block_keys(tokens, "")
-    assert keys is not None and store.put(keys[:2], torch.randn(2, *LAYOUT.block_shape))
+    assert store.try_put(keys[:2], torch.randn(2, *LAYOUT.block_shape))
     ok, bad, shared = (request(i, tokens) for i in ("ok", "bad", "shared"))
     other = request("other", list(range(500, 517)))  # another prompt: its blocks read nothing loaded
     assert side.get_num_new_matched_tokens(ok, 0) == (2 * B, False)
@@ -161,7 +161,7 @@ def test_prompt_embeddings_are_neither_looked_up_nor_saved(tmp_path: Path) -> No
     side, store = make(tmp_path)
     zeros = [0] * 13
     keys = store.block_keys(zeros, "")
-    assert keys is not None and store.put(keys, torch.randn(3, *LAYOUT.block_shape))
+    assert store.try_put(keys, torch.randn(3, *LAYOUT.block_shape))
     for r in (request("emb", zeros, embeds=True, token_ids=False), request("mixed", zeros, embeds=True)):
         assert side.get_num_new_matched_tokens(r, 0) == (0, False)
         assert not side.build_connector_meta(step(new=[(r.request_id, [1, 2, 3, 4], 0, 13)])).saves
@@ -179,7 +179,7 @@ def test_a_cache_salt_never_names_its_tenants_unsalted_blocks(tmp_path: Path) ->
         side, store = make(tmp_path, store=daemon.unix, token="tok-acme")
         tokens = list(range(600, 613))
         keys = store.block_keys(tokens, "")  # the token's tenant, unsalted
-        assert keys is not None and store.put(keys, torch.randn(3, *LAYOUT.block_shape))
+        assert store.try_put(keys, torch.randn(3, *LAYOUT.block_shape))
         assert side.get_num_new_matched_tokens(request("plain", tokens), 0) == (3 * B, False)
         # a salt equal to the tenant's name once replaced it: the unsalted chain's keys
         assert side.get_num_new_matched_tokens(request("salted", tokens, salt="acme"), 0) == (0, False)

@@ -57,7 +57,10 @@ def daemon(tmp_path: Path):  # type: ignore[no-untyped-def]
 def run_docs_block(model_dir: str, socket_url: str) -> dict[str, Any]:
     """docs/vllm.md's ``LLM(...)`` block as written, with its MODEL_DIR, PROMPT and socket filled in."""
     text = (ROOT / "docs" / "vllm.md").read_text()
-    (code,) = re.findall(r"^```python\n(.*?)^```", text, re.MULTILINE | re.DOTALL)
+    blocks = re.findall(r"^```python\n(.*?)^```", text, re.MULTILINE | re.DOTALL)
+    llm_blocks = [block for block in blocks if "LLM(" in block]
+    assert len(llm_blocks) == 1, f"{len(llm_blocks)} of the {len(blocks)} python blocks build an LLM(...)"
+    (code,) = llm_blocks
     assert code.count("unix:///run/kvstore/kvstore.sock") == 1
     code = code.replace("unix:///run/kvstore/kvstore.sock", socket_url)
     script = (f"MODEL_DIR, PROMPT = {model_dir!r}, {P!r}\n{code}\nimport json, kvstore.integrations.vllm as kv\n"

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from kvstore import env
+from kvstore.api import BlockStore
 from kvstore.client.pool_map import MappedPool
 from kvstore.client.protocol import (
     DEFAULT_MAX_FRAME,
@@ -247,10 +248,17 @@ class StoreClient:
 
     # ------------------------------------------------------------------------ the store API
 
-    def block_keys(self, token_ids: Sequence[int] | np.ndarray, extra_keys: Sequence[Sequence[ExtraKey] | None]
-                   | None = None, parent: bytes | None = None) -> list[bytes]:
-        """One chained key per full block; the tenant salt is the token's (set by the daemon)."""
-        return self.hasher.block_keys(token_ids, self.tenant, extra_keys, parent)
+    @property
+    def namespace(self) -> Namespace:
+        return self.hasher.namespace
+
+    def block_keys(self, token_ids: Sequence[int] | np.ndarray, tenant: str = "",
+                   extra_keys: Sequence[Sequence[ExtraKey] | None] | None = None,
+                   parent: bytes | None = None) -> list[bytes]:
+        """One chained key per full block, salted with ``tenant``; "" is this connection's
+        tenant (its token's, set by the daemon). The daemon files every key under the token's
+        tenant as well, so another tenant name only partitions this token's own blocks."""
+        return self.hasher.block_keys(token_ids, tenant or self.tenant, extra_keys, parent)
 
     def lookup(self, keys: Sequence[bytes]) -> PrefixMatch:
         """The leading run of ``keys`` the daemon holds, and the fastest tier of each."""
@@ -262,8 +270,9 @@ class StoreClient:
                 break
         return PrefixMatch(len(tiers), tuple(tiers))
 
-    def put(self, keys: Sequence[bytes], blocks: torch.Tensor) -> None:
+    def put(self, keys: Sequence[bytes], blocks: torch.Tensor, *, tenant: str = "") -> None:
         """Store ``blocks[i]`` under ``keys[i]`` (CapacityError when the daemon has no room).
+        ``tenant`` salted the keys already; the daemon files them under the token's tenant.
 
         Over shared memory the call returns once the bytes are in the daemon's slots and their
         commit is sent: this client's next request is ordered after it (and reports its
@@ -617,3 +626,7 @@ def _as_exception(code: int, message: str) -> Exception:
     if code == Code.BAD_REQUEST:
         return RemoteBadRequest(code, message)
     return RemoteError(code, message)
+
+
+def _implements_the_contract(store: StoreClient) -> BlockStore:
+    return store  # mypy checks that StoreClient is a BlockStore, signature by signature

@@ -17,13 +17,14 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 
 from kvstore import kernels
+from kvstore.api import BlockStore
 from kvstore.engine.demoter import Demoter
 from kvstore.errors import KVStoreError
+from kvstore.events.publisher import EventPublisher
 from kvstore.events.wire import GPU
 from kvstore.tiers.device import DevicePool
 
@@ -47,11 +48,11 @@ class Block:
 class BlockManager:
     """Device block allocation, sharing and eviction (single-threaded: the engine loop)."""
 
-    def __init__(self, pool: DevicePool, block_size: int, store: Any = None, events: Any = None,
+    def __init__(self, pool: DevicePool, block_size: int, store: BlockStore | None = None, events: EventPublisher | None = None,
                  write_through: bool = False) -> None:
         self.pool = pool
         self.block_size = block_size
-        self.store = store  # TieredStore-like; None: evicted blocks are dropped
+        self.store = store  # None: evicted blocks are dropped
         self.events = events  # an EventPublisher (stored/removed never block), or None
         self.blocks = [Block(i) for i in range(pool.num_blocks)]
         self.cached: dict[bytes, int] = {}
@@ -146,10 +147,10 @@ class BlockManager:
     def _evict(self, n: int, background: bool = True) -> None:
         victims = [self.evictable.popitem(last=False)[0] for _ in range(n)]
         self._demote(victims, background)
-        keys = []
+        keys: list[bytes] = []
         for b in victims:
             block = self.blocks[b]
-            keys.append(block.key)
+            keys.append(block.key)  # type: ignore[arg-type]  # a cached block has a key
             del self.cached[block.key]  # type: ignore[arg-type]
             block.key = block.parent_key = None
         self.pool.release(victims)
@@ -224,7 +225,8 @@ class BlockManager:
         The store is asked only about the others: its lock may be held by a long put."""
         blocks = [self.blocks[b] for b in block_ids]
         queued = self.demoter.queued([b.key for b in blocks]) if self.demoter is not None else [False] * len(blocks)  # type: ignore[misc]
-        ask = [b.key for b, q in zip(blocks, queued, strict=True) if not q]
+        ask = _keys([b for b, q in zip(blocks, queued, strict=True) if not q])
+        assert self.store is not None  # only called with a store
         held = iter(self.store.contains(ask) if ask else ())
         return [b for b, q in zip(blocks, queued, strict=True) if not q and not next(held)]
 
@@ -233,9 +235,10 @@ class BlockManager:
         return kernels.gather_blocks(self.pool.pool, torch.tensor([b.block_id for b in run], dtype=torch.long))
 
     def _demote_now(self, block_ids: list[int]) -> None:
+        assert self.store is not None  # only called with a store
         for run in self._runs(self._unstored(block_ids)):
             try:
-                self.store.put([b.key for b in run], self._gather(run), tenant=run[0].tenant)
+                self.store.put(_keys(run), self._gather(run), tenant=run[0].tenant)
                 self.num_demoted += len(run)
             except KVStoreError:
                 self.num_dropped += len(run)  # the store is full of pinned or in-flight blocks
@@ -265,3 +268,10 @@ class BlockManager:
         for b in self.evictable:
             assert self.blocks[b].ref_count == 0 and self.blocks[b].key is not None, f"block {b} wrongly evictable"
         assert sum(1 for b in self.blocks if b.ref_count == 0 and b.key is not None) == len(self.evictable)
+
+
+def _keys(blocks: list[Block]) -> list[bytes]:
+    """The keys of blocks that have one (cached, or sealed for the store)."""
+    keys = [b.key for b in blocks]
+    assert None not in keys
+    return keys  # type: ignore[return-value]

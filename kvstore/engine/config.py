@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field, replace
 from typing import Any
 
 import torch
 
+from kvstore.api import BlockStore
 from kvstore.errors import ConfigError
+from kvstore.settings import StoreSettings
 
 FETCH_POLICIES = ("auto", "always", "never")
 DEVICE_WRITE_POLICIES = ("write_through", "write_back")
@@ -26,17 +28,22 @@ class EngineConfig:
         device: "cpu" or "cuda" (or "cuda:N").
         dtype: weights and KV dtype: float32, float16 or bfloat16.
         kv_cache_bytes: size of the device KV pool (the device tier).
-        host_bytes: host RAM tier of the embedded store; 0: no lower tiers at all.
-        disk_path, disk_bytes: the store's disk tier (None: none).
+        store_settings: the embedded store's tiers (kvstore.StoreSettings: sizes, disk path,
+            codecs, write policy, promotion, remote tier); ``store_settings.host_bytes=0``: no
+            lower tiers at all. Default: StoreSettings() (1 GiB of host RAM, nothing else).
+        host_bytes, disk_path, disk_bytes, remote_url: keyword shortcuts for those settings,
+            folded into ``store_settings`` (``EngineConfig(host_bytes=0)`` is
+            ``EngineConfig(store_settings=StoreSettings(host_bytes=0))``); they are not
+            attributes: read ``store_settings``.
         fetch_policy: "auto" (fetch a lower-tier run when its estimated fetch time beats its
             estimated recompute time), "always", or "never" (recompute whatever is not on device).
         device_write_policy: when a device block's bytes go to the store: "write_through" (right
             after the step that filled the block, on a background thread; evicting it later is
             free) or "write_back" (when it is evicted: admission then waits for the gather).
-        store: a TieredStore-like object to use instead of an embedded one, or the address of a
+        store: a ``kvstore.api.BlockStore`` to use instead of an embedded one, or the address of a
             kvstore daemon ("unix:///abs/kvstore.sock", "unix://relative/kvstore.sock" or
             "tcp://host:port"), whose host and disk tiers then serve as this engine's; None
-            builds one from host/disk settings.
+            builds one from ``store_settings``.
         store_token: the daemon token (None: KVSTORE_TOKEN); it decides the daemon-side tenant.
         block_size: tokens per KV block.
         max_num_batched_tokens: the per-step token budget (decode tokens + prefill chunks).
@@ -49,20 +56,16 @@ class EngineConfig:
         kv_events: publish the device tier and the embedded store's tiers as KV events on this
             ZeroMQ endpoint (``tcp://127.0.0.1:5557``; docs/kv-events.md); None: no events.
         kv_events_replay: the replay/snapshot socket; None: the next port, "": none.
-        remote_url: a remote tier (Redis Cluster, docs/remote.md) below the embedded store's
-            host and disk tiers, shared with other engines; None: none. Not shown in repr.
     """
 
     model: str | os.PathLike[str] | None = None
     device: str = "cpu"
     dtype: torch.dtype = torch.float32
     kv_cache_bytes: int = 1 << 28
-    host_bytes: int = 1 << 30
-    disk_path: str | os.PathLike[str] | None = None
-    disk_bytes: int = 0
+    store_settings: StoreSettings = field(default_factory=StoreSettings)
     fetch_policy: str = "auto"
     device_write_policy: str = "write_through"
-    store: Any = None
+    store: str | BlockStore | None = None
     store_token: str | None = None
     block_size: int = 16
     max_num_batched_tokens: int = 2048
@@ -74,9 +77,20 @@ class EngineConfig:
     seed: int = 0
     kv_events: str | None = None
     kv_events_replay: str | None = None
-    remote_url: str | None = field(default=None, repr=False)
+    host_bytes: InitVar[int | None] = None
+    disk_path: InitVar[str | os.PathLike[str] | None] = None
+    disk_bytes: InitVar[int | None] = None
+    remote_url: InitVar[str | None] = None
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, host_bytes: int | None, disk_path: str | os.PathLike[str] | None,
+                      disk_bytes: int | None, remote_url: str | None) -> None:
+        if not isinstance(self.store_settings, StoreSettings):
+            raise ConfigError(f"store_settings must be a StoreSettings, got {type(self.store_settings).__name__}")
+        shortcuts: dict[str, Any] = {"host_bytes": host_bytes, "disk_path": disk_path, "disk_bytes": disk_bytes,
+                                     "remote_url": remote_url}
+        given = {name: value for name, value in shortcuts.items() if value is not None}
+        if given:
+            object.__setattr__(self, "store_settings", replace(self.store_settings, **given))
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of float32/float16/bfloat16, got {self.dtype!r}")
         if str(self.device).split(":")[0] not in DEVICES:
@@ -92,11 +106,8 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ConfigError(f"{name} must be a positive int, got {value!r}")
-        for name in ("host_bytes", "disk_bytes"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ConfigError(f"{name} must be an int >= 0, got {value!r}")
-        if self.disk_path is not None and self.host_bytes == 0 and self.store is None:
+        settings = self.store_settings
+        if settings.disk_path is not None and settings.host_bytes == 0 and self.store is None:
             raise ConfigError("a disk tier needs a host tier: set host_bytes > 0 with disk_path")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 1):
             raise ConfigError(f"max_model_len must be a positive int or None, got {self.max_model_len!r}")
@@ -115,8 +126,12 @@ class EngineConfig:
                 raise ConfigError(f"kv_events: {exc}") from None
         elif self.kv_events_replay is not None:
             raise ConfigError("kv_events_replay applies only with kv_events")
-        if self.remote_url is not None and (self.store is not None or not self.host_bytes):
+        if settings.remote_url is not None and (self.store is not None or not settings.host_bytes):
             raise ConfigError("remote_url needs the embedded store (host_bytes > 0, no store=); a daemon "
-                              "takes its remote tier from kvstore serve --remote")
-        if self.store is not None and (self.host_bytes and self.disk_path is not None):
-            raise ConfigError("pass either store= or host_bytes/disk_path for an embedded store, not both")
+                              "takes its remote tier from kvstore serve --remote-url")
+        if self.store is not None:
+            # host_bytes alone may differ: ``host_bytes=0`` next to a store is the old spelling of "none"
+            changed = [name for name in settings.changed_from() if name != "host_bytes"]
+            if changed:
+                raise ConfigError(f"store_settings {changed} apply to an embedded store; with store= the "
+                                  "store's own settings hold (a daemon's: kvstore serve)")

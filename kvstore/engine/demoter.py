@@ -19,10 +19,10 @@ import logging
 import threading
 import time
 from collections import deque
-from typing import Any
 
 import torch
 
+from kvstore.api import BlockStore
 from kvstore.errors import KVStoreError
 
 log = logging.getLogger("kvstore.engine.demoter")
@@ -31,7 +31,7 @@ log = logging.getLogger("kvstore.engine.demoter")
 class Demoter:
     """One worker thread putting runs of blocks into ``store``, in submission order."""
 
-    def __init__(self, store: Any, max_pending_bytes: int) -> None:
+    def __init__(self, store: BlockStore, max_pending_bytes: int) -> None:
         self.store = store
         self.max_pending_bytes = max_pending_bytes
         self.num_demoted = 0  # blocks the store took

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from kvstore import kernels
+from kvstore.api import BlockStore
 from kvstore.transfer import FetchResult
 
 LATENCY_S = 5e-4  # fixed cost of one fetch: thread hand-off, lookups, the scatter launch
@@ -95,7 +96,7 @@ class RunsHandle:
 class Fetcher:
     """Plans, starts and completes fetches for one engine; keeps the running estimates."""
 
-    def __init__(self, store: Any, pool: torch.Tensor, policy: str, block_size: int) -> None:
+    def __init__(self, store: BlockStore, pool: torch.Tensor, policy: str, block_size: int) -> None:
         self.store = store
         self.pool = pool
         self.policy = policy

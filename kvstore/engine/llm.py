@@ -1,8 +1,8 @@
 """LLMEngine: the public entry point. generate() for batches, add_request()/step() for streaming.
 
-The engine owns the device tier (the KV pool and its prefix cache); the store (an embedded
-TieredStore, or any object with its public methods, e.g. a daemon client) is the host and disk
-tiers below it.
+The engine owns the device tier (the KV pool and its prefix cache); the store below it (any
+``kvstore.api.BlockStore``: an embedded TieredStore, or a daemon connection) holds the host,
+disk and remote tiers.
 """
 
 from __future__ import annotations
@@ -14,13 +14,13 @@ from typing import Any
 
 import torch
 
-from kvstore.config import StoreConfig
+from kvstore.api import BlockStore, KeyChain
+from kvstore.client.client import connect
 from kvstore.engine.block_manager import BlockManager
 from kvstore.engine.config import EngineConfig
 from kvstore.engine.fetcher import Fetcher
 from kvstore.engine.loader import load_checkpoint, random_checkpoint
 from kvstore.engine.model import LlamaModel
-from kvstore.engine.remote import DaemonStore
 from kvstore.engine.runner import ModelRunner
 from kvstore.engine.sampling import SamplingParams
 from kvstore.engine.scheduler import Scheduler
@@ -69,7 +69,8 @@ class LLMEngine:
         self.model_id = c.model_id or ckpt.model_id
         self.store, self._owns_store = self._open_store()
         # the namespace the keys hash in (a router computes the same keys from it)
-        self.namespace: Namespace = getattr(self.store, "namespace", None) or Namespace(self.model_id, self.layout)
+        self.namespace: Namespace = (self.store.namespace if self.store is not None
+                                     else Namespace(self.model_id, self.layout))
         self.kv_events: EventPublisher | None = None
         self._store_events: StoreEvents | None = None
         if c.kv_events is not None:
@@ -78,13 +79,13 @@ class LLMEngine:
                                           write_through=c.device_write_policy == "write_through")
         if self.kv_events is not None:
             self.kv_events.add_source(lambda: [(GPU, c.block_size, self.block_manager.held_blocks())])
-            if hasattr(self.store, "add_listener"):  # an embedded TieredStore (a daemon publishes its own)
+            if isinstance(self.store, TieredStore):  # embedded (a daemon publishes its own tiers' events)
                 self._store_events = StoreEvents(self.kv_events, self.store).attach()
         fetcher = Fetcher(self.store, self.pool.pool, c.fetch_policy, c.block_size) if self.store is not None else None
         self.fetcher = fetcher
         keys_fn = None
         if c.enable_prefix_caching:
-            hasher = self.store if self.store is not None else BlockHasher(Namespace(self.model_id, self.layout))
+            hasher: KeyChain = self.store if self.store is not None else BlockHasher(self.namespace)
             keys_fn = lambda tokens, tenant, parent: hasher.block_keys(tokens, tenant, parent=parent)  # noqa: E731
         self.scheduler = Scheduler(self.block_manager, fetcher if c.enable_prefix_caching else None, keys_fn,
                                    c.max_num_batched_tokens, c.max_num_seqs)
@@ -93,21 +94,19 @@ class LLMEngine:
         self._ids = itertools.count()
         self._closed = False
 
-    def _open_store(self) -> tuple[Any, bool]:
+    def _open_store(self) -> tuple[BlockStore | None, bool]:
         c = self.config
         if isinstance(c.store, str):
-            store: Any = DaemonStore(c.store, c.store_token, self.layout, self.model_id)
+            store: BlockStore = connect(c.store, c.store_token, layout=self.layout, model_id=self.model_id)
             owned = True
         elif c.store is not None:
             store, owned = c.store, False
-        elif c.host_bytes:
-            store = TieredStore(StoreConfig(layout=self.layout, model_id=self.model_id, host_bytes=c.host_bytes,
-                                            disk_path=c.disk_path, disk_bytes=c.disk_bytes,
-                                            remote_url=c.remote_url))
+        elif c.store_settings.host_bytes:
+            store = TieredStore(c.store_settings.store_config(self.layout, self.model_id))
             owned = True
         else:
             return None, False
-        if getattr(store, "layout", self.layout) != self.layout:
+        if store.layout != self.layout:
             raise ConfigError(f"the store's layout {store.layout.fingerprint()} differs from the model's "
                               f"{self.layout.fingerprint()}")
         return store, owned

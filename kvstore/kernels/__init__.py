@@ -24,7 +24,17 @@ import torch
 
 from kvstore.kernels import reference
 
+KERNELS = (  # the public functions that dispatch to Triton or the reference
+    "dequantize_fp8",
+    "dequantize_int8",
+    "gather_blocks",
+    "paged_decode_attention",
+    "paged_prefill_attention",
+    "scatter_blocks",
+    "store_kv",
+)
 __all__ = [
+    "KERNELS",
     "dequantize_fp8",
     "dequantize_int8",
     "gather_blocks",

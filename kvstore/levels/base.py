@@ -1,6 +1,6 @@
 """Level: one tier of the store's cascade, as the cascade sees it.
 
-A level is a slot store (a dumb tier from ``tiers/``) plus what the cascade needs to run it:
+A level is a slot store (a dumb tier from ``kvstore.tiers``) plus what the cascade needs to run it:
 its eviction policy, its counters, its admission rule and its codec (``coding``: how it
 represents the raw blocks the cascade hands it; None stores them as they are). Every level
 answers the same small
@@ -177,7 +177,7 @@ class Level(ABC):
 
 
 class SlotLevel(Level):
-    """A level whose medium is one of ``tiers/``' slot stores, ``self.tier`` (host pool, disk
+    """A level whose medium is one of ``kvstore.tiers``' slot stores, ``self.tier`` (host pool, disk
     slab): occupancy and handing out slots are the tier's own; subclasses move the bytes."""
 
     tier: Any  # tiers.host.HostTier or tiers.disk.DiskTier: the same occupancy interface

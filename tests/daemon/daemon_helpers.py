@@ -30,7 +30,7 @@ class DaemonProc:
                  env: dict[str, str] | None = None) -> None:
         self.data_dir = data_dir
         self.sock_dir = tempfile.mkdtemp(prefix="kvd-", dir="/tmp")  # short: sun_path is 108 bytes
-        self.args = ["--data-dir", str(data_dir), "--host-mem", host_mem, "--disk", disk,
+        self.args = ["--data-dir", str(data_dir), "--host-mem", host_mem, "--disk-size", disk,
                      "--socket", f"{self.sock_dir}/s", "--listen", "127.0.0.1:0", "--http", "127.0.0.1:0", *args]
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.start()

@@ -25,9 +25,11 @@ from kvstore.cli import main
 from kvstore.errors import ConfigError
 from kvstore.services.daemon.config import DaemonConfig
 from kvstore.services.daemon.server import Daemon, _remove_stale_socket
+from kvstore.settings import StoreSettings
 
 from daemon_helpers import ROOT, DaemonProc, blocks, prompt
 
+HOST_ONLY = StoreSettings(host_bytes=1 << 20, disk_bytes=0)
 IN_ATTRIB, IN_CREATE = 0x4, 0x100
 
 
@@ -53,7 +55,7 @@ def short_dir() -> Iterator[Path]:
 def serve(capsys: pytest.CaptureFixture[str], data_dir: Path, *args: str) -> tuple[int, str]:
     """``kvstore serve`` in this process for a start that fails: (exit status, stderr)."""
     capsys.readouterr()
-    code = main(["serve", "--data-dir", str(data_dir), "--host-mem", "1MiB", "--disk", "0",
+    code = main(["serve", "--data-dir", str(data_dir), "--host-mem", "1MiB", "--disk-size", "0",
                  "--listen", "", "--http", "", *args])
     return code, capsys.readouterr().err
 
@@ -144,7 +146,7 @@ def test_serving_nothing_and_an_empty_tokens_file_off_loopback_are_refused(
 def test_a_second_daemon_on_a_held_data_dir_or_socket_is_refused(holder: DaemonProc, short_dir: Path,
                                                                  capsys: pytest.CaptureFixture[str]) -> None:
     own = short_dir / "s"
-    code, err = serve(capsys, holder.data_dir, "--socket", str(own), "--disk", "2MiB")
+    code, err = serve(capsys, holder.data_dir, "--socket", str(own), "--disk-size", "2MiB")
     assert code == 2
     assert_one_line(err, f"cannot reopen --data-dir {holder.data_dir}: ",
                     f"is already open (lock held by pid {holder.proc.pid})")
@@ -161,7 +163,7 @@ def test_a_second_daemon_on_a_held_data_dir_or_socket_is_refused(holder: DaemonP
 def test_a_failed_start_exits_2_without_a_traceback(holder: DaemonProc, short_dir: Path) -> None:
     proc = subprocess.run([sys.executable, "-m", "kvstore.services.daemon", "serve", "--data-dir", str(holder.data_dir),
                            "--listen", "", "--http", "", "--socket", str(short_dir / "s"), "--host-mem", "1MiB",
-                           "--disk", "2MiB"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+                           "--disk-size", "2MiB"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
     assert_one_line(proc.stderr, "is already open (lock held by pid")
     assert not (short_dir / "s").exists()
@@ -206,7 +208,7 @@ def run_daemon(config: DaemonConfig, while_up: Callable[[Daemon], None]) -> None
 
 def test_the_socket_is_0600_from_its_creation_and_the_umask_is_restored(tmp_path: Path, short_dir: Path) -> None:
     sock = short_dir / "s"
-    config = DaemonConfig(data_dir=tmp_path / "data", host_bytes=1 << 20, disk_bytes=0, socket_path=str(sock),
+    config = DaemonConfig(data_dir=tmp_path / "data", store=HOST_ONLY, socket_path=str(sock),
                           listen="", http="")
     events = watch(short_dir)
     umask = os.umask(0)  # the loosest: a socket bound under it is 0777 until changed
@@ -228,7 +230,7 @@ def test_the_socket_is_0600_from_its_creation_and_the_umask_is_restored(tmp_path
 
 def test_shutdown_leaves_a_socket_that_replaced_its_own(tmp_path: Path, short_dir: Path) -> None:
     sock = short_dir / "s"
-    config = DaemonConfig(data_dir=tmp_path / "data", host_bytes=1 << 20, disk_bytes=0, socket_path=str(sock),
+    config = DaemonConfig(data_dir=tmp_path / "data", store=HOST_ONLY, socket_path=str(sock),
                           listen="", http="")
     other = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
 

@@ -29,7 +29,7 @@ llm.evict_device_cache()
 whole_again = llm.generate([list(range(1, 33))], greedy)[0]
 llm.close()
 import sys
-print(json.dumps({"triton": all(f"kernels.{m}" in sys.modules for m in
+print(json.dumps({"triton": all(f"kvstore.kernels.{m}" in sys.modules for m in
                                 ("decode_attention", "prefill_attention", "cache_write", "block_copy")),
                   "tokens": first.token_ids, "again": again.token_ids, "host": again.metrics.cached_tokens["host"],
                   "whole": whole.token_ids, "whole_again": whole_again.token_ids,

@@ -8,16 +8,18 @@ from __future__ import annotations
 import os
 import signal
 import time
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
 import torch
 
 from kvstore import KVLayout
-from kvstore.errors import ConfigError, LayoutMismatchError
+from kvstore.errors import ConfigError, DaemonUnreachableError, LayoutMismatchError
 from kvstore.integrations.vllm.backend import GuardedStore
 from kvstore.integrations.vllm.paged import PagedKV
 from kvstore.integrations.vllm.settings import ConnectorSettings
+from kvstore.settings import StoreSettings
 from tests.daemon.daemon_helpers import DaemonProc
 
 # Like vLLM's CPU backend: per layer [num_blocks, kv_heads, block, 2 * head_dim], blocks contiguous.
@@ -33,7 +35,7 @@ def caches(num_blocks: int = 10, seed: int = 0) -> dict[str, torch.Tensor]:
 
 def test_settings_validate_and_never_show_the_token() -> None:
     s = ConnectorSettings.from_extra_config({"store": "unix:///tmp/s.sock", "token": "sekrit", "host_bytes": "16MiB"})
-    assert s.is_daemon and s.host_bytes == 16 << 20 and "sekrit" not in s.describe() + repr(s.describe())
+    assert s.is_daemon and s.store_settings.host_bytes == 16 << 20 and "sekrit" not in s.describe() + repr(s.describe())
     assert not ConnectorSettings.from_extra_config(None).is_daemon
     with pytest.raises(ConfigError, match=r"unknown kv_connector_extra_config keys \['stor'\]"):
         ConnectorSettings.from_extra_config({"stor": "unix:///x"})
@@ -47,6 +49,19 @@ def test_settings_validate_and_never_show_the_token() -> None:
         ConnectorSettings(async_when_idle="yes")  # type: ignore[arg-type]
     assert ConnectorSettings(async_tiers="remote").async_tiers == ("remote",)
     assert ConnectorSettings().async_tiers == ("disk", "remote")
+
+
+def test_every_store_setting_is_an_extra_config_key_and_hash_algo_is_one_setting(tmp_path: Path) -> None:
+    s = ConnectorSettings.from_extra_config({"disk_path": str(tmp_path), "disk_bytes": "2MiB", "disk_codec": "int8",
+                                             "promotion": "never", "remote_prefix": "blue", "hash_algo": "xxh3_128"})
+    assert s.store_settings == StoreSettings(disk_path=tmp_path, disk_bytes=2 << 20, disk_codec="int8",
+                                             promotion="never", remote_prefix="blue", hash_algo="xxh3_128")
+    assert s.hash_algo == "xxh3_128" and "disk_codec" not in {f.name for f in fields(s)}
+    assert ConnectorSettings(store_settings=StoreSettings(hash_algo="xxh3_128")).hash_algo == "xxh3_128"
+    assert ConnectorSettings(host_bytes="2MiB").store_settings == StoreSettings(host_bytes=2 << 20)
+    assert ConnectorSettings(hash_algo="xxh3_128").store_settings.hash_algo == "xxh3_128"  # what the store hashes with
+    with pytest.raises(ConfigError, match=r"disk_codec must be one of"):
+        ConnectorSettings.from_extra_config({"disk_codec": "zstd"})
 
 
 @pytest.mark.parametrize(("extra", "match"), [
@@ -106,7 +121,7 @@ def test_guarded_store_embedded_round_trip(tmp_path: Path) -> None:
     keys = store.block_keys(list(range(24)), "")
     assert keys is not None and len(keys) == 3
     blocks = torch.randn(3, *LAYOUT.block_shape)
-    assert store.put(keys, blocks)
+    assert store.try_put(keys, blocks)
     assert store.lookup(keys).num_blocks == 3
     out = torch.empty_like(blocks)
     assert store.fetch(keys, out).result(10).num_blocks == 3 and torch.equal(out, blocks)
@@ -134,7 +149,7 @@ def test_embedded_stores_of_two_nodes_share_blocks_through_a_remote_tier(tmp_pat
         keys = writer.block_keys(list(range(24)), "")
         assert keys is not None
         blocks = torch.randn(3, *LAYOUT.block_shape)
-        assert writer.put(keys, blocks)
+        assert writer.try_put(keys, blocks)
         writer.close()  # the last user of this process's store: it flushes to the remote tier
         # another node: its own (empty) local tiers, the same remote tier
         reader = GuardedStore(ConnectorSettings(host_bytes="1MiB", remote_url=url), LAYOUT, "m")
@@ -152,7 +167,7 @@ def test_guarded_store_turns_a_dead_daemon_into_misses(tmp_path: Path) -> None:
     keys = store.block_keys(list(range(16)), "tenant-a")
     assert keys is not None
     blocks = torch.randn(2, *LAYOUT.block_shape)
-    assert store.put(keys, blocks) and store.lookup(keys).num_blocks == 2
+    assert store.try_put(keys, blocks) and store.lookup(keys).num_blocks == 2
     daemon.stop()
     daemon.start()  # a restart under a live connection: a fetch reconnects at once and retries
     out = torch.empty_like(blocks)
@@ -161,14 +176,15 @@ def test_guarded_store_turns_a_dead_daemon_into_misses(tmp_path: Path) -> None:
     daemon.kill9()
     assert store.lookup(keys).num_blocks == 0 and store.failures >= 1
     assert store.fetch(keys, out).result(10).num_blocks == 0
-    assert not store.put(keys, blocks)
+    assert not store.try_put(keys, blocks)
     daemon.start()  # back on the same socket: a fetch reconnects (the background waits out its backoff)
     assert store.fetch(keys, out).result(10).num_blocks == 2 and torch.equal(out, blocks)
     assert store.is_up and store.lookup(keys).num_blocks == 2  # the daemon kept them (write-through)
     store.close()
     daemon.stop()
     never = GuardedStore(ConnectorSettings(store=f"unix://{tmp_path}/nothing.sock"), LAYOUT, "m")
-    assert never.block_keys([1] * 16, "") is None  # a daemon's tenant is unknown while it is down
+    with pytest.raises(DaemonUnreachableError, match="tenant is unknown"):  # unknown while the daemon is down
+        never.block_keys([1] * 16, "")
     assert never.tenant_for("salt") is None
     assert never.lookup([b"\0" * 32]).num_blocks == 0 and never.failures >= 1
     never.close()
@@ -183,12 +199,11 @@ def test_a_daemon_that_stops_answering_stalls_lookups_once_per_outage(tmp_path: 
     store = GuardedStore(settings, LAYOUT, "m", timeout_s=settings.lookup_timeout_s)  # as the connector does
     try:
         keys = store.block_keys(list(range(16)), "")
-        assert keys is not None
         # Set-up: the put syncs the daemon's disk (write-through), which on a busy machine can
         # outlast the 0.5 s timeout; then the store is down until its reconnection, and the
         # put is tried again.
         deadline = time.monotonic() + 30
-        while not store.put(keys, torch.randn(2, *LAYOUT.block_shape)):
+        while not store.try_put(keys, torch.randn(2, *LAYOUT.block_shape)):
             assert time.monotonic() < deadline, "the daemon never took the first put"
             while not store.is_up and time.monotonic() < deadline:
                 time.sleep(0.05)
@@ -200,7 +215,9 @@ def test_a_daemon_that_stops_answering_stalls_lookups_once_per_outage(tmp_path: 
         worst, deadline = 0.0, time.monotonic() + 2.0  # ten reconnection periods, each attempt timing out
         while time.monotonic() < deadline:
             started = time.monotonic()
-            assert store.lookup(keys).num_blocks == 0 and store.block_keys([1] * 16, "") is None
+            assert store.lookup(keys).num_blocks == 0
+            with pytest.raises(DaemonUnreachableError):  # at once, not after a connection attempt
+                store.block_keys([1] * 16, "")
             worst = max(worst, time.monotonic() - started)
             time.sleep(0.02)
         assert worst < 0.1, f"a lookup waited {worst:.2f} s for a stalled daemon"

@@ -58,7 +58,7 @@ class Daemon:
     def __init__(self, data_dir: Path, *args: str) -> None:
         self.sock_dir = tempfile.mkdtemp(prefix="kvr-", dir="/tmp")  # sun_path is 108 bytes
         cmd = [sys.executable, "-m", "kvstore.services.daemon", "serve", "--data-dir", str(data_dir), "--host-mem", "2MiB",
-               "--disk", "0", "--socket", f"{self.sock_dir}/s", "--listen", "", "--http", "127.0.0.1:0", *args]
+               "--disk-size", "0", "--socket", f"{self.sock_dir}/s", "--listen", "", "--http", "127.0.0.1:0", *args]
         self.proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True)
         assert self.proc.stdout is not None

@@ -1,4 +1,4 @@
-"""Two ``kvstore serve --remote`` daemons ("two nodes") share one cluster; REST, metrics and
+"""Two ``kvstore serve --remote-url`` daemons ("two nodes") share one cluster; REST, metrics and
 the dashboard show the remote tier and its nodes; the password never shows anywhere."""
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def wait_for(check, timeout: float = 15.0) -> None:  # type: ignore[no-untyped-d
 
 def test_two_daemons_share_blocks_and_tenants_stay_apart(cluster: RedisCluster, tmp_path: Path) -> None:
     (tmp_path / "tokens.toml").write_text(TOKENS)
-    common = ("--remote", cluster.url, "--remote-timeout", "3", "--tokens", str(tmp_path / "tokens.toml"))
+    common = ("--remote-url", cluster.url, "--remote-timeout", "3", "--tokens", str(tmp_path / "tokens.toml"))
     node_a, node_b = Daemon(tmp_path / "a", *common), Daemon(tmp_path / "b", *common)
     try:
         tokens = list(range(40))
@@ -85,7 +85,7 @@ def test_two_daemons_share_blocks_and_tenants_stay_apart(cluster: RedisCluster, 
 def test_a_remote_that_does_not_answer_is_named_at_start_and_the_daemon_serves(tmp_path: Path) -> None:
     secret = "pw-nobody-2b7c"
     url = f"redis://default:{secret}@127.0.0.1:{free_port(bus=False)}"  # nothing listens there
-    daemon = Daemon(tmp_path / "d", "--remote", url, "--remote-timeout", "0.2")
+    daemon = Daemon(tmp_path / "d", "--remote-url", url, "--remote-timeout", "0.2")
     try:
         output = "".join(daemon.lines)
         assert "warning: no node of the remote tier redis://default:***@127.0.0.1:" in output
@@ -104,7 +104,7 @@ def test_the_remote_password_never_leaves_the_daemon(tmp_path: Path) -> None:
     secret = "pw-daemon-9d1f"
     server = RedisServer.start(tmp_path / "redis", password=secret)
     url = f"redis://default:{secret}@127.0.0.1:{server.node.port}"
-    (tmp_path / "serve.toml").write_text(f'remote = "{url}"\n')
+    (tmp_path / "serve.toml").write_text(f'remote_url = "{url}"\n')
     daemon = Daemon(tmp_path / "d", "--config", str(tmp_path / "serve.toml"))
     try:
         with connect(daemon, "") as client:
@@ -125,5 +125,5 @@ def test_a_bad_remote_url_is_a_clear_error(tmp_path: Path, bad: str) -> None:
     import sys
 
     proc = subprocess.run([sys.executable, "-m", "kvstore.services.daemon", "serve", "--data-dir", str(tmp_path),
-                           "--remote", bad], capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2 and "--remote" in proc.stderr and "remote URL" in proc.stderr
+                           "--remote-url", bad], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "--remote-url" in proc.stderr and "remote URL" in proc.stderr

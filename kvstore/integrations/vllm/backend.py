@@ -19,10 +19,12 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
+import numpy as np
 import torch
 
-from kvstore.config import StoreConfig
-from kvstore.errors import CapacityError
+from kvstore.api import BlockStore
+from kvstore.client.client import StoreClient, connect
+from kvstore.errors import CapacityError, DaemonUnreachableError
 from kvstore.index import PrefixMatch
 from kvstore.integrations.vllm.settings import ConnectorSettings
 from kvstore.keys import BlockHasher, ExtraKey, Namespace
@@ -40,15 +42,12 @@ _EMBEDDED_LOCK = threading.Lock()
 
 
 def _open_embedded(settings: ConnectorSettings, layout: KVLayout, model_id: str) -> TieredStore:
-    key = (model_id, str(settings.disk_path))
+    store_settings = settings.store_settings
+    key = (model_id, str(store_settings.disk_path))
     with _EMBEDDED_LOCK:
         entry = _EMBEDDED.get(key)
         if entry is None:
-            config = StoreConfig(layout=layout, model_id=model_id, host_bytes=settings.host_bytes,
-                                 disk_path=settings.disk_path,
-                                 disk_bytes=settings.disk_bytes if settings.disk_path else 0,
-                                 write_policy=settings.write_policy, hash_algo=settings.hash_algo,
-                                 remote_url=settings.remote_url)
+            config = store_settings.store_config(layout, model_id)
             entry = _EMBEDDED[key] = [TieredStore(config), 0]  # (built outside inference mode)
         entry[1] += 1
         return entry[0]
@@ -95,7 +94,7 @@ class GuardedStore:
         self.hasher = BlockHasher(Namespace(model_id, layout, settings.hash_algo))
         self.failures = 0
         self._lock = threading.Lock()
-        self._store: Any = None
+        self._store: BlockStore | None = None
         self._tenant = ""
         self._closed = False
         self._quiet = False  # a failed attempt was logged: the next ones log at debug level
@@ -107,7 +106,7 @@ class GuardedStore:
 
     # -------------------------------------------------------------------- lifecycle
 
-    def _open(self) -> Any:
+    def _open(self) -> StoreClient | TieredStore:
         """A new store (no lock held: a daemon that accepts but never answers blocks timeout_s).
 
         Outside inference mode: vLLM may call in from its forward, and the client's shared-memory
@@ -116,13 +115,11 @@ class GuardedStore:
         """
         with torch.inference_mode(False):
             if self.settings.is_daemon:
-                from kvstore.client.client import connect
-
                 return connect(self.settings.store, self.settings.token, layout=self.layout,
                                model_id=self.model_id, hash_algo=self.settings.hash_algo, timeout=self.timeout_s)
             return _open_embedded(self.settings, self.layout, self.model_id)
 
-    def _attempt(self) -> Any:
+    def _attempt(self) -> BlockStore | None:
         """One connection attempt in this thread: the store now in use, or None."""
         try:
             store = self._open()
@@ -138,7 +135,7 @@ class GuardedStore:
             spare = store if self._closed or self._store is not None else None  # closed, or another thread won
             if spare is None:
                 self._store, self._quiet = store, False
-                self._tenant = getattr(store, "tenant", "")
+                self._tenant = store.tenant if isinstance(store, StoreClient) else ""
             current = self._store
         if spare is not None:
             self._release(spare)
@@ -166,7 +163,7 @@ class GuardedStore:
         with self._lock:
             self._reconnector = None
 
-    def _fail(self, store: Any, exc: BaseException) -> None:
+    def _fail(self, store: BlockStore, exc: BaseException) -> None:
         """Drop ``store`` after an error (once, whichever thread sees it first)."""
         with self._lock:
             self.failures += 1
@@ -177,7 +174,7 @@ class GuardedStore:
                        self.settings.describe(), type(exc).__name__, exc)
         self._release(store, failed=True)
 
-    def _call(self, op: Callable[[Any], _T], default: _T, retry: bool = False, connect: bool = False) -> _T:
+    def _call(self, op: Callable[[BlockStore], _T], default: _T, retry: bool = False, connect: bool = False) -> _T:
         """``op(store)``, or ``default`` at once while the store is down or when op fails.
 
         ``retry``: after a broken connection (not a timeout), reconnect in this thread and try
@@ -200,17 +197,17 @@ class GuardedStore:
         self._reconnect_later()
         return default
 
-    def _current(self) -> Any:
+    def _current(self) -> BlockStore | None:
         with self._lock:
             return self._store
 
-    def _release(self, store: Any, failed: bool = False) -> None:
+    def _release(self, store: BlockStore, failed: bool = False) -> None:
         """Close a store this no longer uses; a daemon client that ``failed`` is dropped at
         once (its daemon may not answer: a graceful close would wait on it)."""
         try:
             if isinstance(store, TieredStore):
                 _close_embedded(store)
-            elif failed:
+            elif failed and isinstance(store, StoreClient):
                 store.abort()
             else:
                 store.close()
@@ -248,15 +245,20 @@ class GuardedStore:
                 return None
         return tenant + SALT_SEPARATOR + cache_salt if cache_salt else tenant
 
-    def block_keys(self, token_ids: Sequence[int], tenant: str,
+    @property
+    def namespace(self) -> Namespace:
+        return self.hasher.namespace
+
+    def block_keys(self, token_ids: Sequence[int] | np.ndarray, tenant: str = "",
                    extra_keys: Sequence[Sequence[ExtraKey] | None] | None = None,
-                   parent: bytes | None = None) -> list[bytes] | None:
-        """The chained keys of the full blocks; with a daemon an empty tenant is the token's,
-        and None while it is unknown."""
+                   parent: bytes | None = None) -> list[bytes]:
+        """The chained keys of the full blocks, computed here (the store's recipe). With a
+        daemon an empty tenant is the token's: DaemonUnreachableError while the daemon is down
+        and it is unknown (the scheduler then treats the request as a miss)."""
         if self.settings.is_daemon and not tenant:
             known = self.tenant_for(None)
             if known is None:
-                return None
+                raise DaemonUnreachableError(f"{self.settings.describe()} is down: its token's tenant is unknown")
             tenant = known
         return self.hasher.block_keys(token_ids, tenant, extra_keys, parent)
 
@@ -271,21 +273,29 @@ class GuardedStore:
         """Like TieredStore.fetch, on this guard's thread: a broken connection reconnects and
         retries once, else 0 blocks are delivered (the caller reports them; vLLM recomputes). A
         fetch connects even while the store is down here: it follows a lookup that the store
-        (over the scheduler's connection) answered."""
+        (over the scheduler's connection) answered. A destination of the wrong shape is the
+        caller's error: LayoutMismatchError."""
+        self.layout.check_blocks(into, len(keys))
 
-        def op(store: Any) -> FetchResult:
+        def op(store: BlockStore) -> FetchResult:
             # Views made inside vLLM's inference mode could not be written by the store's threads.
             with torch.inference_mode(False):
                 return store.fetch(keys, into).result()
 
         return FetchHandle(self._executor.submit(self._call, op, FetchResult(0, ()), True, True), len(keys))
 
-    def put(self, keys: Sequence[bytes], blocks: torch.Tensor) -> bool:
-        """Store the blocks; False when the store is down or refused them."""
+    def put(self, keys: Sequence[bytes], blocks: torch.Tensor, *, tenant: str = "") -> None:
+        """Store the blocks, or drop them (counted in ``failures`` when the store failed)."""
+        self.try_put(keys, blocks)
+
+    def try_put(self, keys: Sequence[bytes], blocks: torch.Tensor) -> bool:
+        """Store the blocks; False when the store is down or refused them. Blocks of the wrong
+        shape are the caller's error, not the store's: LayoutMismatchError."""
+        self.layout.check_blocks(blocks, len(keys))
         if not keys:
             return False
 
-        def put(store: Any) -> bool:
+        def put(store: BlockStore) -> bool:
             try:
                 with torch.inference_mode(False):
                     store.put(keys, blocks)
@@ -296,5 +306,35 @@ class GuardedStore:
 
         return self._call(put, False, retry=True)
 
-    def stats(self) -> dict[str, dict[str, int]]:
+    def get(self, keys: Sequence[bytes], out: torch.Tensor | None = None) -> torch.Tensor:
+        """The blocks; KeyError when the store lacks one or is down (a miss either way)."""
+        found = self._call(lambda store: store.get(keys, out), None, retry=True, connect=True)
+        if found is None:
+            raise KeyError(f"{self.settings.describe()} could not give {len(keys)} blocks (down or missing)")
+        return found
+
+    def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        """Whether the store holds each key; all False while it is down."""
+        return self._call(lambda store: store.contains(keys), [False] * len(keys))
+
+    def delete(self, keys: Sequence[bytes]) -> int:
+        """Drop the blocks; 0 while the store is down."""
+        return self._call(lambda store: store.delete(keys), 0, retry=True)
+
+    def pin(self, keys: Sequence[bytes]) -> None:
+        """Pin the blocks; while the store is down nothing is held, so nothing is pinned."""
+        self._call(lambda store: store.pin(keys), None, retry=True)
+
+    def unpin(self, keys: Sequence[bytes]) -> None:
+        self._call(lambda store: store.unpin(keys), None, retry=True)
+
+    def stats(self) -> dict[str, dict[str, Any]]:
         return self._call(lambda store: store.stats(), {})
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait for the puts made so far; False while the store is down."""
+        return self._call(lambda store: store.flush(timeout), False)
+
+
+def _implements_the_contract(store: GuardedStore) -> BlockStore:
+    return store  # mypy checks that GuardedStore is a BlockStore, signature by signature

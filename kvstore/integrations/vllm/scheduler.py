@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvstore.errors import DaemonUnreachableError
 from kvstore.integrations.vllm.backend import GuardedStore
 from kvstore.integrations.vllm.counters import COUNTERS
 from kvstore.integrations.vllm.metadata import KVStoreMetadata, LoadSpec, SaveSpec
@@ -100,8 +101,9 @@ class SchedulerSide:
         if num_blocks > have:
             tokens = t.request.all_token_ids[have * b : num_blocks * b]
             parent = t.keys[-1] if t.keys else None
-            more = self.store.block_keys(tokens, t.tenant, self._extra_keys(t.request, have, num_blocks), parent)
-            if more is None:
+            try:
+                more = self.store.block_keys(tokens, t.tenant, self._extra_keys(t.request, have, num_blocks), parent)
+            except DaemonUnreachableError:  # the daemon went down: a miss until it is back
                 return None
             t.keys += more
         return t.keys

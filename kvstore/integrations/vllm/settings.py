@@ -7,17 +7,39 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import InitVar, dataclass, field, fields, replace
 from typing import Any
 
 from kvstore.client.client import parse_address
-from kvstore.config import WRITE_POLICIES
 from kvstore.errors import ConfigError
-from kvstore.keys import HASHES
-from kvstore.services.daemon.config import parse_size
+from kvstore.services.common.sizes import parse_size
+from kvstore.settings import StoreSettings
 
 TIERS = ("host", "disk", "remote")
-_TEXT = ("disk_path", "remote_url", "model_id")  # optional text settings: unset or a non-empty str
+SHORTCUTS = ("host_bytes", "disk_path", "disk_bytes", "write_policy", "remote_url")  # keyword shortcuts
+_SIZES = ("host_bytes", "disk_bytes")
+_TEXT = ("disk_path", "remote_url", "remote_prefix")  # optional text settings: unset or a non-empty str
+
+
+def _fold(base: StoreSettings, values: Mapping[str, Any]) -> StoreSettings:
+    """``base`` with extra-config store keys over it: sizes may be text ("2GiB"), a disk path
+    needs a disk size. ConfigError naming the key (never a remote URL's value)."""
+    values = dict(values)
+    for name in _TEXT:
+        value = values.get(name, "")
+        if name in values and value is not None and (not isinstance(value, str) or not value):
+            shown = f"a {type(value).__name__}" if name == "remote_url" else repr(value)
+            raise ConfigError(f"{name} must be a non-empty string or unset, got {shown}")
+    for name in _SIZES:
+        if name in values:
+            try:
+                values[name] = parse_size(values[name])
+            except ConfigError as exc:
+                raise ConfigError(f"{name}: {exc}") from None
+    settings = replace(base, **values)
+    if settings.disk_path is not None and settings.disk_bytes <= 0:
+        raise ConfigError(f"disk_path={str(settings.disk_path)!r} needs disk_bytes > 0")
+    return settings
 
 
 @dataclass(frozen=True)
@@ -29,14 +51,18 @@ class ConnectorSettings:
             (several vLLM processes share it), or "embedded" (default): a TieredStore in
             this process, which needs the scheduler and the worker in one process.
         token: the daemon token (default: KVSTORE_TOKEN); it names the daemon-side tenant.
-        host_bytes, disk_path, disk_bytes, write_policy: the embedded store's tiers
-            (sizes as ints or text like ``"2GiB"``); ignored for a daemon.
-        remote_url: the embedded store's remote tier (``redis+cluster://h:p,...`` or
-            ``redis://h:p``, see docs/remote.md), shared with other nodes; ignored for a daemon
-            (``kvstore serve --remote`` gives a daemon one).
+        store_settings: the embedded store's tiers (kvstore.StoreSettings); ignored for a
+            daemon (``kvstore serve`` sets a daemon's). In the extra config every StoreSettings
+            field is a key of its own (``host_bytes``, ``disk_path``, ``disk_codec``,
+            ``remote_url``, ...; sizes as ints or text like ``"2GiB"``); ``remote_url`` is a
+            remote tier shared with other nodes (docs/remote.md).
+        host_bytes, disk_path, disk_bytes, write_policy, remote_url: keyword shortcuts for
+            those settings, folded into ``store_settings``; not attributes.
         model_id: the namespace's model identity, when the checkpoint path is not stable
             across machines (default: derived from vLLM's model config, see identity.py).
-        hash_algo: the key hash ("sha256"; "xxh3_128" only where one tenant sends prompts).
+        hash_algo: the key hash of the namespace, the daemon's or the embedded store's
+            ("sha256"; "xxh3_128" only where one tenant sends prompts); it is also
+            ``store_settings.hash_algo`` (a non-default value in either one sets both).
         async_tiers: loads touching one of these tiers ("host", "disk", "remote") run
             asynchronously (the request waits while others run); loads from the other tiers
             run inside the step that needs them.
@@ -54,11 +80,7 @@ class ConnectorSettings:
 
     store: str = "embedded"
     token: str | None = None
-    host_bytes: int = 1 << 30
-    disk_path: str | None = None
-    disk_bytes: int = 0
-    write_policy: str = "write_back"
-    remote_url: str | None = None
+    store_settings: StoreSettings = field(default_factory=StoreSettings)
     model_id: str | None = None
     hash_algo: str = "sha256"
     async_tiers: tuple[str, ...] = ("disk", "remote")
@@ -66,8 +88,14 @@ class ConnectorSettings:
     retry_s: float = 10.0
     timeout_s: float = 10.0
     lookup_timeout_s: float = 1.0
+    host_bytes: InitVar[int | str | None] = None
+    disk_path: InitVar[str | None] = None
+    disk_bytes: InitVar[int | str | None] = None
+    write_policy: InitVar[str | None] = None
+    remote_url: InitVar[str | None] = None
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, host_bytes: int | str | None, disk_path: str | None, disk_bytes: int | str | None,
+                      write_policy: str | None, remote_url: str | None) -> None:
         if not isinstance(self.store, str):
             raise ConfigError(f"store must be 'embedded', unix:///path or tcp://host:port, got {self.store!r}")
         if self.store != "embedded":
@@ -78,21 +106,23 @@ class ConnectorSettings:
                                   f"got {self.store!r}") from None
         if self.token is not None and not isinstance(self.token, str):
             raise ConfigError(f"token must be a string, got a {type(self.token).__name__}")  # never the value
-        for name in _TEXT:
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, str) or not value):
-                raise ConfigError(f"{name} must be a non-empty string or unset, got {value!r}")
-        for name in ("host_bytes", "disk_bytes"):
-            try:
-                object.__setattr__(self, name, parse_size(getattr(self, name)))
-            except ConfigError as exc:
-                raise ConfigError(f"{name}: {exc}") from None
-        if self.disk_path is not None and self.disk_bytes <= 0:
-            raise ConfigError(f"disk_path={self.disk_path!r} needs disk_bytes > 0")
-        if not isinstance(self.write_policy, str) or self.write_policy not in WRITE_POLICIES:
-            raise ConfigError(f"write_policy must be one of {list(WRITE_POLICIES)}, got {self.write_policy!r}")
-        if not isinstance(self.hash_algo, str) or self.hash_algo not in HASHES:
-            raise ConfigError(f"hash_algo must be one of {sorted(HASHES)}, got {self.hash_algo!r}")
+        if self.model_id is not None and (not isinstance(self.model_id, str) or not self.model_id):
+            raise ConfigError(f"model_id must be a non-empty string or unset, got {self.model_id!r}")
+        if not isinstance(self.store_settings, StoreSettings):
+            raise ConfigError(f"store_settings must be a StoreSettings, got {type(self.store_settings).__name__}")
+        shortcuts = dict(zip(SHORTCUTS, (host_bytes, disk_path, disk_bytes, write_policy, remote_url), strict=True))
+        given = {name: value for name, value in shortcuts.items() if value is not None}
+        settings = _fold(self.store_settings, given)
+        if self.hash_algo != settings.hash_algo:  # the one that is not the default sets both
+            default = StoreSettings().hash_algo
+            if self.hash_algo != default and settings.hash_algo != default:
+                raise ConfigError(f"hash_algo={self.hash_algo!r} and store_settings.hash_algo="
+                                  f"{settings.hash_algo!r} differ; give one")
+            if self.hash_algo == default:
+                object.__setattr__(self, "hash_algo", settings.hash_algo)
+            else:
+                settings = replace(settings, hash_algo=self.hash_algo)  # validates the name
+        object.__setattr__(self, "store_settings", settings)
         tiers = (self.async_tiers,) if isinstance(self.async_tiers, str) else self.async_tiers
         if not isinstance(tiers, list | tuple) or any(not isinstance(t, str) or t not in TIERS for t in tiers):
             raise ConfigError(f"async_tiers must be a list of tiers among {list(TIERS)}, got {self.async_tiers!r}")
@@ -110,18 +140,19 @@ class ConnectorSettings:
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:
-        """Build from the extra config dict; ConfigError naming any key that is not a setting."""
+        """Build from the extra config dict: the connector's own keys, and the store settings
+        by their StoreSettings names. ConfigError naming any key that is neither."""
         extra = dict(extra or {})
-        known = {f.name for f in fields(cls)}
+        own = {f.name for f in fields(cls)} - {"store_settings"}
+        known = own | set(StoreSettings.names())
         unknown = sorted(set(extra) - known)
         if unknown:
             raise ConfigError(f"unknown kv_connector_extra_config keys {unknown}; known: {sorted(known)}")
-        return cls(**extra)
+        store = {name: extra.pop(name) for name in StoreSettings.names() if name in extra and name not in own}
+        return cls(store_settings=_fold(StoreSettings(), store), **extra)
 
     def describe(self) -> str:
         """One log line; never the token."""
         if self.is_daemon:
             return f"daemon {self.store}"
-        disk = f", disk {self.disk_path} ({self.disk_bytes} B)" if self.disk_path else ""
-        remote = ", a remote tier" if self.remote_url else ""  # the URL may hold a password
-        return f"embedded store (host {self.host_bytes} B{disk}{remote}, {self.write_policy})"
+        return f"embedded store ({self.store_settings.describe()})"

@@ -183,7 +183,7 @@ class WorkerSide:
 
     def _put(self, save: _Save) -> None:
         try:
-            ok = self.store.put(save.spec.keys, save.staging)
+            ok = self.store.try_put(save.spec.keys, save.staging)
             COUNTERS.add(**{"saved_blocks" if ok else "save_skipped": len(save.spec.keys)})
         finally:
             self._give_back(save.buffer)  # the put has copied the blocks out (every store's put does)

@@ -1,1 +1,2 @@
-"""What every service shares: argparse types, sizes, loopback checks, bearer tokens, the HTTP server setup."""
+"""What every service shares: argparse types, the store flag group (store_args), sizes, listen
+addresses and the loopback rule, tenant tokens, the HTTP server setup."""

@@ -1,6 +1,6 @@
-"""The store daemon: ``kvstore serve``, its block protocol, client, REST app and dashboard.
-
-``kvstore.connect(url, ...)`` (kvstore.client.client.connect) opens a client.
+"""The store daemon: ``kvstore serve``, the server side of its block protocol, its REST app and
+dashboard. The client and the wire format are in ``kvstore.client`` (the library): engines
+import them without the daemon.
 """
 
 from __future__ import annotations

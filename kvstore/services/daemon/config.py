@@ -1,66 +1,40 @@
-"""DaemonConfig: every knob of ``kvstore serve``, from flags and an optional TOML file."""
+"""DaemonConfig: every knob of ``kvstore serve``, from flags and an optional TOML file.
+
+The store knobs are one StoreSettings (``store``; TOML keys are its field names, as for every
+service); the rest is the daemon's own: addresses, tokens, limits, the namespace split.
+"""
 
 from __future__ import annotations
 
-import ipaddress
 import math
 import os
-import re
 import shutil
 import sys
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any, get_args, get_type_hints
 
-from kvstore.codecs import CODECS
-from kvstore.config import WRITE_POLICIES
 from kvstore.errors import ConfigError
+from kvstore.services.common.net import is_loopback, parse_hostport
+from kvstore.services.common.sizes import parse_size
+from kvstore.settings import StoreSettings
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib
 
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 1000**2, "mb": 1000**2,
-          "mib": 1 << 20, "g": 1000**3, "gb": 1000**3, "gib": 1 << 30, "t": 1000**4, "tb": 1000**4,
-          "tib": 1 << 40}
-
-
-MAX_SIZE = (1 << 63) - 1  # bytes: the largest file offset
 MAX_SOCKET_PATH = 107  # bytes: sun_path is 108, the last one for the NUL every C client writes
-
-
-def parse_size(text: str | int) -> int:
-    """``"512MiB"`` -> 536870912; plain ints pass through. ConfigError for anything else, and
-    for a size below 0 or above MAX_SIZE."""
-    if isinstance(text, int) and not isinstance(text, bool):
-        size: float = text
-    else:
-        match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
-        if not match or match.group(2).lower() not in _UNITS:
-            raise ConfigError(f"size {text!r} is not a number with an optional unit like 512MiB or 20GiB")
-        size = float(match.group(1)) * _UNITS[match.group(2).lower()]  # inf past ~1e308
-    if not 0 <= size <= MAX_SIZE:
-        shown = str(text) if len(str(text)) <= 40 else f"{str(text)[:16]}... ({len(str(text))} characters)"
-        raise ConfigError(f"size {shown} is out of range: 0 to {MAX_SIZE} bytes")
-    return int(size)
-
-
-def parse_hostport(text: str) -> tuple[str, int]:
-    """``"127.0.0.1:7470"`` or ``"[::1]:7470"`` -> (host, port)."""
-    host, sep, port = str(text).rpartition(":")
-    if not sep or not port.isdigit() or not 0 <= int(port) < 65536:
-        raise ConfigError(f"address {text!r} is not HOST:PORT")
-    return host.strip("[]") or "127.0.0.1", int(port)
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+# A daemon's put is acknowledged once durable: write_through whenever a namespace has a disk tier.
+DEFAULT_STORE = StoreSettings(write_policy="write_through")
+# Store settings the daemon decides itself, with the reason (a TOML key or flag for them is refused).
+FIXED_SETTINGS = {
+    "disk_path": ("the daemon keeps each namespace's disk tier under data_dir (set data_dir, "
+                  "or --data-dir)"),
+    "host_codec": "the daemon's host tier stays raw: clients put into and map its slots directly",
+    "hash_algo": "each client chooses its namespace's key hash (hello's hash_algo)",
+}
+RENAMED = {"remote": "remote_url"}  # old TOML key -> its name now
 
 
 def default_host_bytes() -> int:
@@ -83,10 +57,16 @@ class DaemonConfig:
 
     Attributes:
         data_dir: the disk tier's directories (one per namespace) and nothing else.
-        host_bytes, disk_bytes: hard TOTAL capacities; each of ``max_namespaces`` namespace
-            slots gets an equal share (-1: the defaults, ``default_host_bytes`` and
-            ``default_disk_bytes``; disk_bytes=0: no disk tier; host RAM cannot be 0, every put
-            lands there).
+        store: the store settings every namespace's store is built from. ``host_bytes`` and
+            ``disk_bytes`` are hard TOTALS: each of ``max_namespaces`` namespace slots gets an
+            equal share (disk_bytes=0: no disk tier; host RAM cannot be 0, every put lands
+            there). ``write_policy`` (default write_through: an acknowledged put is durable)
+            applies where a namespace has a disk tier. ``remote_url`` is a remote tier every
+            namespace shares with other nodes (docs/remote.md): prefer the TOML key to the
+            flag, which other users can see in ``ps``. ``disk_path``, ``host_codec`` and
+            ``hash_algo`` are the daemon's own (FIXED_SETTINGS). ``load_config`` sizes host
+            and disk from the machine when they are not given (``default_host_bytes``,
+            ``default_disk_bytes``); DaemonConfig alone takes DEFAULT_STORE.
         socket_path: the Unix socket ("" for none; default ``data_dir/kvstore.sock``).
         listen: HOST:PORT of the block protocol over TCP ("" for none).
         http: HOST:PORT of REST and the dashboard ("" for none).
@@ -97,25 +77,15 @@ class DaemonConfig:
         max_inflight: requests one connection may have in flight.
         max_connections: connections served at once; more are refused with an error frame.
         lease_s: seconds a shared-memory lease lives.
-        write_policy: the stores' write policy; write_through makes an acknowledged put durable.
         shm: offer the shared-memory path to Unix-socket clients.
         drain_s: seconds SIGTERM waits for in-flight requests.
         kv_events: publish every namespace's tiers as KV events on this ZeroMQ endpoint
             (docs/kv-events.md); None: no events.
         kv_events_replay: the replay/snapshot socket; None: the next port, "": none.
-        disk_codec: how the disk tier stores blocks ("none", "int8", "int8-fp32", "fp8";
-            kvstore.codecs). Host RAM stays raw: same-host clients map its slots.
-        remote_codec: the same for the remote tier (``remote``).
-        remote: a remote tier every namespace's store shares with other nodes (a Redis
-            Cluster, docs/remote.md); None: none. Never shown in repr (it may hold a password:
-            prefer the TOML key to the flag, which other users can see in ``ps``).
-        remote_writes: "put" (every block, write-behind) or "demote" (blocks leaving the node).
-        remote_timeout_s: the remote tier's socket timeout and per-call deadline.
     """
 
     data_dir: Path = Path(".kvstore")
-    host_bytes: int = -1
-    disk_bytes: int = -1
+    store: StoreSettings = DEFAULT_STORE
     socket_path: str | None = None
     listen: str = "127.0.0.1:7470"
     http: str = "127.0.0.1:7471"
@@ -126,23 +96,18 @@ class DaemonConfig:
     max_inflight: int = 8
     max_connections: int = 256
     lease_s: float = 10.0
-    write_policy: str = "write_through"
     shm: bool = True
     drain_s: float = 4.0
     kv_events: str | None = None
     kv_events_replay: str | None = None
-    disk_codec: str = "none"
-    remote_codec: str = "none"
-    remote: str | None = field(default=None, repr=False)
-    remote_writes: str = "put"
-    remote_timeout_s: float = 0.5
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "data_dir", Path(self.data_dir))
-        if self.host_bytes < 0:
-            object.__setattr__(self, "host_bytes", default_host_bytes())
-        if self.disk_bytes < 0:
-            object.__setattr__(self, "disk_bytes", default_disk_bytes(self.data_dir))
+        if not isinstance(self.store, StoreSettings):
+            raise ConfigError(f"store must be a StoreSettings, got {type(self.store).__name__}")
+        for name, reason in FIXED_SETTINGS.items():
+            if getattr(self.store, name) != getattr(DEFAULT_STORE, name):
+                raise ConfigError(f"{name} is not a daemon setting: {reason}")
         if self.socket_path is None:
             object.__setattr__(self, "socket_path", str(self.data_dir / "kvstore.sock"))
         for name in ("max_namespaces", "max_frame", "max_inflight", "max_connections"):
@@ -151,16 +116,11 @@ class DaemonConfig:
                 raise ConfigError(f"{name} must be a positive int, got {value!r}")
         if self.max_frame < 4096:
             raise ConfigError(f"max_frame must be at least 4096 bytes, got {self.max_frame}")
-        if self.write_policy not in WRITE_POLICIES:
-            raise ConfigError(f"write_policy must be one of {list(WRITE_POLICIES)}, got {self.write_policy!r}")
-        for name in ("disk_codec", "remote_codec"):
-            if getattr(self, name) not in CODECS:
-                raise ConfigError(f"{name} must be one of {list(CODECS)}, got {getattr(self, name)!r}")
         if not self.lease_s > 0 or not self.drain_s >= 0:
             raise ConfigError(f"lease_s must be > 0 and drain_s >= 0, got {self.lease_s}, {self.drain_s}")
-        if self.host_bytes < 4096 * self.max_namespaces:
-            raise ConfigError(f"host_bytes={self.host_bytes} leaves no slot for {self.max_namespaces} namespaces "
-                              "(every put lands in host RAM; leave it out for a tenth of RAM)")
+        if self.store.host_bytes < 4096 * self.max_namespaces:
+            raise ConfigError(f"host_bytes={self.store.host_bytes} leaves no slot for {self.max_namespaces} "
+                              "namespaces (every put lands in host RAM; leave it out for a tenth of RAM)")
         if self.kv_events:
             from kvstore.events.config import EventsConfig
 
@@ -168,17 +128,6 @@ class DaemonConfig:
                 EventsConfig(self.kv_events, self.kv_events_replay)
             except ConfigError as exc:
                 raise ConfigError(f"--kv-events: {exc}") from None
-        if self.remote is not None:
-            from kvstore.tiers.remote.url import parse_url
-
-            try:
-                parse_url(self.remote)
-            except ValueError as exc:
-                raise ConfigError(f"--remote: {exc}") from None
-        if not isinstance(self.remote_timeout_s, (int, float)) or not self.remote_timeout_s > 0:
-            raise ConfigError(f"remote_timeout_s must be positive, got {self.remote_timeout_s!r}")
-        if self.remote_writes not in ("put", "demote"):
-            raise ConfigError(f"remote_writes must be 'put' or 'demote', got {self.remote_writes!r}")
         if not (self.socket_path or self.listen or self.http):
             raise ConfigError("--socket, --listen and --http are all off: the daemon would serve nothing")
         if self.socket_path and len(os.fsencode(self.socket_path)) > MAX_SOCKET_PATH:
@@ -201,24 +150,31 @@ class DaemonConfig:
 
     @property
     def host_bytes_per_namespace(self) -> int:
-        return self.host_bytes // self.max_namespaces
+        return self.store.host_bytes // self.max_namespaces
 
     @property
     def disk_bytes_per_namespace(self) -> int:
-        return self.disk_bytes // self.max_namespaces
+        return self.store.disk_bytes // self.max_namespaces
 
 
 SIZE_FIELDS = ("host_bytes", "disk_bytes")
-SECRET_FIELDS = ("token", "remote")  # errors show their type, never their value
+SECRET_FIELDS = ("token", "remote_url")  # errors show their type, never their value
 EXPECTED = {bool: "true or false", int: "an integer", float: "a number", str: "a string", Path: "a path (a string)"}
+
+
+def config_keys() -> list[str]:
+    """Every key a daemon TOML file may hold: DaemonConfig's own fields and the store
+    settings the daemon takes (all of StoreSettings but FIXED_SETTINGS)."""
+    own = [f.name for f in fields(DaemonConfig) if f.name != "store"]
+    return own + [name for name in StoreSettings.names() if name not in FIXED_SETTINGS]
 
 
 def check_types(values: dict[str, Any], source: str) -> None:
     """ConfigError naming the key, ``source`` and the expected type for a value whose type
-    is not its DaemonConfig field's: bools are not numbers, numbers are finite, a path is a
-    string, a size an integer of bytes or a string with a unit (TOML has no null, so an
-    optional field takes its other type)."""
-    hints = get_type_hints(DaemonConfig)
+    is not its field's (a DaemonConfig or StoreSettings field): bools are not numbers,
+    numbers are finite, a path is a string, a size an integer of bytes or a string with a
+    unit (TOML has no null, so an optional field takes its other type)."""
+    hints = {**get_type_hints(StoreSettings), **get_type_hints(DaemonConfig)}
     for name, value in values.items():
         if name in SIZE_FIELDS:
             if not isinstance(value, (int, str)) or isinstance(value, bool):
@@ -241,11 +197,15 @@ def _is_a(kind: type, value: Any) -> bool:
 
 
 def load_config(path: str | os.PathLike[str] | None, overrides: dict[str, Any]) -> DaemonConfig:
-    """Read a TOML file (keys are DaemonConfig field names), then apply non-None overrides.
+    """Read a TOML file, then apply the non-None ``overrides`` (flags). Keys of both are
+    DaemonConfig field names and StoreSettings field names (``config_keys``); sizes may be
+    text like "512MiB". ``host_bytes`` and ``disk_bytes`` given nowhere are sized from the
+    machine (``default_host_bytes``, ``default_disk_bytes`` of the data directory).
 
     Raises:
-        ConfigError: the file cannot be read, has an unknown key or a value of the wrong type
-            (naming the key, the file and the type), or a setting is invalid.
+        ConfigError: the file cannot be read, has an unknown or renamed key (naming the new
+            one), a store setting the daemon decides itself, or a value of the wrong type
+            (naming the key, the file and the type); or a setting is invalid.
     """
     values: dict[str, Any] = {}
     if path is not None:
@@ -254,8 +214,14 @@ def load_config(path: str | os.PathLike[str] | None, overrides: dict[str, Any]) 
                 values = tomllib.load(f)
         except (OSError, tomllib.TOMLDecodeError) as exc:
             raise ConfigError(f"cannot read config {path}: {exc}") from None
-        known = {f.name for f in fields(DaemonConfig)}
-        unknown = sorted(set(values) - known)
+        for old, new in RENAMED.items():
+            if old in values:
+                raise ConfigError(f"config key {old!r} in {path} is now {new!r}: rename it")
+        for name, reason in FIXED_SETTINGS.items():
+            if name in values:
+                raise ConfigError(f"{name} in {path} is not a daemon setting: {reason}")
+        known = config_keys()
+        unknown = sorted(set(values) - set(known))
         if unknown:
             raise ConfigError(f"unknown config keys in {path}: {unknown}; known: {sorted(known)}")
         check_types(values, str(path))
@@ -269,4 +235,9 @@ def load_config(path: str | os.PathLike[str] | None, overrides: dict[str, Any]) 
                 if name in given:
                     raise
                 raise ConfigError(f"{name} in {path}: {exc}") from None
-    return DaemonConfig(**values)
+    settings = {name: values.pop(name) for name in StoreSettings.names() if name in values}
+    if "host_bytes" not in settings:
+        settings["host_bytes"] = default_host_bytes()
+    if "disk_bytes" not in settings:
+        settings["disk_bytes"] = default_disk_bytes(Path(values.get("data_dir", DaemonConfig.data_dir)))
+    return DaemonConfig(store=replace(DEFAULT_STORE, **settings), **values)

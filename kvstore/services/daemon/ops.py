@@ -33,8 +33,9 @@ from kvstore.errors import (
     TierFullError,
 )
 from kvstore.keys import HASHES
+from kvstore.services.common.tokens import AuthError, Principal
 from kvstore.services.daemon.config import DaemonConfig
-from kvstore.services.daemon.registry import AuthError, NamespaceState, Principal, Registry
+from kvstore.services.daemon.registry import NamespaceState, Registry
 from kvstore.services.daemon.shm import Lease, Leases
 
 MAX_KEYS = 1 << 16  # keys in one request (fewer where they would not fit a frame: Ops.max_keys)

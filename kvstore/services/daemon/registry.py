@@ -15,27 +15,21 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
-import sys
 import threading
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvstore.client.protocol import Code, ProtocolError, layout_from_dict, layout_to_dict
 from kvstore.codecs import get_codec, stored_bytes
 from kvstore.config import PAGE, StoreConfig
-from kvstore.errors import ConfigError
 from kvstore.keys import HASHES, Namespace
 from kvstore.layout import KVLayout
+from kvstore.services.common.tokens import Tokens
 from kvstore.services.daemon.config import DaemonConfig
 from kvstore.stats import TierCounters, is_count, tier_stats
 from kvstore.store import TieredStore
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
 
 SCOPE_TAG = b"kvstore/tenant-scope/v1\x00"
 SCOPE_MEMO = 1 << 16  # memoised scoped keys per tenant (~13 MB at most)
@@ -45,95 +39,6 @@ COUNTERS = ("requests", "lookup_blocks", "hit_blocks", "put_blocks", "get_blocks
 
 
 SHARED_OCCUPANCY = ("capacity_bytes", "used_bytes", "num_blocks", "evictions", "nodes_up")
-
-
-@dataclass(frozen=True)
-class Principal:
-    """Who a token authenticates: a tenant, whether it is the admin, whether it may map shm."""
-
-    tenant: str
-    admin: bool = False
-    shm: bool = True
-
-
-class AuthError(Exception):
-    """Missing or unknown token."""
-
-
-class Tokens:
-    """token -> Principal. Open (anonymous tenant "") only when no token is configured."""
-
-    def __init__(self, admin_token: str | None, tokens_file: str | None) -> None:
-        self._by_digest: dict[bytes, Principal] = {}
-        if admin_token:
-            self._by_digest[_digest(admin_token)] = Principal("", admin=True)
-        if tokens_file:
-            for token, principal in _read_tokens_file(tokens_file):
-                self._by_digest[_digest(token)] = principal
-        self.is_open = not self._by_digest
-        self.has_admin = bool(admin_token)
-
-    def authenticate(self, token: str | None) -> Principal:
-        if self.is_open and not token:
-            return Principal("")
-        principal = self._by_digest.get(_digest(token or ""))
-        if principal is None:
-            raise AuthError("missing token" if not token else "unknown token")
-        return principal
-
-
-def _digest(token: str) -> bytes:
-    return hashlib.sha256(token.encode("utf-8", "replace")).digest()
-
-
-TENANT_KEYS = frozenset({"name", "tokens", "shm"})
-
-
-def _read_tokens_file(path: str) -> list[tuple[str, Principal]]:
-    """``[[tenant]]`` tables: ``name = "acme"``, ``tokens = ["..."]``, optional ``shm = false``.
-
-    Raises:
-        ConfigError: naming the file and the problem, for anything else: unknown keys (at the
-            top or in a table), ``tenant`` not an array of tables, a table without a non-empty
-            name and a non-empty list of non-empty tokens, a non-bool ``shm``, a token listed
-            for two tenants, or no token at all (an empty file would leave the daemon open).
-            Errors never show a token.
-    """
-    try:
-        with open(path, "rb") as f:
-            doc = tomllib.load(f)
-    except (OSError, tomllib.TOMLDecodeError) as exc:
-        raise ConfigError(f"cannot read tokens file {path}: {exc}") from None
-    unknown = sorted(set(doc) - {"tenant"})
-    if unknown:
-        raise ConfigError(f"tokens file {path}: unknown keys {unknown}; it holds [[tenant]] tables only")
-    tenants = doc.get("tenant", [])
-    if not isinstance(tenants, list) or not all(isinstance(item, dict) for item in tenants):
-        raise ConfigError(f"tokens file {path}: 'tenant' must be an array of tables ([[tenant]]), "
-                          f"got {type(tenants).__name__}")
-    out: list[tuple[str, Principal]] = []
-    owners: dict[str, str] = {}
-    for i, item in enumerate(tenants):
-        name, tokens, shm = item.get("name"), item.get("tokens"), item.get("shm", True)
-        extra = sorted(set(item) - TENANT_KEYS)
-        if extra:
-            raise ConfigError(f"tokens file {path}: tenant #{i} has unknown keys {extra}; "
-                              f"known: {sorted(TENANT_KEYS)}")
-        named = isinstance(name, str) and name != ""
-        listed = isinstance(tokens, list) and tokens != [] and all(isinstance(t, str) and t for t in tokens)
-        if not named or not listed:
-            raise ConfigError(f"tokens file {path}: tenant #{i} needs name = \"...\" and tokens = [\"...\"] "
-                              "(non-empty strings)")
-        if not isinstance(shm, bool):
-            raise ConfigError(f"tokens file {path}: tenant #{i} ({name}): shm must be true or false, got {shm!r}")
-        for token in tokens:
-            if owners.setdefault(token, name) != name:
-                raise ConfigError(f"tokens file {path}: a token of tenant {name!r} is also one of {owners[token]!r}")
-        out += [(t, Principal(name, shm=shm)) for t in tokens]
-    if not out:
-        raise ConfigError(f"tokens file {path} defines no token (add [[tenant]] tables with "
-                          "name = \"...\" and tokens = [\"...\"])")
-    return out
 
 
 @dataclass
@@ -243,6 +148,9 @@ class Registry:
             return state
 
     def _store_config(self, ns: Namespace) -> StoreConfig:
+        """The namespace's store: the daemon's settings with this namespace's shares of the
+        totals, its disk tier under data_dir (none when the share holds no block of its
+        layout, and then no write_through either) and the hash its client chose."""
         cfg = self.config
         assert cfg is not None
         slot = -(-ns.layout.bytes_per_block // PAGE) * PAGE
@@ -250,19 +158,16 @@ class Registry:
         if host < slot:
             raise ProtocolError(Code.CAPACITY, f"host share of {host} bytes per namespace is below one "
                                 f"{slot}-byte block of {ns.layout.fingerprint()}")
-        kwargs: dict[str, Any] = {"layout": ns.layout, "model_id": ns.model_id, "host_bytes": host,
-                                  "hash_algo": ns.hash_algo, "shared_host": cfg.shm, "pin_host_memory": False,
-                                  "disk_codec": cfg.disk_codec, "remote_codec": cfg.remote_codec,
-                                  "remote_url": cfg.remote, "remote_writes": cfg.remote_writes,
-                                  "remote_timeout_s": cfg.remote_timeout_s}
-        disk_codec = get_codec(cfg.disk_codec)
+        settings = replace(cfg.store, host_bytes=host, hash_algo=ns.hash_algo, disk_path=None, disk_bytes=0,
+                           write_policy="write_back")
+        disk_codec = get_codec(cfg.store.disk_codec)
         if disk >= -(-stored_bytes(disk_codec, ns.layout, PAGE) // PAGE) * PAGE:
             where = cfg.data_dir / "namespaces" / ns.id
             where.mkdir(parents=True, exist_ok=True)
             manifest = {"model_id": ns.model_id, "layout": layout_to_dict(ns.layout), "hash_algo": ns.hash_algo}
             (where / "namespace.json").write_text(json.dumps(manifest, indent=1) + "\n")
-            kwargs.update(disk_path=where / "disk", disk_bytes=disk, write_policy=cfg.write_policy)
-        return StoreConfig(**kwargs)
+            settings = replace(settings, disk_path=where / "disk", disk_bytes=disk, write_policy=cfg.store.write_policy)
+        return settings.store_config(ns.layout, ns.model_id, shared_host=cfg.shm, pin_host_memory=False)
 
     def namespaces(self) -> list[NamespaceState]:
         with self._lock:
@@ -280,7 +185,7 @@ class Registry:
         """Per tier name, every counter summed over the namespaces, and the tier's codec.
 
         A daemon's configured tiers are there from its start, before any namespace opens: their
-        ``capacity_bytes`` is the configured total (``--host-mem``, ``--disk``; every namespace
+        ``capacity_bytes`` is the configured total (``--host-mem``, ``--disk-size``; every namespace
         slot's share), their use and counters start at zero. A shared tier (remote: its rows
         have ``nodes_up``) reports the cluster's own occupancy in every namespace: that part is
         taken once (the largest seen), not summed.
@@ -288,15 +193,15 @@ class Registry:
         out: dict[str, dict[str, Any]] = {}
         cfg = self.config
         if cfg is not None:
-            out["host"] = tier_stats(TierCounters(), cfg.host_bytes, 0, 0)
+            out["host"] = tier_stats(TierCounters(), cfg.store.host_bytes, 0, 0)
             if cfg.disk_bytes_per_namespace >= PAGE:
-                out["disk"] = tier_stats(TierCounters(), cfg.disk_bytes, 0, 0)
-            for tier, codec_name in (("host", "none"), ("disk", cfg.disk_codec)):
+                out["disk"] = tier_stats(TierCounters(), cfg.store.disk_bytes, 0, 0)
+            for tier, codec_name in (("host", cfg.store.host_codec), ("disk", cfg.store.disk_codec)):
                 if tier in out:
                     out[tier].update(codec=codec_name, lossy=get_codec(codec_name).lossy)
-            if cfg.remote is not None:
+            if cfg.store.remote_url is not None:
                 out["remote"] = dict(tier_stats(TierCounters(), 0, 0, 0), dropped=0, pending=0, nodes_up=0,
-                                     codec=cfg.remote_codec, lossy=get_codec(cfg.remote_codec).lossy)
+                                     codec=cfg.store.remote_codec, lossy=get_codec(cfg.store.remote_codec).lossy)
         configured = {"host", "disk"} & set(out)
         for state in self.namespaces():
             for tier, row in state.store.stats().items():

@@ -18,8 +18,9 @@ from fastapi.responses import HTMLResponse, Response
 from pydantic import BaseModel, Field
 
 from kvstore.errors import CapacityError
+from kvstore.services.common.tokens import AuthError, Principal, Tokens
 from kvstore.services.daemon.metrics import render
-from kvstore.services.daemon.registry import COUNTERS, AuthError, NamespaceState, Principal, Registry, Tokens
+from kvstore.services.daemon.registry import COUNTERS, NamespaceState, Registry
 from kvstore.stats import is_count
 from kvstore.store import TieredStore
 

@@ -30,10 +30,12 @@ from typing import Any
 from kvstore.client.protocol import ProtocolError
 from kvstore.errors import ConfigError, TierError
 from kvstore.services.common.http import bind, freeze_start_heap, stop_on_signals, uvicorn_server
-from kvstore.services.daemon.config import DaemonConfig, parse_hostport
+from kvstore.services.common.net import parse_hostport
+from kvstore.services.common.tokens import Tokens
+from kvstore.services.daemon.config import DaemonConfig
 from kvstore.services.daemon.connection import Connection
 from kvstore.services.daemon.ops import Ops, Session
-from kvstore.services.daemon.registry import Registry, Tokens
+from kvstore.services.daemon.registry import Registry
 from kvstore.services.daemon.shm import Leases, leases_per_connection
 
 log = logging.getLogger("kvstore.services.daemon")
@@ -77,7 +79,7 @@ class Daemon:
         if cfg.kv_events:
             self._start_kv_events()
         await loop.run_in_executor(self.pool, self._reopen_existing)
-        if cfg.remote is not None:
+        if cfg.store.remote_url is not None:
             await loop.run_in_executor(self.pool, self._probe_remote)
         if cfg.socket_path:
             self._servers.append(await self._start_unix(Path(cfg.socket_path)))
@@ -95,12 +97,13 @@ class Daemon:
         from the remote's counters later. The URL is shown without its password."""
         from kvstore.tiers.remote.url import parse_url
 
-        assert self.config.remote is not None
-        url = parse_url(self.config.remote)
+        settings = self.config.store
+        assert settings.remote_url is not None
+        url = parse_url(settings.remote_url)
         errors = []
         for host, port in url.nodes:
             try:
-                socket.create_connection((host, port), timeout=self.config.remote_timeout_s).close()
+                socket.create_connection((host, port), timeout=settings.remote_timeout_s).close()
                 return
             except OSError as exc:
                 errors.append(f"{host}:{port}: {exc.strerror or exc}")

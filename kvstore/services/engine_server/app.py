@@ -29,7 +29,7 @@ from kvstore.services.engine_server.schema import (
 )
 from kvstore.services.engine_server.state import ServerState
 
-log = logging.getLogger("kvstore.engine.serve")
+log = logging.getLogger("kvstore.services.engine_server")
 UNION_MESSAGES = {"prompt": "must be a string, a list of token ids, or a list of strings or of token id lists",
                   "stop": "must be a string or a list of strings"}
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hmac
 
-from kvstore.services.daemon.registry import AuthError, Tokens
+from kvstore.services.common.tokens import AuthError, Tokens
 from kvstore.services.engine_server.errors import APIError, forbidden, unauthorized
 
 TENANT_HEADER = "x-kvstore-tenant"

@@ -1,7 +1,7 @@
 """``kvstore engine``: the engine as an OpenAI-compatible HTTP server (docs/serving.md).
 
-Registered by kvstore/cli.py when the engine package is present; nothing heavy is imported
-until the command runs.
+Registered by kvstore/cli.py when the engine package is present; the engine and the server
+load only when the command runs.
 """
 
 from __future__ import annotations
@@ -9,16 +9,40 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 
 from kvstore import env
 from kvstore.errors import ConfigError, DaemonUnreachableError
 from kvstore.services.common.argtypes import port
+from kvstore.services.common.store_args import (
+    add_store_arguments,
+    store_flags_given,
+    store_settings_from_args,
+)
+from kvstore.settings import StoreSettings
+
+# The embedded store's defaults: StoreSettings', and a 10 GiB disk tier once --disk-path names one.
+ENGINE_STORE = StoreSettings(disk_bytes=10 << 30)
+
+
+def engine_store_settings(args: argparse.Namespace) -> StoreSettings:
+    """The embedded store's settings from the parsed flags (no disk size without --disk-path).
+
+    Raises:
+        ConfigError: --disk-size without --disk-path, or settings that do not go together.
+    """
+    settings = store_settings_from_args(args, ENGINE_STORE)
+    if settings.disk_path is not None:
+        return settings
+    if "disk_bytes" in store_flags_given(args):
+        raise ConfigError("--disk-size sizes the disk tier of --disk-path DIR; give both")
+    return replace(settings, disk_bytes=0)
 
 
 def run_engine(args: argparse.Namespace) -> int:
     from kvstore.engine.loader import CheckpointError
     from kvstore.layout import DTYPES_BY_NAME
-    from kvstore.services.daemon.config import parse_size
+    from kvstore.services.common.sizes import parse_size
     from kvstore.services.engine_server.config import ServeConfig
     from kvstore.services.engine_server.server import serve
 
@@ -30,10 +54,9 @@ def run_engine(args: argparse.Namespace) -> int:
             model=None if args.random_model else args.model, random_config=random_config, host=args.host,
             port=args.port, served_model_name=args.served_model_name, store=args.store,
             store_token=(args.store_token or env.token()) if args.store else None,
-            host_bytes=parse_size(args.host_mem), disk_path=args.disk_path,
-            disk_bytes=parse_size(args.disk) if args.disk_path else 0, tokens_file=args.tokens,
+            store_settings=engine_store_settings(args), tokens_file=args.tokens,
             router_token=args.router_token or env.router_token(),
-            kv_events=args.kv_events, kv_events_replay=args.kv_events_replay, remote_url=args.remote,
+            kv_events=args.kv_events, kv_events_replay=args.kv_events_replay,
             drain_s=args.drain_s, device=args.device,
             dtype=DTYPES_BY_NAME[args.dtype], kv_cache_bytes=parse_size(args.kv_cache), block_size=args.block_size,
             max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
@@ -66,9 +89,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=port, default=8000, help="listen port (default 8000; 0: any free port)")
     p.add_argument("--store", default=None, help="a kvstore daemon as the host/disk tiers: unix:///path or tcp://h:p")
     p.add_argument("--store-token", default=None, help="the daemon token (default KVSTORE_TOKEN)")
-    p.add_argument("--host-mem", default="1GiB", help="embedded store's host RAM tier (default 1GiB; 0: none)")
-    p.add_argument("--disk-path", default=None, help="embedded store's disk tier directory (default: none)")
-    p.add_argument("--disk", default="10GiB", help="embedded store's disk tier size (default 10GiB)")
     p.add_argument("--kv-cache", default="256MiB", help="device KV pool size (default 256MiB)")
     p.add_argument("--tokens", default=None, help="TOML file mapping Bearer tokens to tenants")
     p.add_argument("--router-token", default=None,
@@ -78,9 +98,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="publish KV events on this ZeroMQ endpoint, e.g. tcp://127.0.0.1:5557 (docs/kv-events.md)")
     p.add_argument("--kv-events-replay", default=None, metavar="ENDPOINT",
                    help="the replay/snapshot socket (default: the next port; '' for none)")
-    p.add_argument("--remote", default=None, metavar="URL",
-                   help="a remote tier under the embedded store, shared with other engines: "
-                   "redis+cluster://HOST:PORT[,HOST:PORT...] or redis://HOST:PORT (docs/remote.md)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"],
                    help="weights and KV dtype (default float32)")
@@ -93,4 +110,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    "filled it ends; other engines on the same store see it at once, evicting it is free) or "
                    "write_back (when evicted)")
     p.add_argument("--drain-s", type=float, default=10.0, help="SIGTERM waits this long for requests (default 10)")
+    add_store_arguments(
+        p, defaults=ENGINE_STORE, shown={"host_bytes": "1GiB; 0: no store below the device pool",
+                                         "disk_bytes": "10GiB with --disk-path"},
+        description="The embedded store below the device pool (the same flags as kvstore serve's). With "
+        "--store, the daemon's tiers serve instead and these flags are refused: kvstore serve sets them.")
     p.set_defaults(func=run_engine)

@@ -9,7 +9,9 @@ from typing import Any
 import torch
 
 from kvstore.errors import ConfigError
-from kvstore.services.daemon.config import is_loopback
+from kvstore.services.common.net import is_loopback
+from kvstore.services.common.store_args import flag_of
+from kvstore.settings import StoreSettings
 
 
 @dataclass(frozen=True)
@@ -22,14 +24,16 @@ class ServeConfig:
         host, port: where the HTTP API listens (port 0: any free port, printed at start).
         served_model_name: the ``model`` clients name (default: the directory name, or "random").
         store: a daemon address (unix:// or tcp://) for the host and disk tiers, or None for an
-            embedded store of ``host_bytes`` RAM (+ ``disk_bytes`` at ``disk_path``).
+            embedded store built from ``store_settings``.
+        store_settings: the embedded store's tiers (sizes, disk path, codecs, write policy,
+            promotion, remote tier; kvstore.StoreSettings). With ``store`` they stay the
+            defaults: the daemon's own settings hold.
         store_token: the daemon token (None: KVSTORE_TOKEN).
         tokens_file: TOML mapping Bearer tokens to tenants (the daemon's format, docs/protocol.md).
         router_token: the secret with which a trusted front may name the tenant in a header
             (the CLI's default: KVSTORE_ROUTER_TOKEN).
         kv_events: a ZeroMQ endpoint to publish KV events on (None: none); ``kv_events_replay``
             its replay/snapshot socket (None: the next port, "": none). docs/kv-events.md.
-        remote_url: a remote tier under the embedded store (docs/remote.md); None: none.
         drain_s: seconds SIGTERM waits for requests in flight before cancelling them.
         engine: the remaining LLMEngine settings (device, dtype, kv_cache_bytes, block_size, ...).
     """
@@ -41,14 +45,11 @@ class ServeConfig:
     served_model_name: str | None = None
     store: str | None = None
     store_token: str | None = field(default=None, repr=False)
-    host_bytes: int = 1 << 30
-    disk_path: str | None = None
-    disk_bytes: int = 0
+    store_settings: StoreSettings = field(default_factory=StoreSettings)
     tokens_file: str | None = None
     router_token: str | None = field(default=None, repr=False)
     kv_events: str | None = None
     kv_events_replay: str | None = None
-    remote_url: str | None = field(default=None, repr=False)
     drain_s: float = 10.0
     device: str = "cpu"
     dtype: torch.dtype = torch.float32
@@ -74,6 +75,12 @@ class ServeConfig:
             raise ConfigError(f"tokens file {self.tokens_file} does not exist")
         if not self.drain_s >= 0:
             raise ConfigError(f"drain_s must be >= 0, got {self.drain_s}")
+        if not isinstance(self.store_settings, StoreSettings):
+            raise ConfigError(f"store_settings must be a StoreSettings, got {type(self.store_settings).__name__}")
+        changed = self.store_settings.changed_from()
+        if self.store is not None and changed:
+            raise ConfigError(f"{', '.join(flag_of(name) for name in changed)} set the embedded store; with "
+                              "--store the daemon's tiers serve, set by kvstore serve")
 
     @property
     def model_name(self) -> str:
@@ -88,10 +95,9 @@ class ServeConfig:
                                   max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
                                   device_write_policy=self.device_write_policy, seed=self.seed)
         if self.store is not None:
-            kw.update(store=self.store, store_token=self.store_token, host_bytes=0)
+            kw.update(store=self.store, store_token=self.store_token)
         else:
-            kw.update(host_bytes=self.host_bytes, disk_path=self.disk_path, disk_bytes=self.disk_bytes,
-                      remote_url=self.remote_url)
+            kw.update(store_settings=self.store_settings)
         if self.model is None:
             kw["random_model"] = self.random_config
         if self.kv_events is not None:

@@ -29,7 +29,7 @@ from kvstore.engine.llm import LLMEngine
 from kvstore.engine.sampling import SamplingParams
 from kvstore.engine.sequence import RequestOutput
 
-log = logging.getLogger("kvstore.engine.serve")
+log = logging.getLogger("kvstore.services.engine_server")
 Sink = Callable[[RequestOutput | BaseException], None]
 IDLE_WAIT_S = 0.5
 

@@ -29,7 +29,7 @@ from kvstore.services.engine_server.responses import DONE, Shapes, sse
 from kvstore.services.engine_server.schema import SamplingFields
 from kvstore.services.engine_server.state import ServerState
 
-log = logging.getLogger("kvstore.engine.serve")
+log = logging.getLogger("kvstore.services.engine_server")
 DISCONNECT_POLL_S = 0.25
 
 

@@ -25,7 +25,7 @@ from kvstore.services.engine_server.loop import EngineLoop
 from kvstore.services.engine_server.state import ServerState
 from kvstore.services.engine_server.tokenizer import load_tokenizer
 
-log = logging.getLogger("kvstore.engine.serve")
+log = logging.getLogger("kvstore.services.engine_server")
 
 
 def kv_events_info(llm: Any) -> dict[str, Any]:

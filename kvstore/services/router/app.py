@@ -22,7 +22,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 
 from kvstore.keys import BlockHasher
-from kvstore.services.daemon.registry import AuthError, Tokens
+from kvstore.services.common.tokens import AuthError, Tokens
 from kvstore.services.router.config import RouteConfig
 from kvstore.services.router.metrics import RouteMetrics
 from kvstore.services.router.policy import ROUND_ROBIN, Router

@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from kvstore.errors import ConfigError
-from kvstore.services.daemon.config import is_loopback
-from kvstore.services.daemon.registry import Tokens
+from kvstore.services.common.net import is_loopback
+from kvstore.services.common.tokens import Tokens
 from kvstore.services.router.policy.config import RouterConfig
 
 

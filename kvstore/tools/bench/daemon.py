@@ -53,7 +53,7 @@ def best_pair(ours: Callable[[], object], base: Callable[[], object], repeat: in
 
 
 def _start_daemon(tmp: Path, host_bytes: int) -> tuple[subprocess.Popen[str], str]:
-    cmd = [sys.executable, "-m", "kvstore.services.daemon", "serve", "--data-dir", str(tmp / "data"), "--disk", "0",
+    cmd = [sys.executable, "-m", "kvstore.services.daemon", "serve", "--data-dir", str(tmp / "data"), "--disk-size", "0",
            "--host-mem", str(host_bytes), "--max-namespaces", "1", "--socket", str(tmp / "kv.sock"),
            "--listen", "", "--http", ""]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -226,7 +226,7 @@ def render(rows: list[Row], where: str, pin: tuple[set[int], set[int]] | None = 
                             f"{len(pin[1])} thread{'s' if len(pin[1]) > 1 else ''}). Layout: 24 layers", 1)
     return text.replace("## Tiers (`kvstore bench tiers`)", title, 1).replace(
         "Layout: 24 layers", "Loopback, one process per side. Durability is equal and none on both sides: the "
-        "daemon runs host-only (`--disk 0`: no disk tier, so no write-through fsync or LMDB commit per put; "
+        "daemon runs host-only (`--disk-size 0`: no disk tier, so no write-through fsync or LMDB commit per put; "
         "the daemon's default with a disk is write-through), redis with `--save \"\" --appendonly no` (no "
         "persistence). A socket put of blocks the store does not hold is received straight into reserved "
         "host slots, and its commit runs on the daemon's event loop; a socket get is written straight from "

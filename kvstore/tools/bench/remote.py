@@ -182,7 +182,7 @@ def bench_ttft(url: str, prompt_tokens: int, repeat: int) -> tuple[Row, dict[str
     block_bytes = writer.layout.bytes_per_block
     ttft(writer, prompt)
     writer.evict_device_cache()  # device -> host -> remote (write-behind)
-    assert writer.store.flush(60), "the remote writes did not finish"
+    assert writer.store is not None and writer.store.flush(60), "the remote writes did not finish"
     writer.close()
     runs = []
     for _ in range(max(1, repeat)):

@@ -32,8 +32,8 @@ from kvstore.services.router.policy.config import (
     RouterConfig,
 )
 from kvstore.services.router.policy.router import Router
-from kvstore.tools.bench.harness import DOCS
 from kvstore.services.router.policy.tiers import GPU
+from kvstore.tools.bench.harness import DOCS
 from kvstore.tools.replay.route_sim import SimConfig, SimResult, load_requests, simulate
 from kvstore.tools.replay.trace import ReplayError
 

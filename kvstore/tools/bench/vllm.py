@@ -42,7 +42,7 @@ class _Daemon:
 
     def start(self) -> None:
         cmd = [sys.executable, "-m", "kvstore.services.daemon", "serve", "--data-dir", str(self.root / "data"),
-               "--host-mem", "512MiB", "--disk", "1GiB", "--max-namespaces", "1",
+               "--host-mem", "512MiB", "--disk-size", "1GiB", "--max-namespaces", "1",
                "--socket", str(self.root / "kv.sock"), "--listen", "", "--http", ""]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         assert self.proc.stdout is not None

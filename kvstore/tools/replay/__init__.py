@@ -3,7 +3,8 @@
 ``kvstore replay TRACE.jsonl --capacity 1000,2000`` (one tier, a sweep) or ``--device N --host N
 --disk N`` (the demotion cascade). Modules: ``trace`` (load, validate, key chains), ``belady``
 (the offline optimum as a policy), ``sim`` (the replay loop and its semantics), ``estimate``
-(bytes moved, prefill time saved), ``command`` (the CLI). Semantics: docs/eviction.md.
+(bytes moved, prefill time saved), ``route_sim`` (a trace through the router's policies,
+for ``kvstore bench route``), ``command`` (the CLI). Semantics: docs/eviction.md.
 """
 
 from __future__ import annotations

@@ -26,7 +26,8 @@ TINY = dict(num_layers=2, hidden_size=64, intermediate_size=128, num_heads=4, nu
 BLOCK = 4
 MAX_MODEL_LEN = 512
 ENGINE_ARGS = ["--random-model", "--random-config", json.dumps(TINY), "--block-size", str(BLOCK),
-               "--max-model-len", str(MAX_MODEL_LEN), "--host-mem", "8MiB", "--kv-cache", "4MiB", "--seed", "3"]
+               "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache", "4MiB", "--seed", "3"]
+EMBEDDED_ARGS = ["--host-mem", "8MiB"]  # with --store the daemon's tiers serve: no store flags then
 
 
 def stream_in_background(url: str, body: dict[str, Any]) -> tuple[threading.Thread, list[str]]:
@@ -86,8 +87,9 @@ class EngineServer(CliServer):
     """``python -m kvstore.cli engine ...`` in a subprocess; ``url`` is its http://host:port."""
 
     def __init__(self, *args: str, model: str | None = None, env: dict[str, str] | None = None) -> None:
-        which = ["--model", model, "--host-mem", "8MiB", "--kv-cache", "4MiB"] if model else ENGINE_ARGS
-        super().__init__(["engine", *which, "--port", "0", *args], timeout=120, env=env)
+        which = ["--model", model, "--kv-cache", "4MiB"] if model else ENGINE_ARGS
+        store = [] if "--store" in args else EMBEDDED_ARGS
+        super().__init__(["engine", *which, *store, "--port", "0", *args], timeout=120, env=env)
         while time.monotonic() < self.deadline:  # ready means bound; /health means serving
             try:
                 if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
@@ -145,9 +147,10 @@ class InProcessServer:
         from kvstore.services.engine_server.app import create_app
         from kvstore.services.engine_server.config import ServeConfig
         from kvstore.services.engine_server.server import build_state
+        from kvstore.settings import StoreSettings
 
-        config = ServeConfig(random_config=TINY, port=0, host_bytes=8 << 20, kv_cache_bytes=kv_cache_bytes,
-                             block_size=BLOCK, max_model_len=MAX_MODEL_LEN, seed=3)
+        config = ServeConfig(random_config=TINY, port=0, store_settings=StoreSettings(host_bytes=8 << 20),
+                             kv_cache_bytes=kv_cache_bytes, block_size=BLOCK, max_model_len=MAX_MODEL_LEN, seed=3)
         self.state = build_state(config)
         self.llm = self.state.loop.llm
         sock = bind("127.0.0.1", 0)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import httpx
 
+from kvstore import KVLayout, StoreSettings, TieredStore
 from tests.daemon.daemon_helpers import DaemonProc
 
 from serve_helpers import BLOCK, EngineServer
@@ -41,8 +42,28 @@ def restart_finds_the_prefix(*args: str) -> dict:
 
 
 def test_embedded_disk_tier_survives_a_restart(tmp_path: Path) -> None:
-    tiers = restart_finds_the_prefix("--disk-path", str(tmp_path / "kv"), "--disk", "16MiB")
+    tiers = restart_finds_the_prefix("--disk-path", str(tmp_path / "kv"), "--disk-size", "16MiB")
     assert tiers["disk"] + tiers["host"] == 12 * BLOCK and tiers["disk"] > 0
+
+
+def test_the_store_flags_build_the_embedded_store(tmp_path: Path) -> None:
+    """``--disk-codec int8`` reaches the engine's store: the blocks its SIGTERM wrote back are on
+    disk int8-coded (a store opened with the raw codec would find none: it reformats the tier)."""
+    disk = tmp_path / "kv"
+    server = EngineServer("--disk-path", str(disk), "--disk-size", "16MiB", "--disk-codec", "int8",
+                          "--write-policy", "write_through", "--promotion", "never")
+    try:
+        assert usage(server)["prompt_tokens_details"]["cached_tokens"] == 0
+        ns = httpx.get(f"{server.url}/v1/kvstore/info").json()["namespace"]
+        assert server.stop() == 0
+    finally:
+        server.kill()
+    layout = KVLayout(ns["num_layers"], ns["num_kv_heads"], ns["head_dim"], ns["block_size"], ns["dtype"])
+    settings = StoreSettings(host_bytes=1 << 20, disk_path=disk, disk_bytes=16 << 20, disk_codec="int8")
+    with TieredStore(settings.store_config(layout, ns["model_id"])) as store:
+        found = store.lookup(store.block_keys(PROMPT))
+        assert found.tiers == ("disk",) * 12 and found.lossy == (True,) * 12
+        assert store.stats()["disk"]["codec"] == "int8"
 
 
 def test_daemon_tiers_serve_a_restarted_engine(tmp_path: Path) -> None:

@@ -18,6 +18,7 @@ import openai
 import pytest
 
 from kvstore.services.engine_server.config import ServeConfig
+from kvstore.settings import StoreSettings
 
 from serve_helpers import BLOCK, ROOT, EngineServer
 
@@ -75,10 +76,11 @@ def test_bad_tokens_get_401_and_secrets_stay_out(server: EngineServer) -> None:
 
 
 def test_secrets_stay_out_of_the_config_repr() -> None:
-    config = ServeConfig(store="unix:///tmp/kvstore.sock", store_token="store-secret-42", router_token=ROUTER,
-                         remote_url="redis://:pw-secret@127.0.0.1:6379")
-    assert config.router_token == ROUTER
-    text = repr(config)
+    config = ServeConfig(store="unix:///tmp/kvstore.sock", store_token="store-secret-42", router_token=ROUTER)
+    embedded = ServeConfig(router_token=ROUTER,
+                           store_settings=StoreSettings(remote_url="redis://:pw-secret@127.0.0.1:6379"))
+    assert config.router_token == ROUTER and embedded.store_settings.remote_url is not None
+    text = repr(config) + repr(embedded)
     assert "store-secret-42" not in text and ROUTER not in text and "pw-secret" not in text
 
 

@@ -3,7 +3,8 @@
 A library with no HTTP in it (docs/routing.md): ``PrefixIndex`` (block key -> {replica:
 tiers}, fed by KV events), ``RoutingHistory`` (the router's own guesses: pending prefixes and
 approximate mode), ``scoring`` (cost, overload gate, pick) and ``Router``, which ties them
-together. ``kvstore bench route`` replays a trace through it (``sim``, ``bench``).
+together. ``kvstore bench route`` (kvstore.tools.bench.route) replays a trace through it
+(kvstore.tools.replay.route_sim).
 """
 
 from __future__ import annotations

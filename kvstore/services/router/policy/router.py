@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvstore.keys import BlockHasher
+from kvstore.api import KeyChain
 from kvstore.services.router.policy import scoring
 from kvstore.services.router.policy.config import (
     CACHE_AWARE,
@@ -100,11 +100,12 @@ class Router:
     """The routing library's front object (see module)."""
 
     def __init__(self, block_tokens: int, config: RouterConfig | None = None,
-                 hasher: BlockHasher | None = None) -> None:
+                 hasher: KeyChain | None = None) -> None:
         if block_tokens < 1:
             raise ValueError(f"block_tokens must be >= 1, got {block_tokens}")
-        if hasher is not None and hasher.block_size != block_tokens:
-            raise ValueError(f"the hasher's block size {hasher.block_size} != block_tokens {block_tokens}")
+        if hasher is not None and hasher.namespace.layout.block_size != block_tokens:
+            raise ValueError(f"the hasher's block size {hasher.namespace.layout.block_size} != "
+                             f"block_tokens {block_tokens}")
         self.config = config or RouterConfig()
         self.block_tokens = block_tokens
         self.hasher = hasher

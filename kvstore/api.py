@@ -1,0 +1,112 @@
+"""BlockStore: the one store contract, and what every store implements exactly.
+
+Three stores implement it: ``TieredStore`` (embedded, in this process), ``StoreClient`` (a
+connection to ``kvstore serve``) and the vLLM connector's ``GuardedStore`` (either of those
+behind a guard that turns failures into misses). The engine, the connector and the router are
+typed against this Protocol, so any of them runs on any store.
+
+What differs between them is said here once:
+
+- **Tenants.** ``block_keys(tokens, tenant)`` salts the chain with ``tenant``. On a daemon
+  connection the empty tenant is the token's tenant (the daemon files every key under it as
+  well, so two tokens share nothing whatever keys they send); embedded, it is ``""``.
+- **Lossy copies.** A tier with a lossy codec returns decoded values. ``TieredStore`` adds
+  ``exact=`` to lookup, get and fetch to refuse those; the daemon protocol does not carry it,
+  so the contract does not either.
+- **Failures.** ``GuardedStore`` never raises a store failure: a lookup is a miss, a fetch
+  delivers nothing, a put is dropped and counted. The other two raise.
+
+``KeyChain`` is the part a router needs: the keys alone (``kvstore.keys.BlockHasher`` has it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+import torch
+
+from kvstore.index import PrefixMatch
+from kvstore.keys import ExtraKey, Namespace
+from kvstore.layout import KVLayout
+from kvstore.transfer import FetchHandle
+
+TokenIds = Sequence[int] | np.ndarray
+ExtraKeys = Sequence[Sequence[ExtraKey] | None] | None
+
+
+@runtime_checkable
+class KeyChain(Protocol):
+    """Computes the hash-chained block keys of a token sequence (docs/key-format.md)."""
+
+    @property
+    def namespace(self) -> Namespace:
+        """What the keys hash in: model id, layout (its block size), hash, format."""
+        ...
+
+    def block_keys(self, token_ids: TokenIds, tenant: str = "", extra_keys: ExtraKeys = None,
+                   parent: bytes | None = None) -> list[bytes]:
+        """One key per full block of ``token_ids``, each chaining the one before it (``parent``:
+        the key of the block before the first; None: the chain starts at the tenant's root).
+        ``extra_keys[i]``: what else block i depends on (a LoRA, an image hash)."""
+        ...
+
+
+@runtime_checkable
+class BlockStore(KeyChain, Protocol):
+    """A KV block store: one namespace (model and layout), blocks named by their chain keys.
+
+    Keys passed to one call are one chain in prefix order. Equal keys mean equal bytes: a put
+    of a key already held only refreshes it.
+    """
+
+    @property
+    def layout(self) -> KVLayout:
+        """The KV geometry of every block."""
+        ...
+
+    def put(self, keys: Sequence[bytes], blocks: torch.Tensor, *, tenant: str = "") -> None:
+        """Store ``blocks[i]`` (``layout.block_shape``, ``layout.dtype``) under ``keys[i]``.
+        ``tenant``: the one whose chain the keys are (it salted them)."""
+        ...
+
+    def lookup(self, keys: Sequence[bytes]) -> PrefixMatch:
+        """The leading run of ``keys`` held, and the fastest tier of each."""
+        ...
+
+    def get(self, keys: Sequence[bytes], out: torch.Tensor | None = None) -> torch.Tensor:
+        """The blocks under ``keys`` (into ``out`` when given); KeyError naming the first missing."""
+        ...
+
+    def fetch(self, keys: Sequence[bytes], into: torch.Tensor) -> FetchHandle:
+        """Copy the leading run of held blocks into ``into`` (any device) in the background."""
+        ...
+
+    def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        """For each key, whether some tier holds it (no promotion, no counters)."""
+        ...
+
+    def delete(self, keys: Sequence[bytes]) -> int:
+        """Drop the blocks under ``keys`` from every tier; how many were held."""
+        ...
+
+    def pin(self, keys: Sequence[bytes]) -> None:
+        """Keep the blocks from being evicted until ``unpin`` (KeyError for one not held)."""
+        ...
+
+    def unpin(self, keys: Sequence[bytes]) -> None:
+        """Undo one ``pin`` of each key."""
+        ...
+
+    def stats(self) -> dict[str, dict[str, Any]]:
+        """Counters per tier, by tier name."""
+        ...
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until the puts made so far are visible to every user of the store; True when done."""
+        ...
+
+    def close(self) -> None:
+        """Release the store (an embedded one writes its host tier back to disk first)."""
+        ...
