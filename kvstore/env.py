@@ -20,3 +20,8 @@ def router_token() -> str | None:
 def shm_disabled() -> bool:
     """``KVSTORE_NO_SHM=1``: clients never use the daemon's shared-memory path."""
     return os.environ.get("KVSTORE_NO_SHM", "").strip() not in ("", "0")
+
+
+def model_cache() -> str | None:
+    """``KVSTORE_MODEL_CACHE``: where GGUF checkpoints' converted copies are kept (default ./.kvstore/models)."""
+    return os.environ.get("KVSTORE_MODEL_CACHE") or None

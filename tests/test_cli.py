@@ -10,6 +10,9 @@ from pathlib import Path
 import pytest
 
 from kvstore.cli import build_parser, main
+from kvstore.engine.bundled import SMOLLM2_FILE, SMOLLM2_INSTALL, smollm2_gguf
+
+from factories import require
 
 
 def test_help_lists_every_subcommand(capsys: pytest.CaptureFixture[str]) -> None:
@@ -48,22 +51,40 @@ def test_demo_rejects_bad_sizes(capsys: pytest.CaptureFixture[str]) -> None:
     assert "--users must be >= 1" in capsys.readouterr().err
 
 
-def test_engine_demo_with_its_defaults_runs_to_its_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    # `kvstore demo` exactly as the README runs it (only the data directory moved): before,
-    # the conversations outgrew the 48-block device pool and turn 32 of 36 raised.
+def test_engine_demo_with_its_defaults_is_a_real_chat_served_from_every_tier(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # `kvstore demo` exactly as the README runs it (only the data directory moved): SmolLM2 answers
+    require(smollm2_gguf(), f"{SMOLLM2_FILE} is not installed ({SMOLLM2_INSTALL})")
     assert main(["demo", "--data-dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert "[ 36/36]" in out and "restart" in out
+    assert "restart" in out and out.count("\n[turn ") == 12  # 3 users x 4 turns
+    first_answer = out.split("  A: ", 1)[1].split("\n", 1)[0]
+    assert "Paris" in first_answer, first_answer  # "What is the capital of France?"
     totals = next(line for line in out.splitlines() if line.startswith("prompt tokens:"))
     host, disk = (int(totals.split(f"{tier} ")[1].split(",")[0]) for tier in ("host", "disk"))
     assert host > 0 and disk > 0, totals  # prefixes came back from both lower tiers
+    assert "with a cached prefix, TTFT" in totals and "faster than recomputing" in totals
+
+
+def test_engine_demo_on_the_random_model_runs_to_its_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", "--random-model", "--data-dir", str(tmp_path), "--users", "2", "--turns", "2",
+                 "--reply-tokens", "4", "--no-compare"]) == 0
+    out = capsys.readouterr().out
+    assert "the random model" in out and out.count("\n[turn ") == 4 and "tier occupancy:" in out
+    assert "recomputing" not in out  # --no-compare
 
 
 def test_engine_demo_refuses_a_device_pool_too_small_up_front(tmp_path: Path,
                                                               capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["demo", "--data-dir", str(tmp_path), "--device-blocks", "48"]) == 2
+    assert main(["demo", "--random-model", "--data-dir", str(tmp_path), "--device-blocks", "48"]) == 2
     err = capsys.readouterr().err
-    assert "--device-blocks 48 is too small" in err and "67 blocks" in err
+    assert "--device-blocks 48 is too small" in err and "blocks of 16 tokens" in err
+    assert not (tmp_path / "engine-demo").exists()  # refused before anything was created
+
+
+def test_engine_demo_names_a_missing_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", "--model", str(tmp_path / "nowhere.gguf"), "--data-dir", str(tmp_path)]) == 2
+    assert "nowhere.gguf does not exist" in capsys.readouterr().err
 
 
 def _bench_targets() -> dict[str, argparse.ArgumentParser]:

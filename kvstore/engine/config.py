@@ -23,7 +23,8 @@ class EngineConfig:
     """Configuration of an LLMEngine.
 
     Attributes:
-        model: a Hugging Face checkpoint directory (config.json + *.safetensors), or None for a
+        model: a Hugging Face checkpoint directory (config.json + *.safetensors) or a .gguf file
+            (converted once, kvstore.engine.model_cache), or None for a
             small model with seeded random weights (see ``random_model``).
         device: "cpu" or "cuda" (or "cuda:N").
         dtype: weights and KV dtype: float32, float16 or bfloat16.

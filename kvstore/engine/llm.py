@@ -40,7 +40,8 @@ class LLMEngine:
     """A paged-attention engine for Llama-family models over kvstore's tiers.
 
     Args:
-        model: a local Hugging Face checkpoint directory, or None for a seeded random model.
+        model: a local Hugging Face checkpoint directory or a .gguf file, or None for a seeded
+            random model.
         config: a full EngineConfig instead of keyword arguments.
         **kwargs: EngineConfig fields (device, dtype, kv_cache_bytes, host_bytes, disk_path,
             disk_bytes, fetch_policy, store, block_size, ...).

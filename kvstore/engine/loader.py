@@ -1,7 +1,8 @@
 """Checkpoint loading: a Hugging Face directory (config.json, safetensors, generation_config.json,
-tokenizer.json) into a ModelConfig and a name -> tensor dict, or a seeded random model.
+tokenizer.json) or a GGUF file into a ModelConfig and a name -> tensor dict, or a seeded random model.
 
-Nothing is downloaded: ``model`` is always a local directory.
+Nothing is downloaded: ``model`` is always a local directory or file. A GGUF is read through its
+converted copy, a Hugging Face directory in the model cache (``kvstore.engine.model_cache``).
 """
 
 from __future__ import annotations
@@ -135,24 +136,74 @@ def _weight_files(root: Path) -> list[Path]:
     return files
 
 
-def load_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
-    """Read a checkpoint directory into CPU tensors (in the file's dtype).
+def checkpoint_dir(path: str | os.PathLike[str], cache_dir: str | os.PathLike[str] | None = None) -> Path:
+    """The Hugging Face directory a model path is read from: the path itself, or for a GGUF file
+    its converted copy (built on the first call; see ``kvstore.engine.model_cache``).
 
     Raises:
-        CheckpointError: the directory, config.json or a weight shard is missing or malformed.
+        CheckpointError: a missing path, or a file that is not a readable GGUF of a supported model.
     """
+    root = Path(path)
+    if root.is_dir():
+        return root
+    if not root.exists():
+        raise CheckpointError(f"model {root} does not exist (a model is a Hugging Face checkpoint "
+                              "directory or a .gguf file)")
+    from kvstore.engine.model_cache import convert_gguf
+
+    return convert_gguf(root, cache_dir).path
+
+
+def load_checkpoint(path: str | os.PathLike[str], cache_dir: str | os.PathLike[str] | None = None) -> Checkpoint:
+    """Read a checkpoint directory, or a GGUF file, into CPU tensors (in the file's dtype; a
+    quantized GGUF's tensors dequantized to float32).
+
+    Args:
+        path: a Hugging Face checkpoint directory or a .gguf file.
+        cache_dir: where GGUF files' converted copies are kept (default
+            ``kvstore.engine.model_cache.default_cache_dir()``).
+
+    Raises:
+        CheckpointError: the directory, config.json or a weight shard is missing or malformed; a
+            file that is not a GGUF, a truncated GGUF, or one of an architecture the engine lacks.
+    """
+    src = Path(path)
+    if src.is_file():
+        from kvstore.engine.model_cache import convert_gguf
+
+        copy = convert_gguf(src, cache_dir)
+        return _load_dir(copy.path, f"{src.stem}:{copy.sha256[:16]}")
+    return _load_dir(checkpoint_dir(src), None)
+
+
+def read_model_config(path: str | os.PathLike[str] | None, random_model: dict[str, Any] | None = None) -> ModelConfig:
+    """A model's hyperparameters without its weights (sizing a KV pool before loading it): a
+    checkpoint directory's or a GGUF's (converting it once, as loading would), or the random
+    model's with ``random_model``'s overrides when ``path`` is None.
+
+    Raises:
+        CheckpointError: as ``load_checkpoint``.
+    """
+    if path is None:
+        return replace(ModelConfig(), **(random_model or {}))
+    return _read_config(checkpoint_dir(path))
+
+
+def _read_config(root: Path) -> ModelConfig:
+    if not (root / "config.json").is_file():
+        ggufs = sorted(p.name for p in root.glob("*.gguf"))
+        hint = f" (it holds {', '.join(ggufs)}: pass the .gguf file itself)" if ggufs else ""
+        raise CheckpointError(f"{root} has no config.json{hint}")
+    gen_path = root / "generation_config.json"
+    generation = _read_json(gen_path) if gen_path.is_file() else None
+    return ModelConfig.from_hf(_read_json(root / "config.json"), generation)
+
+
+def _load_dir(root: Path, model_id: str | None) -> Checkpoint:
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    root = Path(path)
-    if not root.is_dir():
-        raise CheckpointError(f"model directory {root} does not exist")
-    if not (root / "config.json").is_file():
-        raise CheckpointError(f"{root} has no config.json")
-    raw_cfg = _read_json(root / "config.json")
-    gen_path = root / "generation_config.json"
-    generation = _read_json(gen_path) if gen_path.is_file() else None
-    config = ModelConfig.from_hf(raw_cfg, generation)
+    config = _read_config(root)
     digest = hashlib.sha256((root / "config.json").read_bytes())
     weights: dict[str, torch.Tensor] = {}
     for f in _weight_files(root):
@@ -170,7 +221,7 @@ def load_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
             tokenizer = Tokenizer.from_file(str(root / "tokenizer.json"))
         except Exception as exc:  # the tokenizers library raises plain Exception subclasses
             raise CheckpointError(f"cannot read tokenizer.json: {exc}") from None
-    return Checkpoint(config, weights, tokenizer, f"{root.name}:{digest.hexdigest()[:16]}")
+    return Checkpoint(config, weights, tokenizer, model_id or f"{root.name}:{digest.hexdigest()[:16]}")
 
 
 def random_checkpoint(overrides: dict[str, Any] | None = None, seed: int = 0) -> Checkpoint:

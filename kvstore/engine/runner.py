@@ -104,7 +104,9 @@ class ModelRunner:
         for it in items:
             request = it.seq.request
             if request.params.prompt_logits and it.seq.index == 0:
-                have = sum(c.shape[0] for c in request.prompt_logit_chunks)
+                if not request.prompt_logit_chunks:  # the first row computed: after the cached prefix
+                    request.prompt_logits_start = it.start
+                have = request.prompt_logits_start + sum(c.shape[0] for c in request.prompt_logit_chunks)
                 lo, hi = max(have, it.start), min(request.num_prompt_tokens, it.start + it.num_tokens)
                 if lo < hi:
                     part = hidden[offset + lo - it.start : offset + hi - it.start]

@@ -24,8 +24,14 @@ class SamplingParams:
         n: independent samples of the prompt; they share the prompt's KV blocks.
         stop_token_ids: more tokens that end a sample (the stop token is kept in the output).
         ignore_eos: keep generating past the model's EOS.
-        prompt_logits: also return the prompt's logits (float32 ``[num_prompt_tokens, vocab]``,
-            row t predicts token t + 1); the prompt is then computed, not read from the cache.
+        prompt_logits: also return the logits of the prompt rows this request computes (float32
+            ``[num_prompt_tokens - start, vocab]`` with ``RequestOutput.prompt_logits_start`` =
+            start; row t predicts token start + t + 1). By default such a request reads no cache,
+            so start is 0 and every prompt row is there.
+        skip_reading_prefix_cache: compute the whole prompt, reading no cached prefix (its blocks
+            are still stored for later requests); None (default): True exactly when
+            ``prompt_logits`` is. False with ``prompt_logits``: the logits of the rows after the
+            cached prefix only (scoring a continuation of a cached context).
     """
 
     max_tokens: int = 16
@@ -37,6 +43,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default=())
     ignore_eos: bool = False
     prompt_logits: bool = False
+    skip_reading_prefix_cache: bool | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens <= 0:
@@ -52,11 +59,19 @@ class SamplingParams:
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
                                       or not SEED_MIN <= self.seed <= SEED_MAX):
             raise ValueError(f"seed must be an int in [{SEED_MIN}, {SEED_MAX}], got {self.seed!r}")
+        if self.skip_reading_prefix_cache is not None and not isinstance(self.skip_reading_prefix_cache, bool):
+            raise ValueError(f"skip_reading_prefix_cache must be a bool or None, got {self.skip_reading_prefix_cache!r}")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def reads_prefix_cache(self) -> bool:
+        """Whether the request starts from its cached prefix (see ``skip_reading_prefix_cache``)."""
+        skip = self.prompt_logits if self.skip_reading_prefix_cache is None else self.skip_reading_prefix_cache
+        return not skip
 
 
 def make_generator(params: SamplingParams, index: int) -> torch.Generator | None:

@@ -178,7 +178,7 @@ class Scheduler:
 
     def _admit(self, seq: Sequence) -> bool:
         """Give ``seq`` its cached prefix (device hits now, lower tiers by fetch); False: no room."""
-        caching = self.block_keys is not None and not seq.request.params.prompt_logits
+        caching = self.block_keys is not None and seq.request.params.reads_prefix_cache
         stages = seq.request.metrics.stages
         t0 = time.perf_counter()
         keys = self.ensure_keys(seq, seq.num_tokens // self.block_size) if caching else []

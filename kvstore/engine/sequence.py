@@ -77,6 +77,7 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     prompt_logits: torch.Tensor | None = None
+    prompt_logits_start: int = 0  # the prompt position of prompt_logits' first row
 
     @property
     def token_ids(self) -> list[int]:
@@ -159,6 +160,7 @@ class Request:
         # (later admissions find its own blocks again, which are no cache hits)
         self.first_pass = True
         self.prompt_logit_chunks: list[torch.Tensor] = []
+        self.prompt_logits_start = 0
 
     @property
     def finished(self) -> bool:
@@ -171,4 +173,5 @@ class Request:
             text = tokenizer.decode(ids) if tokenizer is not None else None
             outs.append(CompletionOutput(s.index, ids, text, s.finish_reason))
         logits = torch.cat(self.prompt_logit_chunks) if self.prompt_logit_chunks else None
-        return RequestOutput(self.request_id, self.prompt_token_ids, outs, self.finished, self.metrics, logits)
+        return RequestOutput(self.request_id, self.prompt_token_ids, outs, self.finished, self.metrics, logits,
+                             self.prompt_logits_start)

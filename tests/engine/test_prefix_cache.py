@@ -313,3 +313,45 @@ def test_a_second_engine_on_the_same_store_hits_what_the_first_computed(
     finally:
         second.close()
         first.close()
+
+
+def test_skip_reading_prefix_cache_computes_the_whole_prompt_and_still_stores_it(
+        llama_dir: Path, expected: list[list[int]]) -> None:
+    llm = make_engine(llama_dir)
+    try:
+        skip = SamplingParams(max_tokens=GREEDY.max_tokens, temperature=0.0, ignore_eos=True,
+                              skip_reading_prefix_cache=True)
+        llm.generate(LONG, GREEDY)  # cached on the device now
+        outs = llm.generate(LONG, skip)
+        assert [o.token_ids for o in outs] == expected
+        assert [sum(o.metrics.cached_tokens.values()) for o in outs] == [0, 0, 0]
+        assert [o.metrics.num_computed_tokens for o in outs] == [len(p) for p in LONG]
+        llm.evict_device_cache()  # a skipping request still stores what it computed: host hits now
+        again = llm.generate(LONG, GREEDY)
+        assert [o.metrics.cached_tokens["host"] for o in again] == [4 * full_blocks(p) for p in LONG]
+        llm.check_integrity()
+    finally:
+        llm.close()
+
+
+def test_prompt_logits_over_a_cached_prefix_are_the_rows_after_it(llama_dir: Path) -> None:
+    llm = make_engine(llama_dir)
+    try:
+        prompt = LONG[0]  # 29 tokens: 7 full blocks of 4
+        whole = llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0, prompt_logits=True))[0]
+        assert whole.prompt_logits_start == 0 and whole.prompt_logits is not None
+        assert whole.prompt_logits.shape[0] == len(prompt)  # reads no cache by default: every row
+        scored = SamplingParams(max_tokens=1, temperature=0.0, prompt_logits=True, skip_reading_prefix_cache=False)
+        part = llm.generate([prompt], scored)[0]
+        assert part.metrics.cached_tokens["device"] == 28
+        assert part.prompt_logits_start == 28 and part.prompt_logits is not None
+        torch.testing.assert_close(part.prompt_logits, whole.prompt_logits[28:], atol=1e-4, rtol=1e-4)
+        assert part.token_ids == whole.token_ids
+    finally:
+        llm.close()
+
+
+@pytest.mark.parametrize("bad", [1, "yes"])
+def test_skip_reading_prefix_cache_must_be_a_bool(bad: object) -> None:
+    with pytest.raises(ValueError, match="skip_reading_prefix_cache must be a bool or None"):
+        SamplingParams(skip_reading_prefix_cache=bad)  # type: ignore[arg-type]

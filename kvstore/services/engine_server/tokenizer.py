@@ -4,17 +4,29 @@ the chat template that turns messages into one prompt string.
 ``ByteTokenizer`` (the random model, which has no tokenizer.json): token id = one UTF-8 byte,
 0..255; ids 256 and up (the random model's vocabulary is larger) decode to nothing, and text
 that is not valid UTF-8 decodes with U+FFFD. ``HFTokenizer``: the checkpoint's tokenizer.json
-(via ``tokenizers``), and from tokenizer_config.json its ``chat_template``, ``bos_token``,
-``eos_token``. Without a chat template, ``PLAIN_TEMPLATE`` is used (docs/serving.md).
+(via ``tokenizers``), its ``bos_token`` and ``eos_token`` from tokenizer_config.json, and its chat
+template from the first of ``CHAT_TEMPLATE_SOURCES`` that has one. A GGUF model is read from its
+converted copy, which holds the GGUF's tokenizer and template in those files.
+
+Without a chat template, ``PLAIN_TEMPLATE`` is used (docs/serving.md): by design for the random
+model; for a checkpoint, ``load_tokenizer`` logs a warning at start, naming the files it looked in.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any
+
+log = logging.getLogger("kvstore.services.engine_server")
+
+# Where checkpoints keep their chat template, first match wins: transformers 5's save_pretrained
+# writes chat_template.jinja (and leaves tokenizer_config.json without one); processors of
+# transformers 4.4x wrote chat_template.json; older tokenizers keep it in tokenizer_config.json.
+CHAT_TEMPLATE_SOURCES = ("chat_template.jinja", "chat_template.json", "tokenizer_config.json")
 
 # Each message as "<|role|>\n" + content + "\n", then "<|assistant|>\n" to prompt the reply.
 # Turn k's prompt is a prefix of turn k+1's, so a conversation's earlier turns are cache hits.
@@ -71,22 +83,13 @@ class HFTokenizer(ServeTokenizer):
     """A checkpoint's tokenizer.json; plain prompts get its special tokens (BOS), as the engine's."""
 
     kind = "hf"
+    chat_template_source: Path | None = None  # the file the template came from
 
     def __init__(self, model_dir: str | Path, tokenizer: Any) -> None:
         self.path = (Path(model_dir) / "tokenizer.json").resolve()
         self.tokenizer = tokenizer
-        config_path = Path(model_dir) / "tokenizer_config.json"
-        config: dict[str, Any] = {}
-        if config_path.is_file():
-            try:
-                config = json.loads(config_path.read_text())
-            except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-                raise ValueError(f"cannot read {config_path}: {exc}") from None
-        template = config.get("chat_template")
-        if isinstance(template, list):  # named templates: [{"name": "default", "template": "..."}]
-            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-            template = named.get("default")
-        self.chat_template = template if isinstance(template, str) else None
+        config = _read_json(Path(model_dir) / "tokenizer_config.json") or {}
+        self.chat_template, self.chat_template_source = find_chat_template(model_dir)
         self.bos_token = _token_text(config.get("bos_token"))
         self.eos_token = _token_text(config.get("eos_token"))
 
@@ -115,19 +118,76 @@ def utf8(text: str) -> bytes:
                          f"at character {exc.start}") from None
 
 
+def find_chat_template(model_dir: str | Path) -> tuple[str | None, Path | None]:
+    """A checkpoint directory's chat template and the file it came from, (None, None) if it has
+    none; see ``CHAT_TEMPLATE_SOURCES``.
+
+    Raises:
+        ValueError: a file that should hold the template cannot be read or parsed.
+    """
+    for name in CHAT_TEMPLATE_SOURCES:
+        path = Path(model_dir) / name
+        if not path.is_file():
+            continue
+        if name.endswith(".jinja"):
+            try:
+                template: Any = path.read_text()
+            except (OSError, UnicodeDecodeError) as exc:
+                raise ValueError(f"cannot read {path}: {exc}") from None
+        else:
+            template = (_read_json(path) or {}).get("chat_template")
+        if isinstance(template, list):  # named templates: [{"name": "default", "template": "..."}]
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+            template = named.get("default")
+        if isinstance(template, str) and template.strip():
+            return template, path.resolve()
+    return None, None
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"cannot read {path}: {exc}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a JSON object")
+    return data
+
+
 def _token_text(value: Any) -> str | None:
     if isinstance(value, dict):  # {"content": "<s>", "lstrip": false, ...}
         value = value.get("content")
     return value if isinstance(value, str) else None
 
 
-def load_tokenizer(model_dir: str | Path | None, engine_tokenizer: Any) -> ServeTokenizer:
-    """The tokenizer of a served engine: the checkpoint's, or bytes for the random model."""
-    if model_dir is None:
+def load_tokenizer(model: str | Path | None, engine_tokenizer: Any) -> ServeTokenizer:
+    """The tokenizer of a served engine: the checkpoint's, or bytes for the random model.
+
+    Args:
+        model: the engine's model: a checkpoint directory, a GGUF file (read from its converted
+            copy, which the engine has built), or None for the random model.
+        engine_tokenizer: the engine's ``tokenizers.Tokenizer`` (None: the checkpoint has none).
+
+    Raises:
+        ValueError: the checkpoint has no tokenizer, or a tokenizer or template file is unreadable.
+    """
+    if model is None:
         return ByteTokenizer()
+    from kvstore.engine.loader import checkpoint_dir
+
+    model_dir = checkpoint_dir(model)
     if engine_tokenizer is None:
-        raise ValueError(f"{model_dir} has no tokenizer.json; the server needs one for text prompts")
-    return HFTokenizer(model_dir, engine_tokenizer)
+        raise ValueError(f"{model} has no tokenizer (tokenizer.json); the server needs one for text prompts")
+    tokenizer = HFTokenizer(model_dir, engine_tokenizer)
+    if tokenizer.chat_template is None:
+        log.warning("%s has no chat template (looked in %s); /v1/chat/completions renders messages with "
+                    "the plain template (<|role|> lines, docs/serving.md), which a chat model was not "
+                    "trained on", model, ", ".join(CHAT_TEMPLATE_SOURCES))
+    else:
+        log.info("chat template of %s: %s", model, tokenizer.chat_template_source)
+    return tokenizer
 
 
 _templates: dict[str, Any] = {}

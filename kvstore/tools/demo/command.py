@@ -21,10 +21,10 @@ def run(args: argparse.Namespace) -> int:
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("demo", help="multi-turn chat workload showing blocks move between tiers")
     parser.add_argument("--data-dir", default="./.kvstore", help="where the disk tier lives (default ./.kvstore)")
-    parser.add_argument("--users", type=int, default=6, help="concurrent conversations (default 6)")
-    parser.add_argument("--turns", type=int, default=6, help="turns per conversation (default 6)")
-    parser.add_argument("--host-blocks", type=int, default=48, help="host tier capacity in blocks (default 48)")
-    parser.add_argument("--disk-blocks", type=int, default=2048, help="disk tier capacity in blocks (default 2048)")
+    parser.add_argument("--users", type=int, default=3, help="conversations (default 3)")
+    parser.add_argument("--turns", type=int, default=4, help="turns per conversation (default 4)")
+    parser.add_argument("--host-blocks", type=int, default=32, help="host tier capacity in blocks (default 32)")
+    parser.add_argument("--disk-blocks", type=int, default=512, help="disk tier capacity in blocks (default 512)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--fresh", action="store_true", help="start from an empty disk tier")
     parser.add_argument("--store-only", action="store_true",
