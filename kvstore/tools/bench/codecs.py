@@ -123,7 +123,8 @@ def bench_disk_read(blocks: torch.Tensor, repeat: int, workdir: Path) -> dict[st
 def bench_ttft(prompt_tokens: int, repeat: int, workdir: Path) -> dict[str, Any]:
     """TTFT of a prompt whose prefix sits only on disk (page cache dropped), raw vs int8."""
     from kvstore.engine.llm import LLMEngine
-    from kvstore.tools.bench.engine import BENCH_MODEL, BLOCK, ttft
+    from kvstore.tools.bench.engine import BLOCK, ttft
+    from kvstore.tools.bench.models import RANDOM_BENCH_MODEL as BENCH_MODEL
 
     prompt = torch.randint(0, int(BENCH_MODEL["vocab_size"]), (prompt_tokens,),
                            generator=torch.Generator().manual_seed(1)).tolist()

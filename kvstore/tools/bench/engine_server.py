@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import re
 import subprocess
 import sys
@@ -27,6 +26,7 @@ import torch
 
 from kvstore.engine.sampling import SamplingParams
 from kvstore.tools.bench.harness import ratio_text
+from kvstore.tools.bench.models import BenchModel
 
 NUM_CONCURRENT = 32
 SHORT_PROMPT, SHORT_TOKENS = 8, 16
@@ -67,14 +67,14 @@ def _first_event_s(client: Any, url: str, prompt: list[int]) -> float:
     return seconds
 
 
-def bench_served(args: Any, engine: Callable[..., Any], model: dict[str, Any], block: int,
+def bench_served(args: Any, engine: Callable[..., Any], model: BenchModel, block: int,
                  pool_bytes: int) -> dict[str, Any]:
     """Run both measurements; ``engine(args, **kw)`` builds the in-process engine (kvstore/tools/bench/engine.py)."""
     import httpx
 
-    vocab = int(model["vocab_size"])
+    vocab = model.vocab_size
     prompt = torch.randint(0, vocab, (args.prompt_tokens,), generator=torch.Generator().manual_seed(5)).tolist()
-    server = _Server(["--random-model", "--random-config", json.dumps(model), "--block-size", str(block),
+    server = _Server([*model.server_args(), "--block-size", str(block),
                       "--kv-cache", str(pool_bytes), "--host-mem", "0", "--max-num-batched-tokens", "4096",
                       "--device", args.device])
     llm = engine(args, host_bytes=0)

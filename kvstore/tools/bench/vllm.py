@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from kvstore.services.common.argtypes import positive
-from kvstore.tools.bench.engine import BENCH_MODEL
 from kvstore.tools.bench.harness import drop_page_cache, machine, write_section
+from kvstore.tools.bench.models import RANDOM_BENCH_MODEL as BENCH_MODEL
 
 BLOCK = 128  # vLLM's CPU block
 
