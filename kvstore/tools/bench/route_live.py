@@ -1,8 +1,9 @@
 """``kvstore bench route-live``: TTFT of a multi-turn chat workload through ``kvstore route``
-over real ``kvstore engine --random-model`` replicas, cache_aware against round_robin.
+over real ``kvstore engine`` replicas, cache_aware against round_robin.
 
-Three replica processes (a small random Llama, so a CPU prefill of a conversation takes a
-fraction of a second) and, per run, one router process with the policy under test. The
+Three replica processes, each serving SmolLM2-135M-Instruct by default (``--model`` another
+checkpoint; ``--random-model`` a small random Llama, whose CPU prefill of a conversation takes a
+fraction of a second), and, per run, one router process with the policy under test. The
 workload: ``conversations`` chats in parallel, ``turns`` turns each, every turn's prompt the
 whole conversation so far (a distinct system prompt, then user/assistant turns); TTFT is the
 time from sending a streamed request to its first token, measured by the official ``openai``
@@ -14,7 +15,6 @@ is left out of the TTFT figures.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import signal
@@ -27,11 +27,14 @@ from typing import Any
 
 import numpy as np
 
+from kvstore.engine.loader import CheckpointError
 from kvstore.services.common.argtypes import positive
+from kvstore.tools.bench.models import BenchModel, add_model_arguments
 from kvstore.tools.testing.ports import free_port_pair
 
-MODEL = {"num_layers": 4, "hidden_size": 256, "intermediate_size": 512, "num_heads": 4, "num_kv_heads": 2,
-         "head_dim": 64, "vocab_size": 512}
+RANDOM_MODEL = {"num_layers": 4, "hidden_size": 256, "intermediate_size": 512, "num_heads": 4, "num_kv_heads": 2,
+                "head_dim": 64, "vocab_size": 512}
+SERVED_NAME = "bench"  # every replica serves its model under this name
 
 
 class _Process:
@@ -74,7 +77,7 @@ def _chat(url: str, salt: str, conversation: int, turns: int, max_tokens: int) -
     for turn in range(turns):
         messages.append({"role": "user", "content": f"Question {turn}: how does a prefix cache help here? " * 4})
         started = time.perf_counter()
-        stream: Any = client.chat.completions.create(model="random", messages=messages, max_tokens=max_tokens,
+        stream: Any = client.chat.completions.create(model=SERVED_NAME, messages=messages, max_tokens=max_tokens,
                                                      temperature=0, stream=True)
         first, text = None, []
         for chunk in stream:  # a chat stream opens with a role chunk (before prefill): skip it
@@ -103,14 +106,20 @@ def run_once(replicas: list[_Process], policy: str, salt: str, args: argparse.Na
 def run(args: argparse.Namespace) -> int:
     from kvstore.tools.bench.harness import machine, write_section
 
-    print(f"starting {args.replicas} replicas ...", flush=True)
+    try:
+        model = BenchModel.from_args(args, random=RANDOM_MODEL)
+        args.model_description = model.describe()
+    except CheckpointError as exc:
+        print(f"kvstore bench route-live: {exc}", file=sys.stderr)
+        return 2
+    print(f"starting {args.replicas} replicas of {model.name} ...", flush=True)
     replicas: list[_Process] = []
     try:
         ports = [free_port_pair() for _ in range(args.replicas)]
         with ThreadPoolExecutor(args.replicas) as pool:
             replicas = list(pool.map(lambda port: _Process(
-                ["engine", "--random-model", "--random-config", json.dumps(MODEL), "--port", "0",
-                 "--kv-events", f"tcp://127.0.0.1:{port}", "--kv-cache", "64MiB", "--host-mem", "0"],
+                ["engine", *model.server_args(), "--served-model-name", SERVED_NAME, "--port", "0",
+                 "--kv-events", f"tcp://127.0.0.1:{port}", "--kv-cache", args.kv_cache, "--host-mem", "0"],
                 "kvstore engine"), ports))
         results: dict[str, list[list[float]]] = {"cache_aware": [], "round_robin": []}
         for i in range(args.repeat):
@@ -135,8 +144,9 @@ def render(results: dict[str, list[list[float]]], args: argparse.Namespace, wher
     p90s = [np.percentile(b, 90) / np.percentile(a, 90) for a, b in zip(aware, rr, strict=True)]
     lines = [
         "## Cache-aware routing, live (`kvstore bench route-live`)", "",
-        f"Machine: {where}. {args.replicas} `kvstore engine --random-model` replicas (4 layers, hidden 256, "
-        f"fp32 on CPU, block 16) behind `kvstore route`; {args.conversations} chats in parallel, {args.turns} "
+        f"Machine: {where}. {args.replicas} `kvstore engine` replicas of {args.model_description}, fp32 on CPU, "
+        f"block 16, a {args.kv_cache} device pool, no host tier, behind `kvstore route`; {args.conversations} "
+        f"chats in parallel, {args.turns} "
         f"turns each (every prompt the whole conversation so far, {args.max_tokens} tokens out per turn), "
         "streamed through the `openai` client; TTFT = time to the first token (the first chunk after the opening role chunk), turns after the first. "
         f"Policies alternate, fresh prompts each run, {args.repeat} runs each.", "",
@@ -153,7 +163,9 @@ def render(results: dict[str, list[list[float]]], args: argparse.Namespace, wher
 
 def register_target(targets: argparse._SubParsersAction) -> None:
     p = targets.add_parser("route-live", help="TTFT through kvstore route over live replicas, cache_aware vs round_robin")
+    add_model_arguments(p)
     p.add_argument("--replicas", type=positive(int), default=3, help="engine replicas (default 3)")
+    p.add_argument("--kv-cache", default="128MiB", help="each replica's device KV pool (default 128MiB)")
     p.add_argument("--conversations", type=positive(int), default=6, help="chats in parallel (default 6)")
     p.add_argument("--turns", type=positive(int), default=5, help="turns per chat (default 5)")
     p.add_argument("--max-tokens", type=positive(int), default=8, help="tokens generated per turn (default 8)")
