@@ -11,6 +11,7 @@ ignores them when it renders the page:
     redis-cluster=PORT     a real local Redis Cluster (kvstore.tools.testing.redis_local: 3 primaries and 3
                            replicas) on PORT .. PORT+5
     engine                 a real ``kvstore engine --random-model --port 8000`` (small sizes)
+    smollm2-engine         a real ``kvstore engine --port 8000``: the default model, SmolLM2
 
 A block that needs something else gets a new word and a fixture below, never a skip.
 Each ```` ```sh ```` line that runs ``kvstore ...`` must parse with the real command line
@@ -31,6 +32,9 @@ from pathlib import Path
 import pytest
 
 from kvstore.cli import build_parser
+from kvstore.engine.bundled import SMOLLM2_FILE, SMOLLM2_INSTALL, smollm2_gguf
+
+from factories import require
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -84,6 +88,11 @@ def running_engine(cwd: Path, _arg: str) -> AbstractContextManager[None]:
     return _running(cwd, "engine", ["--random-model", "--port", "8000", "--host-mem", "16MiB", "--kv-cache", "16MiB"])
 
 
+def running_smollm2_engine(cwd: Path, _arg: str) -> AbstractContextManager[None]:
+    require(smollm2_gguf(), f"{SMOLLM2_FILE} is not installed ({SMOLLM2_INSTALL})")
+    return _running(cwd, "engine", ["--port", "8000", "--host-mem", "64MiB", "--kv-cache", "64MiB"])
+
+
 @contextmanager
 def hf_checkpoint(cwd: Path, path: str) -> Iterator[None]:
     from kvstore.engine.loader import random_checkpoint, save_random_checkpoint
@@ -107,6 +116,7 @@ FIXTURES: dict[str, Callable[[Path, str], AbstractContextManager[None]]] = {
     "daemon": running_daemon,
     "hf-checkpoint": hf_checkpoint,
     "engine": running_engine,
+    "smollm2-engine": running_smollm2_engine,
     "redis-cluster": redis_cluster,
 }
 

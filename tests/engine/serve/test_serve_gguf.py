@@ -5,6 +5,9 @@ missing model fails (tests/factories.py)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -47,3 +50,24 @@ def test_a_chat_is_answered_by_the_model_and_its_next_turn_hits_the_cache(server
                                             max_tokens=12, temperature=0)
     assert "Rome" in second.choices[0].message.content, second.choices[0].message.content
     assert second.usage.prompt_tokens_details.cached_tokens >= 32  # the first turn's full blocks
+
+
+@pytest.mark.parametrize(("content", "message"), [
+    (b"not a model at all", "is not a GGUF file"),
+    (None, "truncated"),  # SmolLM2's first MiB: a GGUF header whose tensors run past the end
+])
+def test_a_bad_gguf_is_a_one_line_error_and_exit_2(content: bytes | None, message: str, tmp_path: Path) -> None:
+    path = tmp_path / "model.gguf"
+    if content is None:
+        source = smollm2_gguf()
+        require(source, f"{SMOLLM2_FILE} is not installed ({SMOLLM2_INSTALL})")
+        assert source is not None
+        with open(source, "rb") as fh:
+            content = fh.read(1 << 20)
+    path.write_bytes(content)
+    proc = subprocess.run([sys.executable, "-m", "kvstore.cli", "engine", "--model", str(path), "--port", "0"],
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "KVSTORE_MODEL_CACHE": str(tmp_path / "models")})
+    assert proc.returncode == 2, proc.stderr
+    assert message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.startswith("kvstore engine: ")
