@@ -59,6 +59,7 @@ class InstalledWheel:
     install_seconds: dict[str, float] = field(default_factory=dict)
     # `kvstore engine` (no model flag) run before the default model was installed
     without_model: subprocess.CompletedProcess[str] | None = None
+    pip_check_before_model: subprocess.CompletedProcess[str] | None = None
 
     @property
     def python(self) -> Path:
@@ -118,6 +119,8 @@ def install(work: Path) -> InstalledWheel:
     t = time.monotonic()
     run([*pip, f"{wheel}[test]"], cwd=outside, timeout=1800)
     seconds["wheel[test]"] = time.monotonic() - t
+    installed.pip_check_before_model = subprocess.run([installed.python, "-m", "pip", "check"], cwd=outside,
+                                                      env=clean_env(), capture_output=True, text=True, timeout=120)
     # `kvstore engine` with no model flag before the default model is installed: a clear error
     installed.without_model = subprocess.run(
         [str(installed.bin("kvstore")), "engine", "--port", "0"], cwd=outside, env=clean_env(),
