@@ -23,6 +23,7 @@ from types import ModuleType
 import torch
 
 from kvstore.kernels import reference
+from kvstore.kernels.pages import PAGE_CODES, packed_head_dim, page_views
 
 KERNELS = (  # the public functions that dispatch to Triton or the reference
     "dequantize_fp8",
@@ -35,10 +36,13 @@ KERNELS = (  # the public functions that dispatch to Triton or the reference
 )
 __all__ = [
     "KERNELS",
+    "PAGE_CODES",
     "dequantize_fp8",
     "dequantize_int8",
     "gather_blocks",
     "kernel_backend",
+    "packed_head_dim",
+    "page_views",
     "paged_decode_attention",
     "paged_prefill_attention",
     "scatter_blocks",
@@ -91,6 +95,8 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,
     max_seq_len: int | None = None,
     split_k: bool | None = None,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one new query row per sequence over its paged KV (grouped-query).
 
@@ -110,6 +116,12 @@ def paged_decode_attention(
             device sync; defaults to ``max_blocks * block_size``.
         split_k: force (True) or forbid (False) the split-K kernel; None picks it for long
             contexts on an under-filled GPU. The reference ignores it.
+        k_scales: quantized pages (``PAGE_CODES``): ``k_cache``/``v_cache`` then hold codes
+            (int8 or float8_e4m3fn) and ``k_scales``/``v_scales`` ``[num_blocks, block_size,
+            kv_heads]`` (float16/float32, may be strided) one scale per token row; each value is
+            its code times its row's scale, decoded as it is read (no page is decoded whole).
+            ``q`` is then any float dtype.
+        v_scales: the V scales, with ``k_scales``.
 
     Returns:
         ``[num_seqs, num_heads, head_dim]`` in ``q``'s dtype.
@@ -121,9 +133,11 @@ def paged_decode_attention(
     if _use_triton(q.device):
         launcher = _triton_module("decode_attention").paged_decode_attention
         return launcher(
-            q, k_cache, v_cache, block_tables, seq_lens, scale, out=out, max_seq_len=max_seq_len, split_k=split_k
+            q, k_cache, v_cache, block_tables, seq_lens, scale, out=out, max_seq_len=max_seq_len, split_k=split_k,
+            k_scales=k_scales, v_scales=v_scales,
         )
-    return reference.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, out=out)
+    return reference.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, out=out,
+                                            k_scales=k_scales, v_scales=v_scales)
 
 
 def paged_prefill_attention(
@@ -137,6 +151,8 @@ def paged_prefill_attention(
     *,
     out: torch.Tensor | None = None,
     max_query_len: int | None = None,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of several sequences' new rows over their cached prefix and themselves.
 
@@ -154,6 +170,8 @@ def paged_prefill_attention(
         scale: softmax scale.
         out: optional output like ``q``.
         max_query_len: host-side max of the new-row counts; computing it otherwise syncs.
+        k_scales: quantized pages, as for ``paged_decode_attention``.
+        v_scales: the V scales, with ``k_scales``.
 
     Returns:
         ``[total_new_tokens, num_heads, head_dim]`` in ``q``'s dtype.
@@ -165,12 +183,13 @@ def paged_prefill_attention(
     args = (q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale)
     if _use_triton(q.device):
         launcher = _triton_module("prefill_attention").paged_prefill_attention
-        return launcher(*args, out=out, max_query_len=max_query_len)
-    return reference.paged_prefill_attention(*args, out=out)
+        return launcher(*args, out=out, max_query_len=max_query_len, k_scales=k_scales, v_scales=v_scales)
+    return reference.paged_prefill_attention(*args, out=out, k_scales=k_scales, v_scales=v_scales)
 
 
 def store_kv(
-    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    *, k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None,
 ) -> None:
     """Write new K/V rows of one layer into their slots.
 
@@ -181,13 +200,20 @@ def store_kv(
         v_cache: the layer's V view.
         slot_mapping: ``[num_tokens]`` int64, ``slot = block_id * block_size + offset``; -1 skips
             the token. Slots must be distinct.
+        k_scales: quantized pages (see ``paged_decode_attention``): each new row (any float
+            dtype) is quantized as it is written, one scale per (token, head) row: amax / QMAX
+            (127 for int8, 448 for float8_e4m3fn) rounded up to the scale dtype, so no value
+            clips; the codes go to the cache, the scales here. ``reference.quantize_rows`` is
+            the definition.
+        v_scales: the V scales, with ``k_scales``.
 
     Raises:
         ValueError: a shape, dtype or device does not fit (on CPU also: a slot out of range).
     """
     if _use_triton(k_cache.device):
-        return _triton_module("cache_write").store_kv(key, value, k_cache, v_cache, slot_mapping)
-    return reference.store_kv(key, value, k_cache, v_cache, slot_mapping)
+        return _triton_module("cache_write").store_kv(key, value, k_cache, v_cache, slot_mapping,
+                                                       k_scales=k_scales, v_scales=v_scales)
+    return reference.store_kv(key, value, k_cache, v_cache, slot_mapping, k_scales=k_scales, v_scales=v_scales)
 
 
 def gather_blocks(pool: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -12,6 +12,9 @@ import contextlib
 import torch
 
 ATTENTION_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# quantized pages: one code per value, one scale per (token, head) row (kernels.PAGE_CODES)
+CODE_DTYPES = (torch.int8, torch.float8_e4m3fn)
+SCALE_DTYPES = (torch.float16, torch.float32)
 
 
 def check_tensor(name: str, t: object, ndim: int, dtypes: tuple[torch.dtype, ...]) -> torch.Tensor:
@@ -31,14 +34,27 @@ def check_same_device(**tensors: torch.Tensor) -> None:
         raise ValueError(f"tensors must share one device, got {devices}")
 
 
-def check_paged_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int, int, int]:
-    """Check one layer's K and V views ``[num_blocks, block_size, kv_heads, head_dim]``.
+def check_paged_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scales: torch.Tensor | None = None,
+                      v_scales: torch.Tensor | None = None) -> tuple[int, int, int, int]:
+    """Check one layer's K and V views ``[num_blocks, block_size, kv_heads, head_dim]``: float
+    values, or, with ``k_scales``/``v_scales`` ``[num_blocks, block_size, kv_heads]``, codes.
 
     Returns:
         ``(num_blocks, block_size, num_kv_heads, head_dim)``.
     """
-    check_tensor("k_cache", k_cache, 4, ATTENTION_DTYPES)
-    check_tensor("v_cache", v_cache, 4, ATTENTION_DTYPES)
+    if (k_scales is None) != (v_scales is None):
+        raise ValueError("k_scales and v_scales go together: both (quantized pages) or neither")
+    dtypes = ATTENTION_DTYPES if k_scales is None else CODE_DTYPES
+    check_tensor("k_cache", k_cache, 4, dtypes)
+    check_tensor("v_cache", v_cache, 4, dtypes)
+    for name, scales in (("k_scales", k_scales), ("v_scales", v_scales)):
+        if scales is None:
+            continue
+        check_tensor(name, scales, 3, SCALE_DTYPES)
+        if tuple(scales.shape) != tuple(k_cache.shape[:3]):
+            raise ValueError(f"{name} shape {tuple(scales.shape)} must be {tuple(k_cache.shape[:3])} "
+                             "(one scale per token and KV head of the cache)")
+        check_same_device(k_cache=k_cache, **{name: scales})
     if k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype:
         raise ValueError(
             f"k_cache {tuple(k_cache.shape)} {k_cache.dtype} and v_cache {tuple(v_cache.shape)} "
@@ -59,7 +75,7 @@ def check_query(name: str, q: torch.Tensor, k_cache: torch.Tensor) -> tuple[int,
     check_same_device(**{name: q, "k_cache": k_cache})
     rows, num_heads, head_dim = q.shape
     num_kv_heads, cache_head_dim = k_cache.shape[2], k_cache.shape[3]
-    if q.dtype != k_cache.dtype:
+    if q.dtype != k_cache.dtype and k_cache.dtype not in CODE_DTYPES:
         raise ValueError(f"{name} dtype {q.dtype} must equal the cache dtype {k_cache.dtype}")
     if head_dim != cache_head_dim:
         raise ValueError(f"{name} head_dim {head_dim} must equal the cache head_dim {cache_head_dim}")
@@ -166,12 +182,14 @@ def check_cu_seqlens(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, total_t
 
 
 def check_store_kv(
-    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None,
 ) -> None:
-    """Check new rows ``[num_tokens, kv_heads, head_dim]`` and their int64 slots against the cache."""
-    num_blocks, block_size, num_kv_heads, head_dim = check_paged_cache(k_cache, v_cache)
+    """Check new rows ``[num_tokens, kv_heads, head_dim]`` and their int64 slots against the cache
+    (float rows of any attention dtype for quantized pages, else the cache's dtype)."""
+    num_blocks, block_size, num_kv_heads, head_dim = check_paged_cache(k_cache, v_cache, k_scales, v_scales)
     for name, t in (("key", key), ("value", value)):
-        check_tensor(name, t, 3, (k_cache.dtype,))
+        check_tensor(name, t, 3, (k_cache.dtype,) if k_scales is None else ATTENTION_DTYPES)
         if tuple(t.shape[1:]) != (num_kv_heads, head_dim) or t.shape[0] != key.shape[0]:
             raise ValueError(
                 f"{name} shape {tuple(t.shape)} must be [{key.shape[0]}, {num_kv_heads}, {head_dim}]"

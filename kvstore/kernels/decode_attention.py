@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from kvstore.kernels import _checks
+from kvstore.kernels._quant import decode_codes
 
 PARTITION_SIZE = 512  # tokens per split-K partition (a multiple of every tile size used here)
 _LOG2E = 1.4426950408889634
@@ -23,13 +24,14 @@ _LOG2E = 1.4426950408889634
 
 @triton.jit
 def _decode_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, lens_ptr, part_out_ptr, part_lse_ptr,
+    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, out_ptr, tables_ptr, lens_ptr, part_out_ptr, part_lse_ptr,
     scale_log2, num_heads, num_partitions,
     stride_qs, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+    stride_ksb, stride_kst, stride_ksh, stride_vsb, stride_vst, stride_vsh,
     stride_os, stride_oh, stride_table,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, PARTITION: tl.constexpr, SPLIT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, QUANT: tl.constexpr, FP8: tl.constexpr,
 ):  # fmt: skip
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -62,7 +64,10 @@ def _decode_kernel(
         block_ids = tl.load(table_row + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
         row_off = pos % BLOCK_SIZE
         kv_mask = valid[:, None] & dim_mask[None, :]  # masked rows may hold NaN garbage: never load them
-        k = tl.load(k_ptr + block_ids[:, None] * stride_kb + row_off[:, None] * stride_kt + kv_head * stride_kh + dims[None, :], mask=kv_mask, other=0.0)
+        k = tl.load(k_ptr + block_ids[:, None] * stride_kb + row_off[:, None] * stride_kt + kv_head * stride_kh + dims[None, :], mask=kv_mask, other=0)
+        if QUANT:  # codes times their row's scale, decoded in registers as they are read
+            k_scale = tl.load(ks_ptr + block_ids * stride_ksb + row_off * stride_kst + kv_head * stride_ksh, mask=valid, other=0.0)
+            k = (decode_codes(k, FP8) * k_scale.to(tl.float32)[:, None]).to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         s = tl.where(valid[None, :], s, float("-inf"))
         # The first tile of a non-empty range has a valid position, so m_new is finite from here on.
@@ -70,7 +75,10 @@ def _decode_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + block_ids[:, None] * stride_vb + row_off[:, None] * stride_vt + kv_head * stride_vh + dims[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_ptr + block_ids[:, None] * stride_vb + row_off[:, None] * stride_vt + kv_head * stride_vh + dims[None, :], mask=kv_mask, other=0)
+        if QUANT:
+            v_scale = tl.load(vs_ptr + block_ids * stride_vsb + row_off * stride_vst + kv_head * stride_vsh, mask=valid, other=0.0)
+            v = (decode_codes(v, FP8) * v_scale.to(tl.float32)[:, None]).to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
@@ -147,9 +155,11 @@ def paged_decode_attention(
     max_seq_len: int | None = None,
     split_k: bool | None = None,
     partition_size: int = PARTITION_SIZE,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton launcher of ``kernels.paged_decode_attention``; ``partition_size`` is for tests."""
-    num_blocks, block_size, num_kv_heads, head_dim = _checks.check_paged_cache(k_cache, v_cache)
+    num_blocks, block_size, num_kv_heads, head_dim = _checks.check_paged_cache(k_cache, v_cache, k_scales, v_scales)
     num_seqs, num_heads, _ = _checks.check_query("q", q, k_cache)
     _checks.check_block_table(block_tables, seq_lens, num_seqs, num_blocks, block_size)
     _checks.check_power_of_two_block(block_size)
@@ -175,16 +185,22 @@ def paged_decode_attention(
         part_out = torch.empty((num_seqs, num_heads, num_partitions, head_dim), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((num_seqs, num_heads, num_partitions), dtype=torch.float32, device=q.device)
     grid = (num_seqs, num_kv_heads, num_partitions if split_k else 1)
+    quant = k_scales is not None and v_scales is not None
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    if fp8:  # its bytes, read as int8 and decoded by their bit pattern (kernels/_quant.py)
+        k_cache, v_cache = k_cache.view(torch.int8), v_cache.view(torch.int8)
+    ks, vs = (k_scales, v_scales) if quant else (seq_lens, seq_lens)  # placeholders: unused unless QUANT
+    scale_strides = (*k_scales.stride(), *v_scales.stride()) if quant else (0,) * 6  # type: ignore[union-attr]
     with _checks.device_guard(q.device):
         _decode_kernel[grid](
-            q, k_cache, v_cache, out, block_tables, seq_lens, part_out, part_lse,
+            q, k_cache, v_cache, ks, vs, out, block_tables, seq_lens, part_out, part_lse,
             scale * _LOG2E, num_heads, num_partitions,
-            q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
+            q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], *scale_strides,
             out.stride(0), out.stride(1), block_tables.stride(0),
             GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
             HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=block_size, TILE_N=tile_n, PARTITION=partition_size,
             SPLIT=bool(split_k), DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-            num_warps=4,
+            QUANT=quant, FP8=fp8, num_warps=4,
         )  # fmt: skip
         if split_k:
             _reduce_kernel[(num_seqs, num_heads)](

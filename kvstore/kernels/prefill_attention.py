@@ -20,17 +20,20 @@ import triton
 import triton.language as tl
 
 from kvstore.kernels import _checks
+from kvstore.kernels._quant import decode_codes
 
 _LOG2E = 1.4426950408889634
 
 
 @triton.jit
 def _prefill_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, lens_ptr, cu_ptr, scale_log2,
+    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, out_ptr, tables_ptr, lens_ptr, cu_ptr, scale_log2,
     stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vh,
+    stride_sb, stride_st, stride_sh,
     stride_ot, stride_oh, stride_table,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, QUANT: tl.constexpr,
+    FP8: tl.constexpr,
 ):  # fmt: skip
     head = tl.program_id(0)
     m_block = tl.program_id(1)
@@ -68,7 +71,10 @@ def _prefill_kernel(
         block_ids = tl.load(table_row + pos // BLOCK_SIZE, mask=in_seq, other=0).to(tl.int64)
         kv_off = block_ids[:, None] * stride_kb + (pos % BLOCK_SIZE)[:, None] * stride_kt
         kv_mask = in_seq[:, None] & dim_mask[None, :]
-        k = tl.load(k_base + kv_off, mask=kv_mask, other=0.0)
+        k = tl.load(k_base + kv_off, mask=kv_mask, other=0)
+        if QUANT:  # codes times their row's scale, decoded in registers as they are read
+            s_off = block_ids * stride_sb + (pos % BLOCK_SIZE) * stride_st + kv_head * stride_sh
+            k = (decode_codes(k, FP8) * tl.load(ks_ptr + s_off, mask=in_seq, other=0.0).to(tl.float32)[:, None]).to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         if tile_start + BLOCK_N > unmasked_end:
             visible = (pos[None, :] <= (context_len + rows)[:, None]) & in_seq[None, :]
@@ -79,7 +85,9 @@ def _prefill_kernel(
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         # K and V strides match (check_paged_cache), so one offset serves both.
-        v = tl.load(v_base + kv_off, mask=kv_mask, other=0.0)
+        v = tl.load(v_base + kv_off, mask=kv_mask, other=0)
+        if QUANT:
+            v = (decode_codes(v, FP8) * tl.load(vs_ptr + s_off, mask=in_seq, other=0.0).to(tl.float32)[:, None]).to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
@@ -101,9 +109,11 @@ def paged_prefill_attention(
     max_query_len: int | None = None,
     block_m: int = 64,
     block_n: int = 64,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton launcher of ``kernels.paged_prefill_attention``; ``block_m``/``block_n`` are tile sizes."""
-    num_blocks, block_size, num_kv_heads, head_dim = _checks.check_paged_cache(k_cache, v_cache)
+    num_blocks, block_size, num_kv_heads, head_dim = _checks.check_paged_cache(k_cache, v_cache, k_scales, v_scales)
     total_tokens, num_heads, _ = _checks.check_query("q", q, k_cache)
     num_seqs = _checks.check_tensor("seq_lens", seq_lens, 1, (torch.int32,)).shape[0]
     _checks.check_block_table(block_tables, seq_lens, num_seqs, num_blocks, block_size)
@@ -113,6 +123,10 @@ def paged_prefill_attention(
     _checks.check_launchable(_prefill_kernel, q.device)
     if k_cache.stride() != v_cache.stride():
         raise ValueError(f"k_cache strides {k_cache.stride()} must equal v_cache strides {v_cache.stride()}")
+    quant = k_scales is not None and v_scales is not None
+    if quant and k_scales.stride() != v_scales.stride():  # type: ignore[union-attr]
+        raise ValueError(f"k_scales strides {k_scales.stride()} must equal v_scales strides "  # type: ignore[union-attr]
+                         f"{v_scales.stride()}")  # type: ignore[union-attr]
     for name, tile in (("block_m", block_m), ("block_n", block_n)):
         if tile < 16 or tile & (tile - 1):
             raise ValueError(f"{name} must be a power of two >= 16, got {tile}")
@@ -122,14 +136,19 @@ def paged_prefill_attention(
     if max_query_len is None:
         max_query_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())  # a host sync on CUDA
     grid = (num_heads, triton.cdiv(max_query_len, block_m), num_seqs)
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    if fp8:  # its bytes, read as int8 and decoded by their bit pattern (kernels/_quant.py)
+        k_cache, v_cache = k_cache.view(torch.int8), v_cache.view(torch.int8)
+    ks, vs = (k_scales, v_scales) if quant else (seq_lens, seq_lens)  # placeholders: unused unless QUANT
+    scale_strides = k_scales.stride() if quant else (0, 0, 0)  # type: ignore[union-attr]
     with _checks.device_guard(q.device):
         _prefill_kernel[grid](
-            q, k_cache, v_cache, out, block_tables, seq_lens, cu_seqlens_q, scale * _LOG2E,
-            q.stride(0), q.stride(1), *k_cache.stride()[:3], v_cache.stride(2),
+            q, k_cache, v_cache, ks, vs, out, block_tables, seq_lens, cu_seqlens_q, scale * _LOG2E,
+            q.stride(0), q.stride(1), *k_cache.stride()[:3], v_cache.stride(2), *scale_strides,
             out.stride(0), out.stride(1), block_tables.stride(0),
             GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
             BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n,
-            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", QUANT=quant, FP8=fp8,
             num_warps=4 if block_m <= 64 else 8,
         )  # fmt: skip
     return out

@@ -12,9 +12,46 @@ import torch.nn.functional as F
 
 from kvstore.kernels import _checks
 
+# Quantized pages: the largest code magnitude of each code dtype (int8: symmetric, fp8: e4m3fn).
+QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
+_FP16_MAX = 65504.0
 
-def _gather_paged(cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
-    """Gather each sequence's rows contiguous: ``[num_seqs, max_len, kv_heads, head_dim]`` (float32).
+
+def quantize_rows(x: torch.Tensor, code_dtype: torch.dtype,
+                  scale_dtype: torch.dtype = torch.float16) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize float rows ``x [..., head_dim]``: one scale per row (amax / QMAX, rounded *up* to
+    ``scale_dtype``, so no value clips) and a code per value. A zero row has scale 0 and codes 0.
+
+    Returns:
+        ``(codes, scales)``: ``codes`` like ``x`` in ``code_dtype``, ``scales`` ``x.shape[:-1]``.
+    """
+    qmax = QMAX[code_dtype]
+    xf = x.float()
+    ideal = xf.abs().amax(dim=-1) / qmax
+    scales = ideal.to(scale_dtype)
+    if scale_dtype != torch.float32:
+        low = scales.float() < ideal  # round up: for positive floats the next value is the next bit pattern
+        if bool(low.any()):
+            scales = scales.view(torch.int16).add_(low.to(torch.int16)).view(scale_dtype)
+        scales = scales.clamp_(max=_FP16_MAX) if scale_dtype == torch.float16 else scales
+    divisor = scales.float()
+    divisor = torch.where(divisor > 0, divisor, 1.0).unsqueeze(-1)
+    if code_dtype == torch.int8:
+        codes = (xf / divisor).round_().clamp_(-qmax, qmax).to(torch.int8)
+    else:
+        codes = (xf / divisor).clamp_(-qmax, qmax).to(code_dtype)
+    return codes, scales
+
+
+def dequantize_rows(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """float32 ``codes * scales[..., None]`` (codes int8 or float8_e4m3fn)."""
+    return codes.float().mul_(scales.float().unsqueeze(-1))
+
+
+def _gather_paged(cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                  scales: torch.Tensor | None = None) -> torch.Tensor:
+    """Gather each sequence's rows contiguous: ``[num_seqs, max_len, kv_heads, head_dim]`` (float32;
+    codes times their ``scales`` for quantized pages: only the rows a sequence reads are decoded).
 
     Rows past a sequence's length are zero: the slots behind them hold stale bytes (maybe inf or
     NaN), and a masked score times a NaN value would still poison the output.
@@ -31,6 +68,9 @@ def _gather_paged(cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: tor
     # index_select reads only the chosen blocks of the strided per-layer view; plain advanced
     # indexing (cache[table]) first materialises the whole layer slice of the pool.
     picked = cache.index_select(0, table.flatten()).view(num_seqs, num_cols, *cache.shape[1:])
+    if scales is not None:
+        picked_scales = scales.index_select(0, table.flatten()).view(num_seqs, num_cols, *scales.shape[1:])
+        picked = dequantize_rows(picked, picked_scales)
     rows = picked.float().flatten(1, 2)[:, :max_len]  # [num_seqs, max_len, kv_heads, head_dim]
     in_seq = torch.arange(max_len, device=rows.device) < lens[:, None]
     return torch.where(in_seq[:, :, None, None], rows, 0.0)
@@ -45,17 +85,19 @@ def paged_decode_attention(
     scale: float,
     *,
     out: torch.Tensor | None = None,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Reference of ``kernels.paged_decode_attention`` (one query row per sequence)."""
-    num_blocks, block_size, num_kv_heads, head_dim = _checks.check_paged_cache(k_cache, v_cache)
+    num_blocks, block_size, num_kv_heads, head_dim = _checks.check_paged_cache(k_cache, v_cache, k_scales, v_scales)
     num_seqs, num_heads, _ = _checks.check_query("q", q, k_cache)
     _checks.check_block_table(block_tables, seq_lens, num_seqs, num_blocks, block_size)
     out = _checks.check_out(out, q)
     if num_seqs == 0:
         return out
     group = num_heads // num_kv_heads
-    keys = _gather_paged(k_cache, block_tables, seq_lens).transpose(1, 2)  # [S, kvh, T, D]
-    values = _gather_paged(v_cache, block_tables, seq_lens).transpose(1, 2)
+    keys = _gather_paged(k_cache, block_tables, seq_lens, k_scales).transpose(1, 2)  # [S, kvh, T, D]
+    values = _gather_paged(v_cache, block_tables, seq_lens, v_scales).transpose(1, 2)
     if keys.shape[2] == 0:
         return out.zero_()
     # The `group` query heads sharing a KV head become `group` query rows of that head.
@@ -81,9 +123,11 @@ def paged_prefill_attention(
     scale: float,
     *,
     out: torch.Tensor | None = None,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Reference of ``kernels.paged_prefill_attention`` (causal over the cached prefix + new rows)."""
-    num_blocks, block_size, num_kv_heads, head_dim = _checks.check_paged_cache(k_cache, v_cache)
+    num_blocks, block_size, num_kv_heads, head_dim = _checks.check_paged_cache(k_cache, v_cache, k_scales, v_scales)
     total_tokens, num_heads, _ = _checks.check_query("q", q, k_cache)
     num_seqs = _checks.check_tensor("seq_lens", seq_lens, 1, (torch.int32,)).shape[0]
     _checks.check_block_table(block_tables, seq_lens, num_seqs, num_blocks, block_size)
@@ -97,8 +141,8 @@ def paged_prefill_attention(
         if q_len == 0:
             continue
         context_len = seq_len - q_len
-        keys = _gather_paged(k_cache, block_tables[i : i + 1], seq_lens[i : i + 1])[0].transpose(0, 1)
-        values = _gather_paged(v_cache, block_tables[i : i + 1], seq_lens[i : i + 1])[0].transpose(0, 1)
+        keys = _gather_paged(k_cache, block_tables[i : i + 1], seq_lens[i : i + 1], k_scales)[0].transpose(0, 1)
+        values = _gather_paged(v_cache, block_tables[i : i + 1], seq_lens[i : i + 1], v_scales)[0].transpose(0, 1)
         # New row r sits at absolute position context_len + r and sees positions [0, context_len + r].
         positions = torch.arange(seq_len, device=q.device)
         visible = positions[None, :] <= (context_len + torch.arange(q_len, device=q.device))[:, None]
@@ -117,12 +161,21 @@ def paged_prefill_attention(
 
 
 def store_kv(
-    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    *, k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None,
 ) -> None:
-    """Reference of ``kernels.store_kv``: row t goes to slot ``slot_mapping[t]`` (-1: skipped)."""
-    _checks.check_store_kv(key, value, k_cache, v_cache, slot_mapping)
+    """Reference of ``kernels.store_kv``: row t goes to slot ``slot_mapping[t]`` (-1: skipped);
+    with scales, quantized first (``quantize_rows``)."""
+    _checks.check_store_kv(key, value, k_cache, v_cache, slot_mapping, k_scales, v_scales)
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
+    if k_scales is not None and v_scales is not None:
+        block_size = k_cache.shape[1]
+        for cache, scales, rows in ((k_cache, k_scales, key[keep]), (v_cache, v_scales, value[keep])):
+            codes, row_scales = quantize_rows(rows, cache.dtype, scales.dtype)
+            cache[slots // block_size, slots % block_size] = codes
+            scales[slots // block_size, slots % block_size] = row_scales
+        return
     for cache, rows in ((k_cache, key[keep]), (v_cache, value[keep])):
         if _has_token_rows(cache):
             _token_rows(cache).index_copy_(0, _row_ids(cache, slots), rows)
