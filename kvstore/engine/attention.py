@@ -11,6 +11,14 @@ once per step, and each layer is then an ``index_copy_`` (new K/V into the pool)
 Rows: a layer's K view ``pool[:, layer, 0]`` is ``[num_blocks, block_size, kv_heads, head_dim]``
 with block stride ``pool.stride(0)``; seen as one row per token slot (``row_view``), slot
 ``b * block_size + o`` is row ``b * rows_per_block + o``, the same row id in every layer.
+
+Quantized pages (``kv_codes`` int8 or fp8; kvstore/kernels/pages.py): a row is a token's
+``[kv_heads, head_dim + 2]`` bytes of codes and scales. The new rows are quantized as they are
+written; the rows a step reads are decoded right after their ``index_select``, which copies
+them anyway (the float path copies the same rows): no page is decoded whole, and what the
+attention sees is exactly the reference kernels' decoded values. A prefill chunk with no cached
+context attends to its new K/V as the pool holds them (decoded pages, or a float pool's own
+dtype), as the kernels do, which read every key through the block table.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from kvstore import kernels
+from kvstore.kernels import pack_rows, unpack_rows
 
 
 def use_torch_path(device: torch.device) -> bool:
@@ -94,27 +103,40 @@ class StepPlan:
         return (slots // self.block_size) * self.rows_per_block + slots % self.block_size
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_rows: torch.Tensor,
-               v_rows: torch.Tensor, scale: float) -> torch.Tensor:
+               v_rows: torch.Tensor, scale: float, codes: torch.dtype | None = None) -> torch.Tensor:
         """Write the step's new ``k``/``v`` ``[n, kv_heads, head_dim]`` into one layer's row views
-        and return the attention output ``[n, num_heads, head_dim]`` of ``q``."""
+        (quantized pages' rows when ``codes`` names their code dtype) and return the attention
+        output ``[n, num_heads, head_dim]`` of ``q``."""
         sel = self.store_sel
+        if codes is not None:
+            k_new, v_new = pack_rows(k, codes), pack_rows(v, codes)
+        else:  # a float pool of another dtype than the model's (kv_cache_dtype) stores rounded rows
+            k_new, v_new = k.to(k_rows.dtype), v.to(v_rows.dtype)
         if sel is None:
-            k_rows.index_copy_(0, self.store_rows, k)
-            v_rows.index_copy_(0, self.store_rows, v)
+            k_rows.index_copy_(0, self.store_rows, k_new)
+            v_rows.index_copy_(0, self.store_rows, v_new)
         elif sel.numel():
-            k_rows.index_copy_(0, self.store_rows, k.index_select(0, sel))
-            v_rows.index_copy_(0, self.store_rows, v.index_select(0, sel))
+            k_rows.index_copy_(0, self.store_rows, k_new.index_select(0, sel))
+            v_rows.index_copy_(0, self.store_rows, v_new.index_select(0, sel))
+
+        def stored(rows: torch.Tensor) -> torch.Tensor:
+            """Rows as the pool holds them, as values (decoded pages; a float pool's own dtype)."""
+            return rows if codes is None else unpack_rows(rows, codes)
+
+        def read(rows: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+            return stored(rows.index_select(0, ids))
+
         num_heads, head_dim = q.shape[1:]
         num_kv_heads = k.shape[1]
         group = num_heads // num_kv_heads
-        # fp16/bf16 attend in float32, like the kernels' references
-        up = q.dtype != torch.float32
+        # fp16/bf16 attend in float32, like the kernels' references (decoded pages are float32)
+        up = q.dtype != torch.float32 or codes is not None or k_rows.dtype != q.dtype
         out = torch.empty_like(q)
         d = self.num_decode
         if d:
             assert self.decode_rows is not None
-            keys = k_rows.index_select(0, self.decode_rows).view(d, self.decode_len, num_kv_heads, head_dim)
-            values = v_rows.index_select(0, self.decode_rows).view(d, self.decode_len, num_kv_heads, head_dim)
+            keys = read(k_rows, self.decode_rows).view(d, self.decode_len, num_kv_heads, head_dim)
+            values = read(v_rows, self.decode_rows).view(d, self.decode_len, num_kv_heads, head_dim)
             # the `group` query heads of one KV head become `group` query rows of that head
             queries = q[:d].reshape(d, num_kv_heads, group, head_dim)
             if up:
@@ -129,7 +151,8 @@ class StepPlan:
                 # [1, heads, rows, head_dim]: 4-D, so the CPU takes its fused (flash) kernel; the
                 # math path (3-D) builds the whole rows x rows score matrix: 8x slower at 2,048 rows
                 queries = q[start:end].transpose(0, 1)[None]
-                keys, values = k[start:end].transpose(0, 1)[None], v[start:end].transpose(0, 1)[None]
+                keys, values = stored(k_new[start:end]), stored(v_new[start:end])
+                keys, values = keys.transpose(0, 1)[None], values.transpose(0, 1)[None]
                 if up:
                     queries, keys, values = queries.float(), keys.float(), values.float()
                 attn = F.scaled_dot_product_attention(queries, keys, values, is_causal=True, scale=scale,
@@ -137,7 +160,7 @@ class StepPlan:
                 out[start:end] = attn[0].transpose(0, 1)
             else:
                 assert mask is not None
-                keys, values = k_rows.index_select(0, rows), v_rows.index_select(0, rows)
+                keys, values = read(k_rows, rows), read(v_rows, rows)
                 # over a cached prefix, the `group` query heads of one KV head become `group`
                 # blocks of query rows of that head: its K/V are read as they are, not repeated;
                 # 4-D (a batch of one), so the CPU takes its fused (flash) kernel, not the math

@@ -15,6 +15,8 @@ from kvstore.settings import StoreSettings
 FETCH_POLICIES = ("auto", "always", "never")
 DEVICE_WRITE_POLICIES = ("write_through", "write_back")
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# "auto": the model's dtype; a float dtype; or quantized pages (kvstore/kernels/pages.py)
+KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "int8", "fp8")
 DEVICES = ("cpu", "cuda")
 
 
@@ -29,6 +31,13 @@ class EngineConfig:
         device: "cpu" or "cuda" (or "cuda:N").
         dtype: weights and KV dtype: float32, float16 or bfloat16.
         kv_cache_bytes: size of the device KV pool (the device tier).
+        kv_cache_dtype: what the device pool holds: "auto" (the model's ``dtype``), a float
+            dtype's name, or quantized pages: "int8" / "fp8" (e4m3), one code per value and a
+            float16 scale per (token, head) row beside its codes (kvstore/kernels/pages.py):
+            about 1.9x the tokens of float16 in the same bytes (3.9x of float32). The attention
+            decodes the codes as it reads them. Lossy: the store keeps the pages as they are
+            (bit for bit), under a namespace of their own (``model_id`` + ``+kv-int8``), so they
+            never meet another pool format's blocks.
         store_settings: the embedded store's tiers (kvstore.StoreSettings: sizes, disk path,
             codecs, write policy, promotion, remote tier); ``store_settings.host_bytes=0``: no
             lower tiers at all. Default: StoreSettings() (1 GiB of host RAM, nothing else).
@@ -63,6 +72,7 @@ class EngineConfig:
     device: str = "cpu"
     dtype: torch.dtype = torch.float32
     kv_cache_bytes: int = 1 << 28
+    kv_cache_dtype: str = "auto"
     store_settings: StoreSettings = field(default_factory=StoreSettings)
     fetch_policy: str = "auto"
     device_write_policy: str = "write_through"
@@ -94,6 +104,8 @@ class EngineConfig:
             object.__setattr__(self, "store_settings", replace(self.store_settings, **given))
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of float32/float16/bfloat16, got {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if str(self.device).split(":")[0] not in DEVICES:
             raise ConfigError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         if str(self.device).startswith("cuda") and not torch.cuda.is_available():
@@ -136,3 +148,17 @@ class EngineConfig:
             if changed:
                 raise ConfigError(f"store_settings {changed} apply to an embedded store; with store= the "
                                   "store's own settings hold (a daemon's: kvstore serve)")
+
+
+def pool_format(config: EngineConfig) -> tuple[torch.dtype, torch.dtype | None]:
+    """``(the pool tensor's dtype, the codes' dtype or None)`` of a config's ``kv_cache_dtype``:
+    a float pool holds values; a quantized one is uint8 bytes of codes and scales."""
+    from kvstore.kernels import PAGE_CODES
+    from kvstore.layout import DTYPES_BY_NAME
+
+    name = config.kv_cache_dtype
+    if name == "auto":
+        return config.dtype, None
+    if name in PAGE_CODES:
+        return torch.uint8, PAGE_CODES[name]
+    return DTYPES_BY_NAME[name], None

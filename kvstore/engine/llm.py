@@ -17,7 +17,7 @@ import torch
 from kvstore.api import BlockStore, KeyChain
 from kvstore.client.client import connect
 from kvstore.engine.block_manager import BlockManager
-from kvstore.engine.config import EngineConfig
+from kvstore.engine.config import EngineConfig, pool_format
 from kvstore.engine.fetcher import Fetcher
 from kvstore.engine.loader import load_checkpoint, random_checkpoint
 from kvstore.engine.model import LlamaModel
@@ -28,8 +28,9 @@ from kvstore.engine.sequence import Request, RequestOutput, SeqStatus
 from kvstore.errors import ConfigError
 from kvstore.events import GPU, EventPublisher, EventsConfig
 from kvstore.events.store_events import StoreEvents
+from kvstore.kernels import packed_head_dim
 from kvstore.keys import BlockHasher, Namespace
-from kvstore.layout import KVLayout
+from kvstore.layout import DTYPE_NAMES, KVLayout
 from kvstore.store import TieredStore
 from kvstore.tiers.device import DevicePool
 
@@ -59,15 +60,22 @@ class LLMEngine:
         self.device = torch.device(c.device)
         self.model = LlamaModel(mc, ckpt.weights, self.device, c.dtype)
         self.max_model_len = c.max_model_len or mc.max_position_embeddings
-        self.layout = KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim, c.block_size, c.dtype)
+        # the pool's blocks, as the store keeps them: values, or quantized pages (codes + scales)
+        pool_dtype, self.kv_codes = pool_format(c)
+        # what the pool holds, by name: "float32", "float16", "bfloat16", "int8" or "fp8"
+        self.kv_cache_dtype = c.kv_cache_dtype if c.kv_cache_dtype != "auto" else DTYPE_NAMES[c.dtype]
+        head_bytes = mc.head_dim if self.kv_codes is None else packed_head_dim(mc.head_dim)
+        self.layout = KVLayout(mc.num_layers, mc.num_kv_heads, head_bytes, c.block_size, pool_dtype)
         num_blocks = c.kv_cache_bytes // self.layout.bytes_per_block
         if num_blocks < 1:
             raise ConfigError(f"kv_cache_bytes={c.kv_cache_bytes} holds no block of {self.layout.bytes_per_block} bytes")
-        self.pool = DevicePool(num_blocks, self.layout.block_shape, c.dtype, self.device)
+        self.pool = DevicePool(num_blocks, self.layout.block_shape, pool_dtype, self.device)
         # A sequence never holds more tokens than the whole pool: one that reaches it stops
         # with "length", as at the context limit (growing further could only preempt itself).
         self._max_seq_tokens = min(self.max_model_len, num_blocks * c.block_size)
         self.model_id = c.model_id or ckpt.model_id
+        if self.kv_codes is not None:  # int8 and fp8 pages share a byte layout: the namespace tells them apart
+            self.model_id += f"+kv-{c.kv_cache_dtype}"
         self.store, self._owns_store = self._open_store()
         # the namespace the keys hash in (a router computes the same keys from it)
         self.namespace: Namespace = (self.store.namespace if self.store is not None
@@ -79,6 +87,8 @@ class LLMEngine:
         self.block_manager = BlockManager(self.pool, c.block_size, self.store, events=self.kv_events,
                                           write_through=c.device_write_policy == "write_through")
         if self.kv_events is not None:
+            self.kv_events.set_media(GPU, {"kv_cache_dtype": self.kv_cache_dtype,
+                                           "block_bytes": self.layout.bytes_per_block})
             self.kv_events.add_source(lambda: [(GPU, c.block_size, self.block_manager.held_blocks())])
             if isinstance(self.store, TieredStore):  # embedded (a daemon publishes its own tiers' events)
                 self._store_events = StoreEvents(self.kv_events, self.store).attach()
@@ -90,7 +100,7 @@ class LLMEngine:
             keys_fn = lambda tokens, tenant, parent: hasher.block_keys(tokens, tenant, parent=parent)  # noqa: E731
         self.scheduler = Scheduler(self.block_manager, fetcher if c.enable_prefix_caching else None, keys_fn,
                                    c.max_num_batched_tokens, c.max_num_seqs)
-        self.runner = ModelRunner(self.model, self.pool.pool, c.block_size)
+        self.runner = ModelRunner(self.model, self.pool.pool, c.block_size, self.kv_codes)
         self._requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._closed = False

@@ -153,6 +153,16 @@ class LlamaModel:
         self._cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
         self._rows: tuple[int, list[tuple[torch.Tensor, torch.Tensor]]] | None = None
 
+    def _kernel_views(self, kv_pool: torch.Tensor, layer: int, codes: torch.dtype | None
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Layer ``layer``'s ``(k_cache, v_cache, k_scales, v_scales)`` for the kernels: the pool's
+        views, or for quantized pages the codes and scales viewing them (scales None otherwise)."""
+        if codes is None:
+            return kv_pool[:, layer, 0], kv_pool[:, layer, 1], None, None
+        k_codes, k_scales = kernels.page_views(kv_pool[:, layer, 0], codes)
+        v_codes, v_scales = kernels.page_views(kv_pool[:, layer, 1], codes)
+        return k_codes, v_codes, k_scales, v_scales
+
     def _row_views(self, kv_pool: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``layer``'s K and V as one row per token slot (built once per pool)."""
         if self._rows is None or self._rows[0] != kv_pool.data_ptr():
@@ -172,11 +182,12 @@ class LlamaModel:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
-                kv_pool: torch.Tensor, max_position: int) -> torch.Tensor:
+                kv_pool: torch.Tensor, max_position: int, kv_codes: torch.dtype | None = None) -> torch.Tensor:
         """Hidden states ``[num_tokens, hidden]`` after the final norm, for a packed batch.
 
-        ``kv_pool`` is ``[num_blocks, layers, 2, block_size, kv_heads, head_dim]``; the new rows'
-        K/V are written into it at ``batch.slot_mapping``.
+        ``kv_pool`` is ``[num_blocks, layers, 2, block_size, kv_heads, head_dim]``, or with
+        ``kv_codes`` (int8, float8_e4m3fn) quantized pages, uint8 ``[..., head_dim + 2]``
+        (kvstore/kernels/pages.py); the new rows' K/V are written into it at ``batch.slot_mapping``.
         """
         c = self.config
         n = input_ids.shape[0]
@@ -193,9 +204,9 @@ class LlamaModel:
             q, k = qk[:, : c.num_heads], qk[:, c.num_heads :]
             v = qkv[:, self.q_size + self.kv_size :].view(n, c.num_kv_heads, c.head_dim)
             if batch.plan is not None:
-                out = batch.plan.attend(q, k, v, *self._row_views(kv_pool, i), self.scale)
+                out = batch.plan.attend(q, k, v, *self._row_views(kv_pool, i), self.scale, kv_codes)
             else:
-                out = self._kernel_attention(q, k, v, kv_pool[:, i, 0], kv_pool[:, i, 1], batch)
+                out = self._kernel_attention(q, k, v, *self._kernel_views(kv_pool, i, kv_codes), batch)
             x = x + layer.o(out.view(n, self.q_size))
             h = _rms_norm(x, layer.post_norm, c.rms_norm_eps)
             gate, up = layer.gate_up(h).chunk(2, dim=-1)
@@ -203,18 +214,26 @@ class LlamaModel:
         return _rms_norm(x, self.norm, c.rms_norm_eps)
 
     def _kernel_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                          v_cache: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
-        """The new rows into the pool, then attention, through kernels/ (Triton on CUDA)."""
-        kernels.store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
+                          v_cache: torch.Tensor, k_scales: torch.Tensor | None, v_scales: torch.Tensor | None,
+                          batch: AttentionBatch) -> torch.Tensor:
+        """The new rows into the pool, then attention, through kernels/ (Triton on CUDA). A float
+        pool of another dtype than the model's takes rows and queries in its own dtype."""
+        if k_scales is None and k_cache.dtype != q.dtype:
+            out = self._kernel_attention(q.to(k_cache.dtype), k.to(k_cache.dtype), v.to(k_cache.dtype), k_cache,
+                                         v_cache, None, None, batch)
+            return out.to(q.dtype)
+        kernels.store_kv(k, v, k_cache, v_cache, batch.slot_mapping, k_scales=k_scales, v_scales=v_scales)
         out = torch.empty_like(q)
         d, n = batch.num_decode, q.shape[0]
         if d:
             kernels.paged_decode_attention(q[:d], k_cache, v_cache, batch.decode_block_tables,
-                                           batch.decode_seq_lens, self.scale, out=out[:d])
+                                           batch.decode_seq_lens, self.scale, out=out[:d], k_scales=k_scales,
+                                           v_scales=v_scales)
         if d < n:
             kernels.paged_prefill_attention(q[d:], k_cache, v_cache, batch.prefill_block_tables,
                                             batch.prefill_seq_lens, batch.cu_seqlens_q, self.scale,
-                                            out=out[d:], max_query_len=batch.max_query_len)
+                                            out=out[d:], max_query_len=batch.max_query_len, k_scales=k_scales,
+                                            v_scales=v_scales)
         return out
 
     @torch.inference_mode()

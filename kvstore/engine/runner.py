@@ -33,9 +33,11 @@ def _table(seqs: list[Sequence]) -> torch.Tensor:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, kv_pool: torch.Tensor, block_size: int) -> None:
+    def __init__(self, model: LlamaModel, kv_pool: torch.Tensor, block_size: int,
+                 kv_codes: torch.dtype | None = None) -> None:
         self.model = model
         self.kv_pool = kv_pool
+        self.kv_codes = kv_codes  # quantized pages' code dtype (kvstore/kernels/pages.py), or None
         self.block_size = block_size
         self.device = kv_pool.device
         # a layer's K view strides blocks by kv_pool.stride(0) and token rows by stride(3)
@@ -97,7 +99,7 @@ class ModelRunner:
 
     def _run(self, items: list[Scheduled], input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
              max_pos: int) -> tuple[list[Scheduled], torch.Tensor]:
-        hidden = self.model.forward(input_ids, positions, batch, self.kv_pool, max_pos)
+        hidden = self.model.forward(input_ids, positions, batch, self.kv_pool, max_pos, self.kv_codes)
         rows: list[int] = []
         done: list[Scheduled] = []
         offset = 0

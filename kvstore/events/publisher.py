@@ -71,6 +71,7 @@ class EventPublisher:
         self._seq = 0  # the next batch's sequence number
         self._num_dropped = 0
         self._holes = 0  # drops already turned into a skipped seq
+        self._media: dict[str, dict[str, Any]] = {}  # set_media: replaced whole, never changed in place
         self._drop_lock = threading.Lock()
         self.counters = dict.fromkeys(("batches", "events", "heartbeats", "replays", "snapshots",
                                        "snapshot_errors", "invalid_requests", "dropped_events", "send_errors"), 0)
@@ -167,7 +168,7 @@ class EventPublisher:
         self._serve_requests()
         if not backlog:
             if time.monotonic() - self._last_send >= self.config.heartbeat_s:
-                self._send([])
+                self._send([], media=True)
                 self.counters["heartbeats"] += 1
             return
         while backlog > 0:
@@ -196,9 +197,9 @@ class EventPublisher:
         held: list[Held] = []
         for source in sources:
             held += source()
-        return snapshot_batches(held, self.epoch, self.config.data_parallel_rank)
+        return snapshot_batches(held, self.epoch, self.config.data_parallel_rank, dict(self._media))
 
-    def _send(self, events: list[Event]) -> None:
+    def _send(self, events: list[Event], media: bool = False) -> None:
         with self._drop_lock:
             dropped = self._num_dropped
         if dropped != self._holes:  # items were lost: leave a hole so consumers resync
@@ -207,7 +208,8 @@ class EventPublisher:
             self._seq += 1
         seq = self._seq
         self._seq += 1
-        payload = encode_batch(EventBatch(time.time(), events, self.config.data_parallel_rank, self.epoch))
+        payload = encode_batch(EventBatch(time.time(), events, self.config.data_parallel_rank, self.epoch,
+                                          media=dict(self._media) if media and self._media else None))
         try:
             self._pub.send_multipart([self._topic, seq_frame(seq), payload], flags=zmq.NOBLOCK)
         except zmq.ZMQError:
@@ -219,10 +221,16 @@ class EventPublisher:
 
     # ----------------------------------------------------------------------------- lifecycle
 
+    def set_media(self, medium: str, info: dict[str, Any]) -> None:
+        """What ``medium`` holds (e.g. ``{"kv_cache_dtype": "int8"}``): sent on heartbeats and
+        snapshots, and in ``info()`` (values: str, int, float)."""
+        self._media = {**self._media, medium: dict(info)}  # a new dict: the thread reads it unlocked
+
     def info(self) -> dict[str, Any]:
-        """Where consumers connect: ``endpoint``, ``replay_endpoint`` (bound addresses), ``topic``, ``epoch``."""
+        """Where consumers connect: ``endpoint``, ``replay_endpoint`` (bound addresses), ``topic``,
+        ``epoch``, and ``media`` (``set_media``)."""
         return {"endpoint": self.endpoint, "replay_endpoint": self.replay_endpoint,
-                "topic": self.config.topic, "epoch": self.epoch}
+                "topic": self.config.topic, "epoch": self.epoch, "media": dict(self._media)}
 
     def stats(self) -> dict[str, int]:
         """Counters: batches, events, heartbeats, replays, snapshots, invalid_requests,

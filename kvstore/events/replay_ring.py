@@ -19,6 +19,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import zmq
 
@@ -61,12 +62,13 @@ class ReplayRing:
         return len(self._ring)
 
 
-def snapshot_batches(held: Iterable[Held], epoch: int, rank: int) -> list[EventBatch]:
-    """The snapshot reply's batches: AllBlocksCleared, then each medium's blocks as chain runs
-    (a run continues while a block's parent is the block before it), at most SNAPSHOT_CHUNK
-    hashes a batch."""
+def snapshot_batches(held: Iterable[Held], epoch: int, rank: int,
+                     media: dict[str, dict[str, Any]] | None = None) -> list[EventBatch]:
+    """The snapshot reply's batches: AllBlocksCleared (with the media's metadata), then each
+    medium's blocks as chain runs (a run continues while a block's parent is the block before
+    it), at most SNAPSHOT_CHUNK hashes a batch."""
     ts = time.time()
-    out = [EventBatch(ts, [AllBlocksCleared()], rank, epoch, snapshot=True)]
+    out = [EventBatch(ts, [AllBlocksCleared()], rank, epoch, snapshot=True, media=media or None)]
     events: list[Event] = []
     size = 0
 

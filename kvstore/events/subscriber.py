@@ -75,6 +75,8 @@ class Subscriber:
         self.heartbeat_timeout_s, self.request_timeout_s = heartbeat_timeout_s, request_timeout_s
         self.on_batch = on_batch
         self.epoch: int | None = None
+        # what each medium holds, as the publisher says on heartbeats and snapshots ({"GPU": {...}})
+        self.media: dict[str, dict[str, Any]] = {}
         self.last_seq: int | None = None
         self.counters = dict.fromkeys(("batches", "gaps", "replays", "snapshots", "epochs", "decode_errors",
                                        "duplicates", "unfilled_gaps", "restarts", "errors"), 0)
@@ -181,6 +183,8 @@ class Subscriber:
             return 0
         self._last_heard = time.monotonic()
         self._heartbeats_seen = self._heartbeats_seen or batch.epoch is not None
+        if batch.media:
+            self.media = batch.media
         applied = 0
         went_back = self._live_seq is not None and seq <= self._live_seq  # a new publisher, or a new epoch
         self._live_seq = seq
@@ -251,6 +255,8 @@ class Subscriber:
         self._retry_s = RETRY_MIN_S
         self.counters["snapshots"] += 1
         for seq, batch in replies:
+            if batch.media:
+                self.media = batch.media
             self.sink.apply(batch)
             if self.on_batch is not None:
                 self.on_batch(seq, batch, "snapshot")

@@ -4,8 +4,9 @@ One ZeroMQ message is three frames: ``topic`` (UTF-8), ``seq`` (u64 big-endian),
 (msgpack). The payload is a batch array ``[ts, events, data_parallel_rank]``; each event is
 a tagged msgpack map ``{"type": "BlockStored", "block_hashes": [...], ...}`` (vLLM's msgspec
 structs without ``array_like``, since vllm-project/vllm#42892). kvstore appends a fourth
-batch element, a map ``{"epoch": u64}`` (``"snapshot": true`` on snapshot replies), which vLLM's own decoder
-(an ``array_like`` struct) ignores. docs/kv-events.md gives the bytes of an example.
+batch element, a map ``{"epoch": u64}`` (``"snapshot": true`` on snapshot replies; on heartbeats and
+snapshots ``"media"``: what each medium holds, e.g. ``{"GPU": {"kv_cache_dtype": "int8"}}``), which
+vLLM's own decoder (an ``array_like`` struct) ignores. docs/kv-events.md gives the bytes of an example.
 
 ``decode_batch`` reads both event encodings vLLM has used: tagged maps and the older tagged
 arrays (``["BlockStored", hashes, parent, tokens, block_size, lora_id, medium, ...]``), and
@@ -87,6 +88,8 @@ class EventBatch:
     data_parallel_rank: int | None = 0
     epoch: int | None = None
     snapshot: bool = False
+    # what each medium holds, e.g. {"GPU": {"kv_cache_dtype": "int8"}}: on heartbeats and snapshots
+    media: dict[str, dict[str, Any]] | None = None
 
     @property
     def is_heartbeat(self) -> bool:
@@ -148,6 +151,8 @@ def encode_batch(batch: EventBatch) -> bytes:
         ext: dict[str, Any] = {"epoch": batch.epoch}
         if batch.snapshot:
             ext["snapshot"] = True
+        if batch.media:
+            ext["media"] = batch.media
         body.append(ext)
     return _ENCODER.encode(body)
 
@@ -206,6 +211,7 @@ class _ClearedIn(_In, tag="AllBlocksCleared"):
 class _ExtensionIn(msgspec.Struct, forbid_unknown_fields=True, gc=False):
     epoch: int | None = None
     snapshot: bool = False
+    media: dict[str, dict[str, _Scalar]] | None = None
 
 
 class _BatchIn(msgspec.Struct, array_like=True, forbid_unknown_fields=True, gc=False):
@@ -241,15 +247,19 @@ def decode_batch(payload: bytes) -> EventBatch:
         else:
             events.append(AllBlocksCleared())
     ext = typed.ext or _ExtensionIn()
-    return EventBatch(typed.ts, events, typed.data_parallel_rank, ext.epoch, ext.snapshot)
+    return EventBatch(typed.ts, events, typed.data_parallel_rank, ext.epoch, ext.snapshot, ext.media)
 
 
-def _extension(ext: Any) -> tuple[int | None, bool]:
-    """kvstore's extension element: (epoch, snapshot); (None, False) when absent or not a map."""
+def _extension(ext: Any) -> tuple[int | None, bool, dict[str, dict[str, Any]] | None]:
+    """kvstore's extension element: (epoch, snapshot, media); (None, False, None) when absent or
+    not a map (a ``media`` that is not a map of maps is left out)."""
     if not isinstance(ext, dict):
-        return None, False
+        return None, False, None
     epoch = ext.get("epoch")
-    return (epoch if isinstance(epoch, int) else None), ext.get("snapshot") is True
+    media = ext.get("media")
+    if not (isinstance(media, dict) and all(isinstance(k, str) and isinstance(v, dict) for k, v in media.items())):
+        media = None
+    return (epoch if isinstance(epoch, int) else None), ext.get("snapshot") is True, media
 
 
 def _decode_generic(payload: bytes) -> EventBatch:
@@ -274,8 +284,8 @@ def _decode_generic(payload: bytes) -> EventBatch:
         raise WireError(f"batch events must be an array, got {type(events).__name__}")
     if rank is not None and not isinstance(rank, int):
         raise WireError(f"data_parallel_rank must be an int or nil, got {rank!r:.40}")
-    epoch, snapshot = _extension(ext)
-    return EventBatch(float(ts), [_decode_event(e, i) for i, e in enumerate(events)], rank, epoch, snapshot)
+    epoch, snapshot, media = _extension(ext)
+    return EventBatch(float(ts), [_decode_event(e, i) for i, e in enumerate(events)], rank, epoch, snapshot, media)
 
 
 _STORED_ORDER = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",

@@ -23,7 +23,7 @@ from types import ModuleType
 import torch
 
 from kvstore.kernels import reference
-from kvstore.kernels.pages import PAGE_CODES, packed_head_dim, page_views
+from kvstore.kernels.pages import PAGE_CODES, pack_rows, packed_head_dim, page_views, unpack_rows
 
 KERNELS = (  # the public functions that dispatch to Triton or the reference
     "dequantize_fp8",
@@ -41,12 +41,14 @@ __all__ = [
     "dequantize_int8",
     "gather_blocks",
     "kernel_backend",
+    "pack_rows",
     "packed_head_dim",
     "page_views",
     "paged_decode_attention",
     "paged_prefill_attention",
     "scatter_blocks",
     "store_kv",
+    "unpack_rows",
 ]
 
 

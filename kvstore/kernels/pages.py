@@ -43,3 +43,24 @@ def page_views(packed: torch.Tensor, code_dtype: torch.dtype) -> tuple[torch.Ten
     codes = packed[..., :head_dim].view(code_dtype)
     scales = packed[..., head_dim:].view(SCALE_DTYPE)[..., 0]
     return codes, scales
+
+
+def pack_rows(x: torch.Tensor, code_dtype: torch.dtype) -> torch.Tensor:
+    """Float rows ``[n, kv_heads, head_dim]`` quantized (``reference.quantize_rows``) into page
+    rows: uint8 ``[n, kv_heads, head_dim + 2]``."""
+    from kvstore.kernels.reference import quantize_rows
+
+    codes, scales = quantize_rows(x, code_dtype, SCALE_DTYPE)
+    n, heads, head_dim = x.shape
+    out = torch.empty((n, heads, packed_head_dim(head_dim)), dtype=torch.uint8, device=x.device)
+    out[..., :head_dim] = codes.view(torch.uint8)
+    out[..., head_dim:] = scales.view(torch.uint8).view(n, heads, SCALE_BYTES)
+    return out
+
+
+def unpack_rows(rows: torch.Tensor, code_dtype: torch.dtype) -> torch.Tensor:
+    """Page rows ``[..., head_dim + 2]`` (uint8, head rows contiguous) decoded: float32 ``[..., head_dim]``."""
+    from kvstore.kernels.reference import dequantize_rows
+
+    head_dim = rows.shape[-1] - SCALE_BYTES
+    return dequantize_rows(rows[..., :head_dim].view(code_dtype), rows[..., head_dim:].view(SCALE_DTYPE)[..., 0])

@@ -20,7 +20,7 @@ import torch
 
 from kvstore.codecs import CODECS, Codec, codec_for_header, get_codec, stored_bytes
 from kvstore.codecs.header import HEADER_BYTES, BlockHeader
-from kvstore.errors import CodecFormatError
+from kvstore.errors import CodecFormatError, LayoutMismatchError
 from kvstore.layout import KVLayout
 
 
@@ -46,8 +46,15 @@ class LevelCodec:
     @staticmethod
     def sibling_sizes(layout: KVLayout, align: int) -> set[int]:
         """The stored sizes of every codec for ``layout``: a medium found holding one of them
-        holds this layout's blocks under another codec."""
-        return {stored_bytes(get_codec(name), layout, align) for name in CODECS}
+        holds this layout's blocks under another codec. (Codecs that cannot encode the layout,
+        such as the 8-bit ones for a pool's quantized pages, have no size for it.)"""
+        sizes = set()
+        for name in CODECS:
+            try:
+                sizes.add(stored_bytes(get_codec(name), layout, align))
+            except LayoutMismatchError:
+                continue
+        return sizes
 
     def describe(self) -> dict[str, Any]:
         return {**self.codec.describe(), "block_bytes": self.stored_bytes}

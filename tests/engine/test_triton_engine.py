@@ -1,6 +1,7 @@
 """The whole engine through the Triton kernels (on CPU under Triton's interpreter): same greedy
-tokens and close prompt logits as through the reference kernels. Slow; the smallest shapes the
-Triton kernels accept (block 16, head_dim 16), one short prompt and one of two whole blocks."""
+tokens and close prompt logits as through the reference kernels, with a float pool and with
+quantized pages (int8, fp8). Slow; the smallest shapes the Triton kernels accept (block 16,
+head_dim 16), one short prompt and one of two whole blocks."""
 
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ import pytest
 SCRIPT = """
 import json, torch
 from kvstore.engine import LLMEngine, SamplingParams
+import sys
 llm = LLMEngine(None, block_size=16, kv_cache_bytes=1 << 20, host_bytes=1 << 20, fetch_policy="always",
+                kv_cache_dtype=sys.argv[1],
                 random_model=dict(num_layers=1, hidden_size=64, intermediate_size=64, num_heads=4,
                                   num_kv_heads=2, head_dim=16, vocab_size=64))
 p = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, prompt_logits=True)
@@ -28,7 +31,6 @@ whole = llm.generate([list(range(1, 33))], greedy)[0]
 llm.evict_device_cache()
 whole_again = llm.generate([list(range(1, 33))], greedy)[0]
 llm.close()
-import sys
 print(json.dumps({"triton": all(f"kvstore.kernels.{m}" in sys.modules for m in
                                 ("decode_attention", "prefill_attention", "cache_write", "block_copy")),
                   "tokens": first.token_ids, "again": again.token_ids, "host": again.metrics.cached_tokens["host"],
@@ -38,21 +40,22 @@ print(json.dumps({"triton": all(f"kvstore.kernels.{m}" in sys.modules for m in
 """
 
 
-def run_engine(backend: str) -> dict:
+def run_engine(backend: str, kv_cache_dtype: str) -> dict:
     env = dict(os.environ, KVSTORE_KERNELS=backend, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600,
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, kv_cache_dtype], env=env, capture_output=True, text=True, timeout=600,
                           cwd=Path(__file__).resolve().parents[2])
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.slow
-def test_engine_through_triton_interpreter_matches_reference() -> None:
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8", "fp8"])
+def test_engine_through_triton_interpreter_matches_reference(kv_cache_dtype: str) -> None:
     pytest.importorskip("triton")
     import torch
 
-    ref = run_engine("reference")
-    tri = run_engine("triton")
+    ref = run_engine("reference", kv_cache_dtype)
+    tri = run_engine("triton", kv_cache_dtype)
     assert tri["triton"] and not ref["triton"]
     assert tri["tokens"] == ref["tokens"]
     assert tri["again"] == ref["tokens"] and tri["host"] == 16  # fetched back through scatter_blocks

@@ -60,7 +60,8 @@ def run_engine(args: argparse.Namespace) -> int:
             router_token=args.router_token or env.router_token(),
             kv_events=args.kv_events, kv_events_replay=args.kv_events_replay,
             drain_s=args.drain_s, device=args.device,
-            dtype=DTYPES_BY_NAME[args.dtype], kv_cache_bytes=parse_size(args.kv_cache), block_size=args.block_size,
+            dtype=DTYPES_BY_NAME[args.dtype], kv_cache_bytes=parse_size(args.kv_cache),
+            kv_cache_dtype=args.kv_cache_dtype, block_size=args.block_size,
             max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens, device_write_policy=args.device_write_policy,
             seed=args.seed)
@@ -96,6 +97,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--store", default=None, help="a kvstore daemon as the host/disk tiers: unix:///path or tcp://h:p")
     p.add_argument("--store-token", default=None, help="the daemon token (default KVSTORE_TOKEN)")
     p.add_argument("--kv-cache", default="256MiB", help="device KV pool size (default 256MiB)")
+    p.add_argument("--kv-cache-dtype", default="auto", metavar="{auto,float32,float16,bfloat16,int8,fp8}",
+                   help="what the device KV pool holds: auto (the model's --dtype), a float dtype, or quantized "
+                   "pages, int8 or fp8 (e4m3): codes plus a float16 scale per token and head, about 1.9x the "
+                   "tokens of float16 in the same --kv-cache, decoded inside the attention; lossy, and kept "
+                   "under a namespace of their own (docs/engine.md)")
     p.add_argument("--tokens", default=None, help="TOML file mapping Bearer tokens to tenants")
     p.add_argument("--router-token", default=None,
                    help="secret that lets a trusted router name the tenant in X-KVStore-Tenant "

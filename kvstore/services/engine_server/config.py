@@ -54,6 +54,7 @@ class ServeConfig:
     device: str = "cpu"
     dtype: torch.dtype = torch.float32
     kv_cache_bytes: int = 1 << 28
+    kv_cache_dtype: str = "auto"
     block_size: int = 16
     max_model_len: int | None = None
     max_num_seqs: int = 64
@@ -91,6 +92,7 @@ class ServeConfig:
     def engine_kwargs(self) -> dict[str, Any]:
         """LLMEngine keyword arguments (EngineConfig validates them)."""
         kw: dict[str, Any] = dict(device=self.device, dtype=self.dtype, kv_cache_bytes=self.kv_cache_bytes,
+                                  kv_cache_dtype=self.kv_cache_dtype,
                                   block_size=self.block_size, max_model_len=self.max_model_len,
                                   max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
                                   device_write_policy=self.device_write_policy, seed=self.seed)

@@ -42,4 +42,5 @@ class ServerState:
                               "num_kv_heads": layout.num_kv_heads, "head_dim": layout.head_dim,
                               "dtype": layout.dtype_name, "block_size": layout.block_size,
                               "tp_rank": layout.tp_rank, "tp_size": layout.tp_size, "hash_algo": ns.hash_algo},
-                "tokenizer": self.tokenizer.info(), "kv_events": self.kv_events, "max_model_len": llm.max_model_len}
+                "tokenizer": self.tokenizer.info(), "kv_events": self.kv_events, "max_model_len": llm.max_model_len,
+                "kv_cache_dtype": llm.kv_cache_dtype}
