@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+import torch
 
 from kvstore.codecs import CODECS, get_codec, stored_bytes
 from kvstore.errors import ConfigError, LayoutMismatchError
 from kvstore.eviction import DEFAULT_POLICY, POLICIES
+from kvstore.kernels.pages import PAGE_CODES, SCALE_BYTES
 from kvstore.keys import HASHES
 from kvstore.layout import KVLayout
 
@@ -115,6 +118,11 @@ class StoreConfig:
         remote_timeout_s: socket timeout and per-call deadline of the remote tier.
         remote_queue_blocks: the remote write-behind queue bound; beyond it blocks are dropped.
         remote_prefix: first part of every Redis key name (one per deployment sharing a cluster).
+        pages: "none", or the code ("int8", "fp8") of an engine's quantized device pages
+            (kvstore/kernels/pages.py) when the layout's blocks are such pages (uint8, head_dim
+            = the model's + 2). A tier whose codec is "none" or the pages' own code keeps them
+            as they are (bit for bit); another lossy codec converts them once at its boundary
+            (decoded to values, encoded; and back into pages when read).
     """
 
     layout: KVLayout
@@ -141,6 +149,7 @@ class StoreConfig:
     remote_timeout_s: float = 0.5
     remote_queue_blocks: int = 256
     remote_prefix: str = "kvstore"
+    pages: str = "none"
 
     def __post_init__(self) -> None:
         if not isinstance(self.layout, KVLayout):
@@ -148,12 +157,18 @@ class StoreConfig:
         if not isinstance(self.model_id, str) or not self.model_id:
             raise ConfigError(f"model_id must be a non-empty string, got {self.model_id!r}")
         check_store_knobs(self)
+        if self.pages != "none":
+            if self.pages not in PAGE_CODES:
+                raise ConfigError(f"pages must be 'none' or one of {list(PAGE_CODES)}, got {self.pages!r}")
+            if self.layout.dtype != torch.uint8 or self.layout.head_dim <= SCALE_BYTES:
+                raise ConfigError(f"pages={self.pages!r} needs a layout of quantized pages (uint8, head_dim = the "
+                                  f"model's + {SCALE_BYTES}), got {self.layout.fingerprint()}")
         for name in CODEC_FIELDS:
             try:
-                get_codec(getattr(self, name)).encoded_bytes(self.layout)
+                get_codec(self.tier_codec(name.removesuffix("_codec"))).encoded_bytes(self.codec_layout)
             except LayoutMismatchError as e:
                 raise ConfigError(f"{name}={getattr(self, name)!r}: {e}") from e
-        if self.shared_host and get_codec(self.host_codec).lossy:
+        if self.shared_host and get_codec(self.tier_codec("host")).lossy:
             raise ConfigError(f"shared_host needs host_codec='none' (other processes map raw slots), "
                               f"got {self.host_codec!r}")
         slot = self.tier_slot_bytes("host")
@@ -191,10 +206,26 @@ class StoreConfig:
         """Bytes one raw block occupies in a tier (payload rounded up to 4 KiB)."""
         return -(-self.layout.bytes_per_block // PAGE) * PAGE
 
+    def tier_codec(self, tier: str) -> str:
+        """The codec ``tier`` ("host", "disk", "remote") stores blocks with: its ``*_codec``, but
+        "none" where that is the pages' own code (pages are kept as they are)."""
+        name: str = getattr(self, f"{tier}_codec")
+        return "none" if name == self.pages else name
+
+    @property
+    def codec_layout(self) -> KVLayout:
+        """The layout lossy codecs encode: the store's, or for quantized pages the values they
+        decode to (float32, the model's head_dim)."""
+        if self.pages == "none":
+            return self.layout
+        return replace(self.layout, head_dim=self.layout.head_dim - SCALE_BYTES, dtype=torch.float32)
+
     def tier_slot_bytes(self, tier: str) -> int:
         """Bytes one block occupies in ``tier`` ("host", "disk", "remote") under its codec."""
-        codec = get_codec(getattr(self, f"{tier}_codec"))
-        return -(-stored_bytes(codec, self.layout, PAGE) // PAGE) * PAGE
+        codec = get_codec(self.tier_codec(tier))
+        if not codec.lossy:
+            return self.slot_bytes
+        return -(-stored_bytes(codec, self.codec_layout, PAGE) // PAGE) * PAGE
 
     @property
     def has_disk(self) -> bool:

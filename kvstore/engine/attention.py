@@ -108,8 +108,9 @@ class StepPlan:
         (quantized pages' rows when ``codes`` names their code dtype) and return the attention
         output ``[n, num_heads, head_dim]`` of ``q``."""
         sel = self.store_sel
-        if codes is not None:
-            k_new, v_new = pack_rows(k, codes), pack_rows(v, codes)
+        if codes is not None:  # K and V quantized in one pass (half the small ops of a step's layer)
+            kv_new = pack_rows(torch.cat((k, v), dim=1), codes)
+            k_new, v_new = kv_new[:, : k.shape[1]], kv_new[:, k.shape[1] :]
         else:  # a float pool of another dtype than the model's (kv_cache_dtype) stores rounded rows
             k_new, v_new = k.to(k_rows.dtype), v.to(v_rows.dtype)
         if sel is None:

@@ -113,7 +113,8 @@ class LLMEngine:
         elif c.store is not None:
             store, owned = c.store, False
         elif c.store_settings.host_bytes:
-            store = TieredStore(c.store_settings.store_config(self.layout, self.model_id))
+            pages = c.kv_cache_dtype if self.kv_codes is not None else "none"
+            store = TieredStore(c.store_settings.store_config(self.layout, self.model_id, pages=pages))
             owned = True
         else:
             return None, False

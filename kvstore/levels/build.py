@@ -6,8 +6,8 @@ from __future__ import annotations
 from kvstore.codecs import get_codec
 from kvstore.config import PAGE, StoreConfig
 from kvstore.eviction import DeferredAccess, make_policy
+from kvstore.kernels.pages import PAGE_CODES
 from kvstore.keys import Namespace
-from kvstore.layout import KVLayout
 from kvstore.levels.base import Level
 from kvstore.levels.coding import LevelCodec
 from kvstore.levels.disk_level import CODED_SUFFIX, DiskLevel
@@ -21,13 +21,13 @@ def build_levels(config: StoreConfig, namespace: Namespace) -> list[Level]:
     """The cascade a config describes, fastest first: host RAM, then disk when configured.
     Each level stores blocks under its configured codec (``*_codec``)."""
     layout = config.layout
-    host_coding = _coding(config.host_codec, layout, 1)
+    host_coding = _coding(config, "host", 1)
     payload = host_coding.stored_bytes if host_coding else layout.bytes_per_block
     host = HostTier(config.host_bytes, payload, pin_memory=config.pin_host_memory, shared=config.shared_host)
     # host hits are on readers' critical path: their policy bookkeeping waits for the next write
     levels: list[Level] = [HostLevel(host, DeferredAccess(make_policy(config.host_policy)), host_coding)]
     if config.disk_path is not None:
-        disk_coding = _coding(config.disk_codec, layout, PAGE)
+        disk_coding = _coding(config, "disk", PAGE)
         payload = disk_coding.stored_bytes if disk_coding else layout.bytes_per_block
         # A directory holding this namespace's blocks under another codec is reformatted (its
         # blocks become misses) rather than refused: the slot size changed with the codec.
@@ -40,9 +40,12 @@ def build_levels(config: StoreConfig, namespace: Namespace) -> list[Level]:
     return levels
 
 
-def _coding(name: str, layout: KVLayout, align: int) -> LevelCodec | None:
-    codec = get_codec(name)
-    return LevelCodec(codec, layout, align) if codec.lossy else None
+def _coding(config: StoreConfig, tier: str, align: int) -> LevelCodec | None:
+    """The LevelCodec of ``tier``'s codec, None for a raw tier (blocks or pages kept as they are)."""
+    codec = get_codec(config.tier_codec(tier))
+    if not codec.lossy:
+        return None
+    return LevelCodec(codec, config.layout, align, PAGE_CODES[config.pages] if config.pages != "none" else None)
 
 
 def build_shared(config: StoreConfig) -> list[SharedLevel]:
@@ -52,7 +55,7 @@ def build_shared(config: StoreConfig) -> list[SharedLevel]:
     from kvstore.levels.remote_level import RemoteLevel
     from kvstore.tiers.remote import RemoteTier
 
-    coding = _coding(config.remote_codec, config.layout, 1)
+    coding = _coding(config, "remote", 1)
     # Under a lossy codec the names and the layout id say so: stores with other codecs never
     # meet these values (nor take them for corrupt and delete them).
     suffix = "" if coding is None else f"-{coding.codec.name}"

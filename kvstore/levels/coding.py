@@ -14,6 +14,7 @@ not one per block.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -21,6 +22,7 @@ import torch
 from kvstore.codecs import CODECS, Codec, codec_for_header, get_codec, stored_bytes
 from kvstore.codecs.header import HEADER_BYTES, BlockHeader
 from kvstore.errors import CodecFormatError, LayoutMismatchError
+from kvstore.kernels.pages import SCALE_BYTES, pack_rows, unpack_rows
 from kvstore.layout import KVLayout
 
 
@@ -34,13 +36,21 @@ class LevelCodec:
         num_refused: blocks whose header no codec here reads (counted misses).
     """
 
-    def __init__(self, codec: Codec, layout: KVLayout, align: int = 1) -> None:
+    def __init__(self, codec: Codec, layout: KVLayout, align: int = 1, pages: torch.dtype | None = None) -> None:
+        """``layout`` is the store's; with ``pages`` (the code dtype of quantized device pages,
+        kvstore/kernels/pages.py) its blocks are such pages, and this codec stores the values
+        they decode to: converted once on the way in, and quantized into pages again on the
+        way out."""
         assert codec.lossy, "a raw level needs no LevelCodec"
         self.codec = codec
-        self.layout = layout
+        self.pages = pages
+        self.page_layout = layout
+        # what the codec encodes: the blocks themselves, or the pages' values (float32)
+        self.layout = layout if pages is None else replace(
+            layout, head_dim=layout.head_dim - SCALE_BYTES, dtype=torch.float32)
         self.raw_bytes = layout.bytes_per_block
-        self.encoded_bytes = codec.encoded_bytes(layout)
-        self.stored_bytes = stored_bytes(codec, layout, align)
+        self.encoded_bytes = codec.encoded_bytes(self.layout)
+        self.stored_bytes = stored_bytes(codec, self.layout, align)
         self.num_refused = 0
 
     @staticmethod
@@ -57,11 +67,14 @@ class LevelCodec:
         return sizes
 
     def describe(self) -> dict[str, Any]:
-        return {**self.codec.describe(), "block_bytes": self.stored_bytes}
+        info = {**self.codec.describe(), "block_bytes": self.stored_bytes}
+        if self.pages is not None:
+            info["converts_pages"] = str(self.pages).removeprefix("torch.")
+        return info
 
     def check_encodable(self, blocks: torch.Tensor) -> None:
         """Raise CodecError for blocks this codec could not store (see Codec.check_encodable)."""
-        self.codec.check_encodable(blocks)
+        self.codec.check_encodable(self._values(blocks) if self.pages is not None else blocks)
 
     def encode(self, payloads: torch.Tensor | Sequence[torch.Tensor], dst: Sequence[torch.Tensor]) -> None:
         """Encode raw rows ``payloads[i]`` into ``dst[i]`` (uint8, at least ``stored_bytes``),
@@ -75,7 +88,7 @@ class LevelCodec:
         for start, count, target in _runs(targets, self.stored_bytes):
             for offset, length, source in _runs(sources[start : start + count], self.raw_bytes):
                 rows = target[offset : offset + length]
-                self.codec.encode(self._blocks(source), out=rows[:, : self.encoded_bytes])
+                self.codec.encode(self._encodable(source), out=rows[:, : self.encoded_bytes])
                 rows[:, self.encoded_bytes :].zero_()
 
     def decode(self, src: Sequence[torch.Tensor], outs: Sequence[torch.Tensor]) -> list[bool]:
@@ -99,7 +112,7 @@ class LevelCodec:
                 targets = outs[start + first : start + first + length]
                 for offset, n, out in _runs(_rows(targets, self.raw_bytes), self.raw_bytes):
                     lo = first + offset
-                    self.codec.decode(encoded[lo : lo + n], self._blocks(out))
+                    self._decode_into(self.codec, encoded[lo : lo + n], out)
                 for i in range(first, first + length):
                     flags[start + i] = True
             for i, flag in enumerate(ok):
@@ -116,15 +129,39 @@ class LevelCodec:
             size = codec.encoded_bytes(self.layout)
             if size > row.shape[0]:
                 return False
-            codec.decode(row[:size].unsqueeze(0), self._blocks(out[: self.raw_bytes].unsqueeze(0)))
+            self._decode_into(codec, row[:size].unsqueeze(0), out[: self.raw_bytes].unsqueeze(0))
         except CodecFormatError:
             return False
         return True
 
     def _blocks(self, rows: torch.Tensor) -> torch.Tensor:
-        """Raw uint8 rows ``[n, >= raw_bytes]`` viewed as ``[n, *block_shape]`` blocks."""
-        layout = self.layout
+        """Raw uint8 rows ``[n, >= raw_bytes]`` viewed as ``[n, *block_shape]`` blocks of the store."""
+        layout = self.page_layout
         return rows[:, : self.raw_bytes].view(layout.dtype).view(rows.shape[0], *layout.block_shape)
+
+    def _values(self, pages: torch.Tensor) -> torch.Tensor:
+        """Page blocks ``[n, *page block_shape]`` decoded: float32 ``[n, *self.layout.block_shape]``."""
+        assert self.pages is not None
+        n = pages.shape[0]
+        rows = pages.reshape(-1, self.page_layout.num_kv_heads, self.page_layout.head_dim)
+        return unpack_rows(rows, self.pages).view(n, *self.layout.block_shape)
+
+    def _encodable(self, rows: torch.Tensor) -> torch.Tensor:
+        """What the codec encodes of raw rows: the blocks, or the values of pages (a conversion)."""
+        blocks = self._blocks(rows)
+        return blocks if self.pages is None else self._values(blocks)
+
+    def _decode_into(self, codec: Codec, encoded: torch.Tensor, out_rows: torch.Tensor) -> None:
+        """Decode ``encoded`` rows into raw rows ``out_rows``: the blocks, or values quantized
+        into pages again."""
+        if self.pages is None:
+            codec.decode(encoded, self._blocks(out_rows))
+            return
+        values = torch.empty((encoded.shape[0], *self.layout.block_shape), dtype=torch.float32)
+        codec.decode(encoded, values)
+        heads, head_dim = self.layout.num_kv_heads, self.layout.head_dim
+        packed = pack_rows(values.view(-1, heads, head_dim), self.pages)
+        self._blocks(out_rows).copy_(packed.view(out_rows.shape[0], *self.page_layout.block_shape))
 
 
 def aligned_rows(n: int, width: int, align: int = 4096) -> torch.Tensor:

@@ -38,7 +38,7 @@ class RemoteLevel(SharedLevel):
             self.counters.misses += 1 if found < asked else 0
 
     def leading(self, keys: Sequence[bytes]) -> int:
-        n = self.tier.exists(keys) if keys else 0
+        n = self.tier.lookup(keys) if keys else 0
         self._count(n, len(keys))
         return n
 
@@ -46,10 +46,10 @@ class RemoteLevel(SharedLevel):
         if not keys:
             return []
         if self.coding is None:
-            flags = self.tier.get(keys, outs)
+            flags = self.tier.get(keys, outs, leading=True)
         else:
             stored = torch.empty((len(keys), self.coding.stored_bytes), dtype=torch.uint8)
-            flags = self.tier.get(keys, list(stored))
+            flags = self.tier.get(keys, list(stored), leading=True)
             found = flags.index(False) if False in flags else len(flags)
             decoded = self.coding.decode(list(stored[:found]), outs[:found])
             refused = [keys[i] for i, ok in enumerate(decoded) if not ok]
@@ -100,7 +100,8 @@ class RemoteLevel(SharedLevel):
         with self._lock:
             out.update(self.counters.as_dict())
         out.update({name: s[name] for name in ("evictions", "bytes_read", "bytes_written", "errors", "dropped",
-                                                "pending", "nodes_up")})
+                                                "pending", "nodes_up", "round_trips", "hint_hits", "hint_misses",
+                                                "kept_used")})
         out.update(codec=self.coding.codec.name if self.coding else "none", lossy=self.lossy)
         return out
 

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvstore import ConfigError
+from kvstore import ConfigError, StoreSettings
+from kvstore.kernels import unpack_rows
 from kvstore.engine import LLMEngine, SamplingParams
 from kvstore.events import Subscriber
 from kvstore.tiers.errors import TierError
@@ -25,9 +26,11 @@ PROMPT = list(range(5, 5 + 100))  # 6 full blocks of 16 and 4 tokens
 
 
 def engine(kv_cache_dtype: str, **kwargs: object) -> LLMEngine:
-    opts: dict[str, object] = dict(random_model=MODEL, kv_cache_bytes=4 << 20, host_bytes=8 << 20,
-                                   kv_cache_dtype=kv_cache_dtype, fetch_policy="always")
+    opts: dict[str, object] = dict(random_model=MODEL, kv_cache_bytes=4 << 20, kv_cache_dtype=kv_cache_dtype,
+                                   fetch_policy="always")
     opts.update(kwargs)
+    if "store_settings" not in opts and "host_bytes" not in opts:
+        opts["host_bytes"] = 8 << 20
     return LLMEngine(None, **opts)  # type: ignore[arg-type]
 
 
@@ -122,3 +125,29 @@ def test_the_pool_format_is_in_the_kv_events_media() -> None:
 def test_an_unknown_pool_format_is_refused(bad: object) -> None:
     with pytest.raises(ConfigError, match="kv_cache_dtype must be one of"):
         engine(bad)  # type: ignore[arg-type]
+
+
+def test_a_tier_with_another_codec_converts_pages_once_at_its_boundary(tmp_path: Path) -> None:
+    # int8 pages: host keeps them as they are (its codec is the pages' own), the disk converts
+    # them to fp8 on the way down and back into int8 pages on the way up
+    tiers = dict(host_bytes=8 << 20, disk_path=tmp_path / "disk", disk_bytes=16 << 20,
+                 store_settings=StoreSettings(host_codec="int8", disk_codec="fp8"))
+    with engine("int8", **tiers) as llm:
+        first = llm.generate([PROMPT], GREEDY)[0]
+        keys = llm.store.block_keys(PROMPT)  # type: ignore[union-attr]
+        pages = llm.store.get(keys)  # type: ignore[union-attr]
+        codecs = llm.store.codecs()  # type: ignore[union-attr]
+        assert codecs["host"]["codec"] == "none" and codecs["disk"]["codec"] == "fp8"
+        assert codecs["disk"]["converts_pages"] == "int8"
+    with engine("int8", **tiers) as llm:  # a restart: only the disk's fp8 copy is left
+        match = llm.store.lookup(keys)  # type: ignore[union-attr]
+        assert match.tiers == ("disk",) * 6 and match.lossy == (True,) * 6
+        back = llm.store.get(keys)  # type: ignore[union-attr]
+        assert back.dtype == torch.uint8 and back.shape == pages.shape
+        with pytest.raises(KeyError):
+            llm.store.get(keys, exact=True)  # type: ignore[union-attr]
+        values = [unpack_rows(b.view(-1, 2, 66), torch.int8) for b in (pages, back)]
+        amax = values[0].abs().amax()
+        assert (values[1] - values[0]).abs().max() <= amax / 16  # two roundings: fp8 then int8
+        out = llm.generate([PROMPT], GREEDY)[0]  # the get promoted the converted pages into host RAM
+        assert out.metrics.cached_tokens["host"] == 96 and len(out.token_ids) == len(first.token_ids)
