@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from kvstore import ConfigError, StoreSettings
-from kvstore.kernels import unpack_rows
 from kvstore.engine import LLMEngine, SamplingParams
 from kvstore.events import Subscriber
+from kvstore.kernels import unpack_rows
 from kvstore.tiers.errors import TierError
 from tests.daemon.daemon_helpers import DaemonProc
 
