@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvstore import ConfigError, StoreSettings
+from kvstore import ConfigError, LayoutMismatchError, StoreSettings
 from kvstore.engine import LLMEngine, SamplingParams
 from kvstore.events import Subscriber
 from kvstore.kernels import unpack_rows
@@ -151,3 +151,14 @@ def test_a_tier_with_another_codec_converts_pages_once_at_its_boundary(tmp_path:
         assert (values[1] - values[0]).abs().max() <= amax / 16  # two roundings: fp8 then int8
         out = llm.generate([PROMPT], GREEDY)[0]  # the get promoted the converted pages into host RAM
         assert out.metrics.cached_tokens["host"] == 96 and len(out.token_ids) == len(first.token_ids)
+
+
+def test_a_daemon_whose_tier_cannot_keep_pages_refuses_them_clearly(tmp_path: Path) -> None:
+    daemon = DaemonProc(tmp_path / "data", "--disk-codec", "int8", host_mem="64MiB", disk="64MiB")
+    try:
+        with pytest.raises(LayoutMismatchError, match="this daemon's disk_codec='int8' cannot hold blocks"):
+            engine("int8", host_bytes=0, store=daemon.unix)
+        with engine("auto", host_bytes=0, store=daemon.unix) as llm:  # values: the daemon's int8 tier takes them
+            assert llm.generate([PROMPT], GREEDY)[0].token_ids
+    finally:
+        daemon.stop()

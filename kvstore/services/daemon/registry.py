@@ -24,6 +24,7 @@ from typing import Any
 from kvstore.client.protocol import Code, ProtocolError, layout_from_dict, layout_to_dict
 from kvstore.codecs import get_codec, stored_bytes
 from kvstore.config import PAGE, StoreConfig
+from kvstore.errors import LayoutMismatchError
 from kvstore.keys import HASHES, Namespace
 from kvstore.layout import KVLayout
 from kvstore.services.common.tokens import Tokens
@@ -161,6 +162,14 @@ class Registry:
         settings = replace(cfg.store, host_bytes=host, hash_algo=ns.hash_algo, disk_path=None, disk_bytes=0,
                            write_policy="write_back")
         disk_codec = get_codec(cfg.store.disk_codec)
+        for tier in ("host", "disk", "remote"):
+            codec = get_codec(getattr(cfg.store, f"{tier}_codec"))
+            try:
+                codec.encoded_bytes(ns.layout)
+            except LayoutMismatchError as exc:  # e.g. an engine's quantized pages (uint8) under int8
+                raise ProtocolError(Code.LAYOUT, f"this daemon's {tier}_codec={codec.name!r} cannot hold blocks of "
+                                    f"{ns.layout.fingerprint()} ({exc}); an engine with a quantized pool needs a "
+                                    "daemon whose tiers keep blocks as they are (codec none)") from None
         if disk >= -(-stored_bytes(disk_codec, ns.layout, PAGE) // PAGE) * PAGE:
             where = cfg.data_dir / "namespaces" / ns.id
             where.mkdir(parents=True, exist_ok=True)
@@ -201,6 +210,7 @@ class Registry:
                     out[tier].update(codec=codec_name, lossy=get_codec(codec_name).lossy)
             if cfg.store.remote_url is not None:
                 out["remote"] = dict(tier_stats(TierCounters(), 0, 0, 0), dropped=0, pending=0, nodes_up=0,
+                                     round_trips=0, hint_hits=0, hint_misses=0, kept_used=0,
                                      codec=cfg.store.remote_codec, lossy=get_codec(cfg.store.remote_codec).lossy)
         configured = {"host", "disk"} & set(out)
         for state in self.namespaces():
