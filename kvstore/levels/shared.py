@@ -66,7 +66,8 @@ class SharedLevel(ABC):
 
     @abstractmethod
     def leading(self, keys: Sequence[bytes]) -> int:
-        """How many leading ``keys`` the level holds now (0 when it cannot be reached)."""
+        """How many leading ``keys`` the level holds now (0 when it cannot be reached). A
+        hint, like every lookup: it may answer from what the medium said a moment ago."""
 
     @abstractmethod
     def read(self, keys: Sequence[bytes], outs: Sequence[torch.Tensor]) -> list[bool]:

@@ -66,6 +66,10 @@ def test_two_daemons_share_blocks_and_tenants_stay_apart(cluster: RedisCluster, 
         assert re.search(r'kvstore_tier_hits_total\{namespace="[^"]+",tier="remote"\} [1-9]', metrics)
         assert len(re.findall(r"^kvstore_remote_node_used_memory\{", metrics, re.M)) == 3
         assert "kvstore_remote_node_evicted_keys_total" in metrics and "kvstore_tier_dropped_total" in metrics
+        assert remote["round_trips"] >= 1  # B's first lookup and get asked the cluster
+        assert re.search(r'kvstore_tier_round_trips_total\{namespace="[^"]+",tier="remote"\} [1-9]', metrics)
+        for name in ("hint_hits", "hint_misses", "kept_used"):
+            assert f"kvstore_tier_{name}_total{{" in metrics
         chromium = shutil.which("chromium") or shutil.which("chromium-browser")
         if chromium:  # .ci/run installs it; the dashboard test in tests/daemon covers the rest
             with tempfile.TemporaryDirectory(prefix="kvr-chrome-") as profile:

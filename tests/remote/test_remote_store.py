@@ -15,6 +15,7 @@ from kvstore.levels.coding import LevelCodec
 from kvstore.levels.remote_level import RemoteLevel
 from kvstore.store import TieredStore
 from kvstore.tiers.remote import RemoteTier
+from kvstore.tiers.remote.hints import HINT_TTL_S
 from kvstore.tools.testing.redis_local import RedisCluster, cli, free_port
 
 from factories import SLOT, SMALL_LAYOUT, blocks_for, chain, make_store
@@ -100,6 +101,7 @@ def test_demote_mode_sends_only_blocks_that_leave_the_node(cluster: RedisCluster
         third = chain(node_a, 4, salt=6)
         node_a.put(third, blocks_for(third))  # disk drops the first chain: it goes remote
         assert node_a.flush(10)
+        time.sleep(HINT_TTL_S)  # B's own misses of it stand that long: another node's write shows by then
         assert node_b.lookup(first).tiers == ("remote",) * 4
         assert torch.equal(node_b.get(first), blocks_for(first))
         assert node_b.lookup(third).num_blocks == 0

@@ -64,22 +64,28 @@ class StoreCollector(Collector):
                 yield from event_families(self.daemon.kv_events.stats())
 
 
+REMOTE_COUNTERS = {"dropped": "Blocks a write-behind gave up on (queue full or node failed)",
+                   "round_trips": "Requests to the remote a caller waited for (nodes asked in parallel count once)",
+                   "hint_hits": "Blocks a lookup or read answered from a fresh hint, without a request",
+                   "hint_misses": "Blocks a lookup had to ask the remote about",
+                   "kept_used": "Values a read took from the lookup before it instead of asking again"}
 NODE_GAUGES = {"used_memory": "Bytes the remote node uses (Redis INFO used_memory)",
                "maxmemory": "The remote node's maxmemory limit in bytes (0: none)",
                "keys": "Keys in the remote node's database (DBSIZE)"}
 
 
 def remote_families(rows: list[tuple[str, str, dict[str, int]]], nodes: list[dict[str, Any]]) -> Iterator[Any]:
-    """The remote tier's own series: dropped writes per namespace, and per node (label
-    ``node``, HOST:PORT) memory, limit, keys, evictions and whether it answered."""
+    """The remote tier's own series: dropped writes, round trips and hint use per namespace,
+    and per node (label ``node``, HOST:PORT) memory, limit, keys, evictions and whether it
+    answered."""
     shared = [(ns, tier, stats) for ns, tier, stats in rows if "dropped" in stats]
     if not shared and not nodes:
         return
-    dropped = CounterMetricFamily("kvstore_tier_dropped", "Blocks a write-behind gave up on (queue full or "
-                                  "node failed)", labels=["tier", "namespace"])
-    for ns, tier, stats in shared:
-        dropped.add_metric([tier, ns], stats["dropped"])
-    yield dropped
+    for name, doc in REMOTE_COUNTERS.items():
+        family = CounterMetricFamily(f"kvstore_tier_{name}", doc, labels=["tier", "namespace"])
+        for ns, tier, stats in shared:
+            family.add_metric([tier, ns], stats.get(name, 0))
+        yield family
     for name, doc in NODE_GAUGES.items():
         g = GaugeMetricFamily(f"kvstore_remote_node_{name}", doc, labels=["node"])
         for node in nodes:

@@ -49,8 +49,9 @@ def encode(key: bytes, layout: bytes, payload: memoryview) -> bytes:
     return b"".join((head, hasher.digest(), payload))
 
 
-def decode(value: bytes, key: bytes, layout: bytes, payload_bytes: int) -> tuple[memoryview | None, str]:
-    """The payload of ``value`` if it is exactly block ``key`` of ``layout``.
+def decode(value: bytes | memoryview, key: bytes, layout: bytes, payload_bytes: int) -> tuple[memoryview | None, str]:
+    """The payload of ``value`` if it is exactly block ``key`` of ``layout`` (checked where it
+    lies: nothing is copied).
 
     Returns:
         ``(payload view, "")`` when every field and the checksum agree; else ``(None, reason)``

@@ -20,6 +20,10 @@ class RemoteCounters:
     errors: int = 0
     dropped: int = 0  # blocks a write gave up on: full queue, or the node failed
     skipped: int = 0  # blocks not sent because the remote already held them
+    round_trips: int = 0  # requests a caller waited for (lookups, reads, deletes): nodes in parallel count once
+    hint_hits: int = 0  # blocks a lookup or read answered from a fresh hint, with no request
+    hint_misses: int = 0  # blocks a lookup had to ask the remote about
+    kept_used: int = 0  # values a read took from the lookup before it instead of asking again
     error_kinds: dict[str, int] = field(default_factory=lambda: dict.fromkeys(ERROR_KINDS, 0))
     corrupt_reasons: dict[str, int] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)

@@ -101,3 +101,11 @@ class DeadlineSSLConnection(SSLConnection):
 
     def _connect(self) -> Any:
         return _connect(self, super()._connect)
+
+
+def socket_of(connection: Connection) -> _DeadlineSocket:
+    """The connected socket of one of our connections (the deadline-bounded one), for a
+    reader that takes replies off it itself (tiers.remote.replies)."""
+    sock = connection._sock
+    assert isinstance(sock, _DeadlineSocket), f"not a deadline-bounded connection: {type(connection).__name__}"
+    return sock

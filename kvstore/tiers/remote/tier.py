@@ -8,6 +8,12 @@ its own (``maxmemory`` + ``allkeys-lru``), and a block that vanished is a miss.
 It is a cache. No method raises for anything the remote does (timeouts, refused connections,
 CLUSTERDOWN, TRYAGAIN, OOM, MOVED, auth errors, garbage values): every failure is a counted
 miss or a counted dropped write. Only caller errors (bad arguments) raise.
+
+A remote hit costs one round trip: ``get`` sends one pipeline of GETs per primary, all
+primaries at once, and checks each value where it was received before copying its payload
+once into the caller's memory. ``lookup`` (the store's question) answers from fresh hints
+where it can, GETs a short unknown run (keeping the values for the ``get`` that follows) and
+asks EXISTS of a long one (tiers.remote.reads, tiers.remote.hints).
 """
 
 from __future__ import annotations
@@ -19,9 +25,11 @@ from typing import Any
 from kvstore.tiers.buffers import byte_view
 from kvstore.tiers.remote import codec
 from kvstore.tiers.remote.counters import RemoteCounters
+from kvstore.tiers.remote.hints import HINT_TTL_S, Hints, KeptValues
 from kvstore.tiers.remote.info import NodeInfo, NodeInfoCache
 from kvstore.tiers.remote.naming import DEFAULT_PREFIX, MAX_RUN_LENGTH, block_name, check_prefix
-from kvstore.tiers.remote.topology import Command, Topology, error_kind
+from kvstore.tiers.remote.reads import LOOKUP_GET_BYTES, RemoteReads
+from kvstore.tiers.remote.topology import Command, NodeUnavailable, Topology, error_kind
 from kvstore.tiers.remote.url import Node, RemoteURL, parse_url
 from kvstore.tiers.remote.writer import PendingWrite, Room, WriteBehind
 
@@ -39,12 +47,17 @@ class RemoteTier:
         prefix: first part of every Redis key name.
         run_length: G, blocks of a chain per hash slot (see tiers.remote.naming).
         timeout_s: the deadline of every call: by then each node has answered or is a
-            timeout (a miss or a dropped write), however slowly it sends.
+            timeout (a miss or a dropped write), however slowly it sends; a call that moves
+            values gets, on top, their time at 100 MB/s (its busiest node's bytes).
         queue_blocks: write-behind bound: at most this many framed values are held (queued,
             being sent, or being framed); blocks offered beyond it are dropped uncopied.
         batch_blocks: most blocks one write-behind round sends.
         breaker_threshold, breaker_cooldown_s: consecutive failures that open a node's
             circuit, and the wait before the first probe.
+        hint_ttl_s: how long what the remote said of a block stands (0: no hints, no kept
+            values); another node's write is seen at most this late.
+        lookup_get_bytes: a lookup GETs (and keeps the values for the read that follows) an
+            unknown run of at most this many value bytes, and asks EXISTS of a longer one.
 
     Every batch method takes ``tags``: the group head key of each block (``naming.group_tags``);
     None means each block is its own head, which is right only for ``run_length == 1``.
@@ -58,7 +71,8 @@ class RemoteTier:
     def __init__(
         self, url: str | RemoteURL, payload_bytes: int, layout_id: str, *, prefix: str = DEFAULT_PREFIX,
         run_length: int = 1, timeout_s: float = 0.5, queue_blocks: int = 256, batch_blocks: int = 64,
-        breaker_threshold: int = 3, breaker_cooldown_s: float = 0.5,
+        breaker_threshold: int = 3, breaker_cooldown_s: float = 0.5, hint_ttl_s: float = HINT_TTL_S,
+        lookup_get_bytes: int = LOOKUP_GET_BYTES,
     ) -> None:
         if not isinstance(payload_bytes, int) or payload_bytes <= 0:
             raise ValueError(f"payload_bytes must be a positive int, got {payload_bytes!r}")
@@ -77,6 +91,8 @@ class RemoteTier:
         self.on_stored: Callable[[list[bytes]], None] | None = None
         self._writer = WriteBehind(self._send, queue_blocks, batch_blocks,
                                    lambda n: self.counters.add(dropped=n))
+        self._reads = RemoteReads(self._ask, self.names, self.counters, self._layout, payload_bytes, hint_ttl_s,
+                                  lookup_get_bytes)
 
     def __repr__(self) -> str:
         return f"RemoteTier({self.url.redacted()!r}, payload_bytes={self.payload_bytes}, G={self.run_length})"
@@ -113,11 +129,16 @@ class RemoteTier:
             self.counters.error("unavailable", 1)
         return groups, unowned
 
-    def _ask(self, names: Sequence[bytes], command: str) -> list[Any]:
+    def _ask(self, names: Sequence[bytes], command: str, value_bytes: int | None = None) -> list[Any]:
         """``command name`` for every name, one pipeline per node in parallel. Per name: the
-        reply, or the exception it failed with (each node failure counted once)."""
+        reply, or the exception it failed with (each node failure counted once). With
+        ``value_bytes`` (GET only), values as ``Topology.run`` reads them."""
         groups, unowned = self._by_node(names)
-        replies = self._topology.run({n: [(command, names[i]) for i in idx] for n, idx in groups.items()})
+        most = max(map(len, groups.values()), default=0)
+        replies = self._topology.run({n: [(command, names[i]) for i in idx] for n, idx in groups.items()},
+                                     value_bytes=value_bytes, transfer_bytes=most * (value_bytes or 0))
+        if any(not isinstance(reply.error, NodeUnavailable) for reply in replies.values()):
+            self.counters.add(round_trips=1)  # the nodes answer in parallel: one trip for the call
         out: list[Any] = [None] * len(names)
         for i in unowned:
             out[i] = ConnectionError("no node owns this slot yet")
@@ -138,48 +159,58 @@ class RemoteTier:
     # ----------------------------------------------------------------------------- reads
 
     def contains(self, keys: Sequence[bytes], tags: Sequence[bytes] | None = None) -> list[bool]:
-        """Per block: does the remote hold a value under its name now? (Failures: False.)"""
-        return [r is True or r == 1 for r in self._ask(self.names(keys, tags), "EXISTS")]
+        """Per block: does the remote hold a value under its name now? (Asked, never hinted;
+        failures: False.)"""
+        return self._reads.contains(keys, tags)
 
     def exists(self, keys: Sequence[bytes], tags: Sequence[bytes] | None = None) -> int:
         """How many leading blocks of ``keys`` the remote holds (pipelined EXISTS, one round
-        trip per node, stop counting at the first gap)."""
+        trip per node, stop counting at the first gap). Asked, never hinted."""
         found = self.contains(keys, tags)
         return found.index(False) if False in found else len(found)
 
-    def get(self, keys: Sequence[bytes], outs: Sequence[Any], tags: Sequence[bytes] | None = None) -> list[bool]:
+    def lookup(self, keys: Sequence[bytes], tags: Sequence[bytes] | None = None) -> int:
+        """How many leading blocks of ``keys`` the remote holds, as far as it is worth asking:
+        fresh hints answer without a request; the rest is one round trip, a GET of a short run
+        (the values kept for the ``get`` that follows) or EXISTS of a long one (reads.py)."""
+        self._check_tags(keys, tags)
+        return self._reads.lookup(keys, tags)
+
+    def get(self, keys: Sequence[bytes], outs: Sequence[Any], tags: Sequence[bytes] | None = None, *,
+            leading: bool = False) -> list[bool]:
         """Read blocks into caller memory (CPU tensors or writable buffers of >= payload_bytes).
+
+        One pipeline of GETs per primary, all at once, for the blocks a lookup did not keep
+        and whose fresh hint does not say the remote lacks them; with ``leading`` (only the
+        leading run matters to the caller), for none past the first such block, and only the
+        leading run of hits is delivered. Each value is checked where it was received and its
+        payload copied once into ``outs[i]``.
 
         Returns:
             Per block, True when ``outs[i][:payload_bytes]`` now holds exactly the bytes put
             under ``keys[i]``. A missing, unreachable or invalid value is False (and counted);
             an invalid one is also deleted from the remote.
         """
-        if len(outs) != len(keys):
-            raise ValueError(f"get needs one out per key: {len(keys)} keys, {len(outs)} outs")
-        views = [byte_view(o, writable=True)[0] for o in outs]
-        for view in views:
-            if view.nbytes < self.payload_bytes:
-                raise ValueError(f"out of {view.nbytes} bytes is shorter than payload_bytes={self.payload_bytes}")
-        names = self.names(keys, tags)
-        ok = [False] * len(keys)
-        bad: list[bytes] = []
-        pb = self.payload_bytes
-        for i, value in enumerate(self._ask(names, "GET")):
-            if not isinstance(value, bytes):
-                continue  # None: not there (never put, or evicted); an exception: counted already
-            payload, reason = codec.decode(value, keys[i], self._layout, pb)
-            if payload is None:
-                self.counters.error("corrupt", reason=reason)
-                bad.append(names[i])
-                continue
-            views[i][:pb] = payload
-            ok[i] = True
-        num_hits = sum(ok)
-        self.counters.add(hits=num_hits, misses=len(keys) - num_hits, bytes_read=num_hits * pb)
-        if bad:
-            self._ask(bad, "DEL")
-        return ok
+        return self._reads.get(keys, outs, tags, leading)
+
+    @property
+    def hints(self) -> Hints:
+        """Whether the remote held each block when last asked (a lookup's first answer)."""
+        return self._reads.hints
+
+    @property
+    def kept(self) -> KeptValues:
+        """Values a lookup fetched, waiting for the read that follows it."""
+        return self._reads.kept
+
+    @property
+    def lookup_get_bytes(self) -> int:
+        """The longest unknown run (value bytes) a lookup GETs; past it, EXISTS."""
+        return self._reads.lookup_get_bytes
+
+    @lookup_get_bytes.setter
+    def lookup_get_bytes(self, value: int) -> None:
+        self._reads.lookup_get_bytes = value
 
     # ----------------------------------------------------------------------------- writes
 
@@ -247,8 +278,9 @@ class RemoteTier:
         def sets(node: Node, held: list[Any]) -> list[Command]:
             return [("SET", items[i].name, items[i].value) for i in missing(node, held)]
 
+        most = max((sum(len(items[i].value) for i in idx) for idx in groups.values()), default=0)
         replies = self._topology.run({n: [("EXISTS", items[i].name) for i in idx] for n, idx in groups.items()},
-                                     then=sets)
+                                     then=sets, transfer_bytes=most)
         stored: list[bytes] = []
         written, failed = 0, len(unowned)
         for node, idx in groups.items():
@@ -278,6 +310,7 @@ class RemoteTier:
                     if isinstance(result, BaseException):
                         self.counters.error(error_kind(result))
         self.counters.add(bytes_written=written * self.payload_bytes, dropped=failed)
+        self.hints.note(stored, True)
         if stored and self.on_stored is not None:
             try:
                 self.on_stored(stored)
@@ -287,6 +320,7 @@ class RemoteTier:
 
     def delete(self, keys: Sequence[bytes], tags: Sequence[bytes] | None = None) -> None:
         """Remove blocks from the remote (best effort, failures counted)."""
+        self._reads.forget(keys)
         self._ask(self.names(keys, tags), "DEL")
 
     # ----------------------------------------------------------------------------- state

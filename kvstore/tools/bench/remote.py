@@ -3,14 +3,17 @@
 One run starts a real cluster (6 ``redis-server`` processes on loopback: 3 primaries, 3
 replicas, no persistence) and measures, in batches of 64 blocks of 192 KiB:
 
-- remote get and put vs redis-py's own cluster pipeline (``RedisCluster.pipeline()``) doing
-  GET/SET of the same bytes on the same cluster (its GET copies each value into the caller's
-  tensor once, as ours does; its SET sends ready-made bytes: no framing, no checksum, no
-  existence check);
+- the remote tier as users call it, through a store (remote_store.py): a warm store's fetch,
+  get and lookup + fetch, a fresh store's first fetch, a warm miss, and what decided a
+  lookup's command;
+- the tier alone: get and put vs redis-py's own cluster pipeline (``RedisCluster.pipeline()``)
+  doing GET/SET of the same bytes on the same cluster (its GET is followed by one ``copy_`` of
+  each value into the caller's tensor; its SET sends ready-made bytes: no framing, no
+  checksum, no existence check);
 - the hash-tag run length sweep (G blocks of a chain per slot) that picks the default G;
 - through the engine (as ``kvstore bench engine`` does, same model): TTFT of a 2,048-token
   prompt whose prefix only the remote tier holds (a fresh engine, local tiers empty) vs full
-  recompute.
+  recompute, with its lookup and fetch stages and the round trips they made.
 
 Rounds interleave ours and the baseline (best of N each), so a noisy neighbour slows both.
 """
@@ -33,29 +36,11 @@ from kvstore.services.common.argtypes import positive
 from kvstore.tiers.remote import RemoteTier, group_tags
 from kvstore.tools.bench.harness import BENCH_LAYOUT, Row, machine, render, write_section
 from kvstore.tools.bench.models import BenchModel, add_model_arguments
+from kvstore.tools.bench.remote_store import Baseline, bench_store, interleave, paired_ratio, render_store
 from kvstore.tools.testing.redis_local import MIB, RedisCluster, need_binaries
 
 NUM_BLOCKS = 64
 RUN_LENGTHS = (1, 4, 16, 64)
-
-
-def interleave(fns: list[Callable[[], object]], rounds: int) -> list[list[float]]:
-    """Every round runs each function once, in turn (the order reversed every other round,
-    so neither side always goes first); all times per function, by round."""
-    times: list[list[float]] = [[] for _ in fns]
-    for r in range(rounds):
-        order = list(range(len(fns)))
-        for i in order if r % 2 == 0 else order[::-1]:
-            t0 = time.perf_counter()
-            fns[i]()
-            times[i].append(time.perf_counter() - t0)
-    return times
-
-
-def paired_ratio(base: list[float], ours: list[float]) -> float:
-    """Median over rounds of base/ours, each pair measured back to back (robust to load)."""
-    ratios = sorted(b / o for b, o in zip(base, ours, strict=True))
-    return ratios[len(ratios) // 2]
 
 
 class Chains:
@@ -74,9 +59,6 @@ class Chains:
 
 
 def bench_throughput(url: str, seeds: list[int], repeat: int) -> tuple[list[Row], dict[str, Any]]:
-    from redis.cluster import ClusterNode
-    from redis.cluster import RedisCluster as PyCluster
-
     layout, n = BENCH_LAYOUT, NUM_BLOCKS
     payload = layout.bytes_per_block
     blocks = torch.randn((n, *layout.block_shape)).to(layout.dtype)
@@ -84,15 +66,11 @@ def bench_throughput(url: str, seeds: list[int], repeat: int) -> tuple[list[Row]
     out = torch.empty_like(rows_in)
     chains = Chains(f"bench-remote-{time.time()}")
     tier = RemoteTier(url, payload, layout.fingerprint(), timeout_s=5.0)
-    base = PyCluster(startup_nodes=[ClusterNode("127.0.0.1", p) for p in seeds])
+    baseline = Baseline(seeds, rows_in, f"tier-{time.time()}")
+    base = baseline.client
     values = [bytes(rows_in[i].numpy()) for i in range(n)]  # redis-py needs bytes objects
     held = chains.next()
     tier.put(held, list(rows_in))
-    base_names = [f"base:{i}:{k.hex()}" for i, k in enumerate(held)]  # no hash tag: spread like ours
-    pipe = base.pipeline()
-    for name, value in zip(base_names, values, strict=True):
-        pipe.set(name, value)
-    pipe.execute()
     put_round = [0]
 
     def ours_get() -> None:
@@ -100,11 +78,7 @@ def bench_throughput(url: str, seeds: list[int], repeat: int) -> tuple[list[Row]
         assert all(ok), "remote get missed a block it holds"
 
     def base_get() -> None:
-        pipe = base.pipeline()
-        for name in base_names:
-            pipe.get(name)
-        for i, v in enumerate(pipe.execute()):
-            out[i].copy_(torch.frombuffer(bytearray(v), dtype=torch.uint8))
+        baseline.get(out)
 
     def ours_put() -> None:
         assert tier.put(chains.next(), list(rows_in)) == n
@@ -121,7 +95,8 @@ def bench_throughput(url: str, seeds: list[int], repeat: int) -> tuple[list[Row]
     assert torch.equal(out, rows_in), "remote get returned other bytes"
     size = f"{n} x {payload // 1024} KiB"
     rows = [
-        Row(f"remote get, {size}", min(get_s), min(base_get_s), "redis-py cluster pipeline GET", ">= 0.9x"),
+        Row(f"remote get (the tier alone), {size}", min(get_s), min(base_get_s),
+            "redis-py cluster pipeline GET + copy_", ">= 0.9x"),
         Row(f"remote put, {size}", min(put_s), min(base_put_s), "redis-py cluster pipeline SET", ">= 0.9x"),
     ]
     spread = {name: (sorted(t)[len(t) // 2] / min(t) - 1) * 100
@@ -130,7 +105,7 @@ def bench_throughput(url: str, seeds: list[int], repeat: int) -> tuple[list[Row]
     spread["paired_put"] = paired_ratio(base_put_s, put_s)
     spread["read_gbps"] = n * payload / min(get_s) / 1e9
     tier.close()
-    base.close()
+    baseline.close()
     return rows, spread
 
 
@@ -191,24 +166,34 @@ def bench_ttft(url: str, model: BenchModel, prompt_tokens: int, repeat: int) -> 
     for _ in range(max(1, repeat)):
         reader = engine(args, host_bytes=1 << 30, remote_url=url)  # empty local tiers
         seconds, m = ttft(reader, prompt)
-        runs.append((seconds, m))
+        assert reader.store is not None
+        runs.append((seconds, m, reader.store.stats()["remote"]["round_trips"]))
         reader.close()
-    remote_s, m = min(runs, key=lambda x: x[0])
-    detail = {"remote_tokens": m.cached_tokens.get("remote", 0), "loading_s": m.loading_s,
-              "bytes": m.cached_tokens.get("remote", 0) // writer.config.block_size * block_bytes}
+    remote_s, m, trips = min(runs, key=lambda x: x[0])
+    detail = {"remote_tokens": m.cached_tokens.get("remote", 0), "loading_s": m.loading_s, "model": model.name,
+              "layers": writer.layout.num_layers, "block_bytes": block_bytes,
+              "bytes": m.cached_tokens.get("remote", 0) // writer.config.block_size * block_bytes,
+              "lookup_s": m.stages.get("lookup", 0.0), "fetch_s": m.stages.get("fetch", 0.0), "round_trips": trips,
+              "ttft_spread": (sorted(r[0] for r in runs)[len(runs) // 2] / remote_s - 1) * 100,
+              "runs": [(r[0], r[1].cached_tokens.get("remote", 0), r[1].stages.get("lookup", 0.0),
+                        r[1].stages.get("fetch", 0.0)) for r in runs]}
     row = Row(f"TTFT, {prompt_tokens}-token prompt, prefix only in the remote tier ({model.name})", remote_s,
               recompute_s, "full recompute", ">= 10x", "speedup")
     return row, detail
 
 
-def render_remote(rows: list[Row], sweep: list[dict[str, Any]], spread: dict[str, Any], where: str) -> str:
+def render_remote(rows: list[Row], sweep: list[dict[str, Any]], spread: dict[str, Any], where: str,
+                  store_detail: dict[str, Any]) -> str:
     text = render(rows, where).replace("## Tiers (`kvstore bench tiers`)", "## Remote tier (`kvstore bench remote`)", 1)
     text = text.replace("Layout: 24 layers", "A local Redis Cluster of 6 `redis-server` 7.0 processes on loopback "
                         "(3 primaries, 3 replicas, `--save '' --appendonly no`), started by the bench. Ours: "
-                        "`RemoteTier` (framing + xxh3 checksum, EXISTS before SET, one pipeline per primary "
-                        "on a thread each). Layout: 24 layers", 1)
-    lines = [text, "",
-             f"Spread (median over best, %): get {spread['get']:.0f}, baseline get {spread['base_get']:.0f}, "
+                        "a `TieredStore` with `promotion=\"never\"` (every read goes to the cluster), and "
+                        "`RemoteTier` alone (framing + xxh3 checksum, EXISTS before SET, one pipeline per primary "
+                        "on a thread each, GET replies read straight into memory of their own). Layout: 24 "
+                        "layers", 1)
+    lines = [text, "", *render_store(store_detail), "",
+             f"Tier rows, spread (median over best, %): get {spread['get']:.0f}, baseline get "
+             f"{spread['base_get']:.0f}, "
              f"put {spread['put']:.0f}, baseline put {spread['base_put']:.0f}. Median of the per-round "
              f"ratios (each pair run back to back): get {spread['paired_get']:.2f}x, put "
              f"{spread['paired_put']:.2f}x. Remote read bandwidth {spread['read_gbps']:.2f} GB/s.", "",
@@ -221,12 +206,18 @@ def render_remote(rows: list[Row], sweep: list[dict[str, Any]], spread: dict[str
     for r in sweep:
         lines.append(f"| {r['G']} | {r['slots']} | {r['nodes']} | {r['get_s'] * 1e3:.1f} ms | {r['put_s'] * 1e3:.1f} ms |")
     if "remote_tokens" in spread:
-        lines += ["", f"TTFT run: the engine of `kvstore bench engine` (24 layers, fp32 KV, 384 KiB blocks, CPU); "
+        lines += ["", f"TTFT run: the engine of `kvstore bench engine` ({spread['model']}, {spread['layers']} layers, "
+                  f"fp32 KV, {spread['block_bytes'] // 1024} KiB blocks, CPU); "
                   f"{spread['remote_tokens']} prompt tokens came from the remote tier, "
                   f"{spread['bytes'] / 2**20:.1f} MiB fetched in {spread['loading_s'] * 1e3:.0f} ms "
-                  f"({spread['bytes'] / max(spread['loading_s'], 1e-9) / 1e9:.2f} GB/s, lookup, GETs, checks and "
+                  f"({spread['bytes'] / max(spread['loading_s'], 1e-9) / 1e9:.2f} GB/s, GETs, checks and "
                   "promotion included); the rest of TTFT is the prefill of the last partial block and the "
-                  "first decode step."]
+                  f"first decode step. Stages of the best run: lookup {spread['lookup_s'] * 1e3:.1f} ms, fetch "
+                  f"{spread['fetch_s'] * 1e3:.1f} ms; the engine's store made {spread['round_trips']} round trips "
+                  "for the request (its first lookup also discovers the slot map). Every run (TTFT, tokens from "
+                  "the remote, lookup, fetch): " + "; ".join(
+                      f"{t * 1e3:.0f} ms, {tokens}, {look * 1e3:.1f} ms, {fetch * 1e3:.0f} ms"
+                      for t, tokens, look, fetch in spread["runs"]) + "."]
     return "\n".join(lines)
 
 
@@ -247,11 +238,22 @@ def run_remote_bench(args: argparse.Namespace) -> int:
         cluster = RedisCluster.start(Path(tmp), maxmemory=1024 * MIB)
         try:
             seeds = [n.port for n in cluster.nodes[:3]]
-            print("get/put vs redis-py ...", flush=True)
-            rows, spread = bench_throughput(cluster.url, seeds, args.repeat)
-            spread["load"] = load
-            print("run length sweep ...", flush=True)
-            sweep = bench_run_lengths(cluster.url, args.repeat)
+            # The baseline's copy_ on one thread, a memcpy as ours is: with torch's intra-op
+            # threads a 192 KiB copy_ waits on a second core this shared machine rarely has
+            # free (0.3-12 ms each, measured), which would flatter us.
+            threads = torch.get_num_threads()
+            torch.set_num_threads(1)
+            try:
+                print("the store's fetch, get and lookup vs redis-py ...", flush=True)
+                rows, store_detail = bench_store(cluster.url, seeds, args.repeat)
+                print("the tier's get/put vs redis-py ...", flush=True)
+                tier_rows, spread = bench_throughput(cluster.url, seeds, args.repeat)
+                rows += tier_rows
+                spread["load"] = load
+                print("run length sweep ...", flush=True)
+                sweep = bench_run_lengths(cluster.url, args.repeat)
+            finally:
+                torch.set_num_threads(threads)
             if not args.no_ttft:
                 print("TTFT through the engine (minutes on a CPU) ...", flush=True)
                 ttft_row, detail = bench_ttft(cluster.url, model, args.prompt_tokens, args.ttft_repeat)
@@ -259,7 +261,7 @@ def run_remote_bench(args: argparse.Namespace) -> int:
                 spread.update(detail)
         finally:
             cluster.close()
-    text = render_remote(rows, sweep, spread, machine())
+    text = render_remote(rows, sweep, spread, machine(), store_detail)
     print(text)
     if not args.no_write:
         write_section("remote", text)
@@ -268,7 +270,8 @@ def run_remote_bench(args: argparse.Namespace) -> int:
 
 def register_target(targets: argparse._SubParsersAction) -> None:
     """Add ``remote`` to ``kvstore bench``'s targets."""
-    p = targets.add_parser("remote", help="remote tier (Redis Cluster) get/put vs redis-py, and the G sweep")
+    p = targets.add_parser("remote", help="remote tier (Redis Cluster) through the store and alone vs redis-py, "
+                                          "the G sweep, TTFT from the remote")
     add_model_arguments(p)
     p.add_argument("--repeat", type=positive(int), default=25, help="rounds; the best is kept (default 25)")
     p.add_argument("--prompt-tokens", type=positive(int), default=2048, help="TTFT prompt length (default 2048)")
