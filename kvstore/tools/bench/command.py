@@ -7,7 +7,7 @@ import argparse
 import importlib
 
 # One module per target, in the order ``kvstore bench --help`` lists them.
-TARGET_MODULES = ("tiers", "engine", "daemon", "remote", "vllm", "route", "codecs", "events", "route_live")
+TARGET_MODULES = ("tiers", "engine", "daemon", "remote", "vllm", "vs_vllm", "route", "codecs", "quality", "pool", "events", "route_live")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
