@@ -106,9 +106,10 @@ class StoreConfig:
         shared_host: back the host pool with a memfd that other processes of this user can
             map (the daemon's same-host fast path); a shared pool is never page-locked.
         host_codec, disk_codec, remote_codec: how each tier represents blocks
-            (kvstore.codecs: "none", "int8", "int8-fp32", "fp8"). A lossy tier holds about
-            half the bytes per block (twice the blocks fit) and a get from it returns the
-            decoded values, not the bytes put (``get(exact=True)`` refuses those).
+            (kvstore.codecs: "none", "int8", "int8-fp32", "fp8", "int4-rot", "int4-norot"). A
+            lossy tier holds about a half (8-bit) or a quarter (4-bit) of the bytes per block,
+            and a get from it returns the decoded values, not the bytes put
+            (``get(exact=True)`` refuses those).
             ``remote_codec`` applies to the remote tier (``remote_url``).
         remote_url: a shared remote tier below the local ones (docs/remote.md):
             ``redis://``, ``rediss://``, ``redis+cluster://h:p,h:p`` or ``rediss+cluster://``;

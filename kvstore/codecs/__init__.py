@@ -9,6 +9,8 @@ encoded block, so a reader follows the block's own header rather than today's co
 | ``int8``    | yes   | int8              | float16 per (layer, K/V, token, head)   |
 | ``int8-fp32`` | yes | int8              | float32 per (layer, K/V, token, head)   |
 | ``fp8``     | yes   | float8 e4m3fn     | float32 per (layer, K/V, block, head)   |
+| ``int4-rot`` | yes  | 4-bit, two per byte | float16 per 64 values of a head row turned by a fixed rotation |
+| ``int4-norot`` | yes | 4-bit, two per byte | float16 per 64 values of a head row (the ablation: no rotation) |
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from collections.abc import Callable
 from kvstore.codecs.base import Codec
 from kvstore.codecs.fp8 import Fp8Codec
 from kvstore.codecs.header import BlockHeader
+from kvstore.codecs.int4 import Int4Codec, Int4RotCodec
 from kvstore.codecs.int8 import Int8Codec, Int8Fp32Codec
 from kvstore.codecs.raw import RawCodec
 from kvstore.codecs.scaled import ScaledCodec
@@ -29,6 +32,8 @@ _FACTORIES: dict[str, Callable[[], Codec]] = {
     Int8Codec.name: Int8Codec,
     Int8Fp32Codec.name: Int8Fp32Codec,
     Fp8Codec.name: Fp8Codec,
+    Int4RotCodec.name: Int4RotCodec,
+    Int4Codec.name: Int4Codec,
 }
 CODECS: tuple[str, ...] = tuple(_FACTORIES)
 _INSTANCES: dict[str, Codec] = {name: make() for name, make in _FACTORIES.items()}
@@ -54,14 +59,14 @@ def stored_bytes(codec: Codec, layout: KVLayout, align: int) -> int:
     return -(-codec.encoded_bytes(layout) // align) * align
 
 
-def codec_for_header(header: BlockHeader) -> ScaledCodec:
+def codec_for_header(header: BlockHeader) -> ScaledCodec | Int4Codec:
     """The codec whose blocks carry ``header``'s codec id, version and scale dtype.
 
     Raises:
         CodecFormatError: no codec of this reader writes such blocks (e.g. a newer version).
     """
     for codec in _INSTANCES.values():
-        if (isinstance(codec, ScaledCodec) and codec.codec_id == header.codec_id
+        if (isinstance(codec, (ScaledCodec, Int4Codec)) and codec.codec_id == header.codec_id
                 and codec.version == header.version and codec.scale_dtype == header.scale_dtype
                 and codec.scale_layout == header.scale_layout):
             return codec
@@ -71,5 +76,5 @@ def codec_for_header(header: BlockHeader) -> ScaledCodec:
     )
 
 
-__all__ = ["CODECS", "Codec", "Fp8Codec", "Int8Codec", "Int8Fp32Codec", "RawCodec", "ScaledCodec",
-           "codec_for_header", "get_codec", "stored_bytes"]
+__all__ = ["CODECS", "Codec", "Fp8Codec", "Int4Codec", "Int4RotCodec", "Int8Codec", "Int8Fp32Codec", "RawCodec",
+           "ScaledCodec", "codec_for_header", "get_codec", "stored_bytes"]

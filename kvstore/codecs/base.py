@@ -23,7 +23,7 @@ class Codec(ABC):
     """
 
     name: ClassVar[str]
-    """Registry name (``none``, ``int8``, ``int8-fp32``, ``fp8``)."""
+    """Registry name (``none``, ``int8``, ``int8-fp32``, ``fp8``, ``int4-rot``, ``int4-norot``)."""
     lossy: ClassVar[bool]
     """Whether ``decode(encode(x))`` may differ from ``x``."""
 

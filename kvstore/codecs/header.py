@@ -4,11 +4,11 @@ Little-endian, packed (``struct`` format ``<4sBBBBB3xIIIII``)::
 
     off  size  field
       0     4  magic b"KVCB"
-      4     1  codec id (1 int8, 2 fp8)
+      4     1  codec id (1 int8, 2 fp8, 3 int4-rot, 4 int4-norot)
       5     1  format version of that codec (1)
       6     1  dtype of the decoded block (DTYPE_CODES)
       7     1  dtype of the scales (DTYPE_CODES)
-      8     1  scale layout (SCALE_PER_TOKEN_HEAD, SCALE_PER_BLOCK_HEAD)
+      8     1  scale layout (SCALE_PER_TOKEN_HEAD, SCALE_PER_BLOCK_HEAD, SCALE_PER_HEAD_GROUP)
       9     3  reserved, zero
      12     4  num_layers
      16     4  block_size
@@ -39,6 +39,7 @@ DTYPE_CODES: dict[torch.dtype, int] = {torch.float16: 1, torch.bfloat16: 2, torc
 DTYPES_BY_CODE: dict[int, torch.dtype] = {code: dtype for dtype, code in DTYPE_CODES.items()}
 SCALE_PER_TOKEN_HEAD = 1  # one scale per (layer, K/V, token, head)
 SCALE_PER_BLOCK_HEAD = 2  # one scale per (layer, K/V, block, head)
+SCALE_PER_HEAD_GROUP = 3  # one scale per (layer, K/V, token, head, group of head_dim values)
 
 BlockShape = tuple[int, int, int, int, int]  # (num_layers, 2, block_size, num_kv_heads, head_dim)
 

@@ -48,7 +48,7 @@ def dequantize_rows(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
         bits = codes.view(torch.int8).to(torch.int16)
         values = bits.bitwise_left_shift_(7).bitwise_and_(-0x4001).view(torch.float16).float()
         return values.mul_(scales.float().mul(256.0).unsqueeze(-1))
-    return codes.float().mul_(scales.float().unsqueeze(-1))
+    return torch.mul(codes, scales.float().unsqueeze(-1))  # int8 times float32: one pass, promoted
 
 
 def _gather_paged(cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,

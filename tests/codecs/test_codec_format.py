@@ -18,7 +18,7 @@ VECTOR = torch.tensor(
      -3.0, 1.5, 0.1, 0.0, 100.0, -100.0, 50.0, 0.001],  # V: token 0, token 1
     dtype=torch.float16,
 ).view(1, *VECTOR_LAYOUT.block_shape)
-GOLDEN = {  # codec -> (encoded bytes, decoded values); format version 1 of each
+GOLDEN = {  # codec -> (encoded bytes, decoded values); format version 1 of each (docs/storage-format.md)
     "int8": (
         "4b56434201010101010000000100000002000000010000000400000018000000"
         "092400000d264d3a3fe0107f00000000813f04007f813f000000000000000000",
@@ -37,6 +37,18 @@ GOLDEN = {  # codec -> (encoded bytes, decoded values); format version 1 of each
         [1.0, -0.5, 0.25, 2.0, 0, 0, 0, 0,
          -2.90234375, 1.451171875, 0.09765625, 0, 100.0, -100.0, 50.0, 0.0008721351623535156],
     ),
+    "int4-rot": (
+        "4b56434203010101030000000100000002000000010000000400000010000000"
+        "ef320000e9342b4c7ef388880505f9c6",
+        [0.97509765625, -0.54150390625, 0.324951171875, 2.05859375, 0, 0, 0, 0,
+         -3.068359375, 1.5341796875, 0, 0, 100.0, -100.0, 50.0, 0],
+    ),
+    "int4-norot": (
+        "4b56434204010101030000000100000002000000010000000400000010000000"
+        "453400006736ab4a6bf88888b0880f8b",
+        [0.93408203125, -0.400390625, 0.1334228515625, 2.001953125, 0, 0, 0, 0,
+         -3.001953125, 1.400390625, 0.2000732421875, 0.2000732421875, 100.0, -100.0, 46.6875, 6.66796875],
+    ),
 }
 
 
@@ -48,7 +60,7 @@ def _row(hex_bytes: str) -> torch.Tensor:
 def test_golden_bytes(name: str) -> None:
     encoded_hex, decoded = GOLDEN[name]
     codec = get_codec(name)
-    assert codec.encoded_bytes(VECTOR_LAYOUT) == len(encoded_hex) // 2 == 64
+    assert codec.encoded_bytes(VECTOR_LAYOUT) == len(encoded_hex) // 2 == (48 if name.startswith("int4") else 64)
     assert bytes(codec.encode(VECTOR)[0].numpy()).hex() == encoded_hex
     out = codec.decode(_row(encoded_hex), torch.empty_like(VECTOR))
     assert out.flatten().tolist() == decoded
@@ -120,5 +132,6 @@ def test_no_codec_reads_an_unknown_version() -> None:
 
 
 def test_unknown_codec_name_lists_the_known_ones() -> None:
-    with pytest.raises(ConfigError, match=r"codec must be one of \['none', 'int8', 'int8-fp32', 'fp8'\], got 'zstd'"):
+    with pytest.raises(ConfigError, match=r"codec must be one of \['none', 'int8', 'int8-fp32', 'fp8', 'int4-rot', "
+                                          r"'int4-norot'\], got 'zstd'"):
         get_codec("zstd")

@@ -68,5 +68,5 @@ def test_disk_codec_from_toml_and_bad_values(tmp_path: Path) -> None:
     assert load_config(toml, {"data_dir": tmp_path}).store.disk_codec == "fp8"
     assert load_config(toml, {"data_dir": tmp_path, "disk_codec": "int8"}).store.disk_codec == "int8"  # flags win
     toml.write_text('disk_codec = "zstd"\n')
-    with pytest.raises(ConfigError, match=r"disk_codec must be one of \['none', 'int8', 'int8-fp32', 'fp8'\]"):
+    with pytest.raises(ConfigError, match=r"disk_codec must be one of \['none', 'int8', 'int8-fp32', 'fp8', 'int4-rot', 'int4-norot'\]"):
         load_config(toml, {"data_dir": tmp_path})

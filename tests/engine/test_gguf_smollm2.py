@@ -23,9 +23,9 @@ from kvstore.engine import LLMEngine, SamplingParams
 from kvstore.engine.bundled import SMOLLM2_FILE, SMOLLM2_INSTALL, smollm2_gguf
 from kvstore.engine.loader import load_checkpoint
 from kvstore.engine.model_cache import ConvertedGGUF, convert_gguf
+from tests.daemon.daemon_helpers import DaemonProc
 
 from factories import require
-from tests.daemon.daemon_helpers import DaemonProc
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 # transformers 5.25's apply_chat_template(QUESTION, add_generation_prompt=True) on this GGUF (the

@@ -28,7 +28,7 @@ from kvstore.services.common.argtypes import positive
 from kvstore.store import TieredStore
 from kvstore.tools.bench.harness import BENCH_LAYOUT, drop_page_cache, interleaved, machine, write_section
 
-LOSSY = ("int8", "int8-fp32", "fp8")
+LOSSY = ("int8", "int8-fp32", "fp8", "int4-rot", "int4-norot")
 
 
 def real_shaped_kv(layout: KVLayout, n: int, seed: int = 0) -> torch.Tensor:
@@ -76,7 +76,7 @@ def error_figures(blocks: torch.Tensor) -> dict[str, dict[str, float]]:
         codec = get_codec(name)
         y = codec.decode(codec.encode(blocks), torch.empty_like(blocks)).float()
         err = (y - x).abs()
-        group = (3, 5) if name == "fp8" else (5,)  # fp8: per block and head; int8: per head row
+        group = (3, 5) if name == "fp8" else (5,)  # fp8: per block and head; the others: per head row
         amax = x.abs().amax(dim=group, keepdim=True)
         ratio = float((err / torch.where(amax > 0, amax, 1)).max())
         snr = 10 * torch.log10(x.pow(2).sum() / err.pow(2).sum()).item()

@@ -223,7 +223,7 @@ def register_target(targets: argparse._SubParsersAction) -> None:
     p = targets.add_parser("quality", help="lossy codecs on the host tier and quantized device pools vs raw KV: "
                            "greedy agreement and perplexity (SmolLM2)")
     add_model_arguments(p)
-    default = [name for name in ("int8", "fp8", "int4-rot", "int4") if name in CODECS]
+    default = [name for name in ("int8", "fp8", "int4-rot", "int4-norot") if name in CODECS]
     p.add_argument("--codecs", type=codec_list, default=default,
                    help=f"lossy codecs on the host tier, comma-separated (default {','.join(default)})")
     p.add_argument("--pools", type=pool_list, default=list(PAGE_CODES),
