@@ -15,6 +15,11 @@ What differs between them is said here once:
   so the contract does not either.
 - **Failures.** ``GuardedStore`` never raises a store failure: a lookup is a miss, a fetch
   delivers nothing, a put is dropped and counted. The other two raise.
+- **Management.** ``pin`` takes ``ttl_s`` (the pin ends by itself), ``prefetch`` warms host RAM
+  and returns at once, ``inspect`` says where blocks are, ``delete`` takes ``descendants``.
+  A daemon connection's pins also end when it closes. Forgetting a whole tenant
+  (``forget_tenant``) is an operator's act, not an engine's: ``TieredStore`` and
+  ``StoreClient`` have it, the contract does not.
 
 ``KeyChain`` is the part a router needs: the keys alone (``kvstore.keys.BlockHasher`` has it).
 """
@@ -30,6 +35,7 @@ import torch
 from kvstore.index import PrefixMatch
 from kvstore.keys import ExtraKey, Namespace
 from kvstore.layout import KVLayout
+from kvstore.management import BlockInfo, PrefetchHandle
 from kvstore.transfer import FetchHandle
 
 TokenIds = Sequence[int] | np.ndarray
@@ -87,16 +93,33 @@ class BlockStore(KeyChain, Protocol):
         """For each key, whether some tier holds it (no promotion, no counters)."""
         ...
 
-    def delete(self, keys: Sequence[bytes]) -> int:
-        """Drop the blocks under ``keys`` from every tier; how many were held."""
+    def delete(self, keys: Sequence[bytes], *, descendants: bool = False) -> int:
+        """Drop the blocks under ``keys`` from every tier; how many were held (CapacityError,
+        nothing dropped, when one is pinned or being read). With ``descendants``, also every
+        block the store knows to chain below one of them (a prefix's whole subtree); the
+        remote tier is asked to drop those it was named. A block whose parent is gone is
+        unreachable by any lookup from its chain's start either way."""
         ...
 
-    def pin(self, keys: Sequence[bytes]) -> None:
-        """Keep the blocks from being evicted until ``unpin`` (KeyError for one not held)."""
+    def pin(self, keys: Sequence[bytes], *, ttl_s: float | None = None) -> None:
+        """Keep the blocks from being evicted until ``unpin`` (KeyError for one not held), and
+        with ``ttl_s`` (seconds, in (0, 86400]) no longer than that: the pin ends by itself.
+        Over a daemon connection every pin also ends when the connection does."""
         ...
 
     def unpin(self, keys: Sequence[bytes]) -> None:
-        """Undo one ``pin`` of each key."""
+        """Undo the most recent ``pin`` of each key (ValueError for one not pinned)."""
+        ...
+
+    def prefetch(self, keys: Sequence[bytes]) -> PrefetchHandle:
+        """Bring the blocks held in lower tiers up to host RAM ahead of a read; returns at once.
+        ``result()`` is how many of ``keys`` host RAM holds once it is done. ValueError for
+        more than 65,536 keys, before any work."""
+        ...
+
+    def inspect(self, keys: Sequence[bytes]) -> list[BlockInfo | None]:
+        """Per key: which tiers hold its block, each copy's codec and stored size, its pins
+        (None for a block no tier holds). At most 65,536 keys."""
         ...
 
     def stats(self) -> dict[str, dict[str, Any]]:

@@ -34,7 +34,7 @@ import contextlib
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Hashable, Iterator, Sequence
 from typing import cast
 
 import torch
@@ -47,8 +47,10 @@ from kvstore.levels.base import Level
 from kvstore.levels.host_level import HostLevel
 from kvstore.levels.shared import SharedLevel
 from kvstore.listeners import Listeners
+from kvstore.quotas import QuotaTable
 
 GHOST_KEYS = 1 << 16  # keys remembered as "seen once" for admission="seen_twice"
+ROOT_KEYS = 1 << 16  # chains' first blocks remembered with their tenant, to name a lookup's tenant
 
 
 class Cascade:
@@ -67,7 +69,7 @@ class Cascade:
         # writes outside the lock under way: write-through puts between WritePath.put/commit
         # and WritePath.finish, and staged demotions not yet written (kvstore/demotions.py)
         self.num_writing = 0
-        self._uncounted: deque[tuple[Sequence[str], int]] = deque()  # see count_lookup_later
+        self._uncounted: deque[tuple[Sequence[str], int, str | None]] = deque()  # see count_lookup_later
         self.index = BlockIndex(tuple(level.name for level in levels))
         self.listeners = Listeners()
         self.reserved_host = 0  # host slots handed out for promotions or leases, not yet published
@@ -75,6 +77,14 @@ class Cascade:
         # neither free nor any entry's slot, freed when the entry's last reader is done.
         self._retired: dict[int, tuple[BlockEntry, list[int]]] = {}
         self._seen_once: OrderedDict[bytes, None] = OrderedDict()
+        # Quotas (kvstore/quotas.py): the table in force; host blocks of a tenant on their way
+        # into host RAM outside the lock (a write-through put's), counted against its hard quota
+        self.quotas = QuotaTable()
+        self.claims: dict[str, int] = {}
+        self._roots: OrderedDict[bytes, str] = OrderedDict()  # first blocks of chains that left
+        for level in levels:
+            if level.tenants is not None:
+                level.tenants.owner = self._owner_of
         self.closed = False
         # host's demotions written below after the lock is let go, up to ``staging_bytes``
         # staged at a time (kvstore/demotions.py); None: written at once, under the lock
@@ -180,6 +190,92 @@ class Cascade:
         self._seen_once[entry.key] = None
         if len(self._seen_once) > GHOST_KEYS:
             self._seen_once.popitem(last=False)
+        if entry.parent is None:  # a chain's first block: whose chain it was outlives it
+            self._roots[entry.key] = entry.tenant
+            if len(self._roots) > ROOT_KEYS:
+                self._roots.popitem(last=False)
+
+    def _owner_of(self, key: Hashable) -> str:
+        return self.index.entries[key].tenant  # type: ignore[index]
+
+    def chain_tenant(self, keys: Sequence[bytes]) -> str | None:
+        """Whose chain ``keys`` is, as far as the store can tell (keys are one-way hashes):
+        the tenant of its first block, held now or remembered; None for a chain never stored."""
+        if not keys:
+            return None
+        entry = self.index.entries.get(keys[0])
+        return entry.tenant if entry is not None else self._roots.get(keys[0])
+
+    # ----------------------------------------------------------------------------- quotas
+
+    def set_quotas(self, table: QuotaTable) -> None:
+        """Put ``table`` in force: each level's policy gets its soft and hard limits in blocks
+        (kvstore/quotas.py); a level with no quota keeps one shared order."""
+        self.quotas = table
+        for level in self.levels:
+            policy = level.tenant_policy()
+            if policy is not None:
+                policy.set_limits(*table.limits(level.name, level.num_slots, level.slot_bytes))
+
+    def room_for(self, tenant: str, n: int, refuse: bool = True) -> int:
+        """How many of ``n`` blocks new to host RAM ``tenant`` may place there under its hard
+        quota: past it, the tenant's own least valuable host blocks make room first (its own
+        policy's victims, demoted as any); what still does not fit (its blocks there pinned or
+        being read) is refused, and counted (with ``refuse``: a put's). Its blocks on their way
+        in outside the lock (``claims``) count as held. The caller marks the blocks it is
+        placing, and those of the same chain host holds, as being read."""
+        policy = self.host.tenant_policy()
+        cap = policy.hard.get(tenant) if policy is not None else None
+        if cap is None or policy is None:
+            return n
+        claimed = self.claims.get(tenant, 0)
+        over = policy.counts.get(tenant, 0) + claimed + n - cap
+        if over > 0:
+            self.make_room(0, over, tenant=tenant)
+            over = policy.counts.get(tenant, 0) + claimed + n - cap
+        fits = max(0, min(n, n - over))
+        if fits < n and refuse:
+            policy.counters.row(tenant).refused += n - fits
+        return fits
+
+    def promotion_room(self, entries: Sequence[BlockEntry]) -> int:
+        """How many leading ``entries`` a read may promote into host RAM within their tenants'
+        hard quotas (``room_for``, no refusal counted: the rest are read without a host copy)."""
+        policy = self.host.tenant_policy()
+        if policy is None or not policy.hard or not entries:
+            return len(entries)
+        wanted: dict[str, int] = {}
+        for entry in entries:
+            wanted[entry.tenant] = wanted.get(entry.tenant, 0) + 1
+        allowed = {t: self.room_for(t, n, refuse=False) if t in policy.hard else n for t, n in wanted.items()}
+        for i, entry in enumerate(entries):
+            allowed[entry.tenant] -= 1
+            if allowed[entry.tenant] < 0:
+                return i
+        return len(entries)
+
+    def claim_entries(self, entries: Sequence[BlockEntry], release: bool = False) -> None:
+        """``claim`` (or with ``release``, ``unclaim``) one host block of each entry's tenant."""
+        counts: dict[str, int] = {}
+        for entry in entries:
+            counts[entry.tenant] = counts.get(entry.tenant, 0) + 1
+        for tenant, n in counts.items():
+            (self.unclaim if release else self.claim)(tenant, n)
+
+    def claim(self, tenant: str, n: int) -> None:
+        """``n`` host blocks of ``tenant`` are on their way in outside the lock: held, for its
+        hard quota, until ``unclaim``."""
+        if n:
+            self.claims[tenant] = self.claims.get(tenant, 0) + n
+
+    def unclaim(self, tenant: str, n: int) -> None:
+        if n:
+            left = self.claims[tenant] - n
+            assert left >= 0, f"tenant {tenant!r} unclaims more host blocks than it claimed"
+            if left:
+                self.claims[tenant] = left
+            else:
+                del self.claims[tenant]
 
     def forget_if_unheld(self, entry: BlockEntry) -> None:
         if entry.readers == 0 and not entry.is_held and self.index.entries.get(entry.key) is entry:
@@ -196,17 +292,20 @@ class Cascade:
 
     # ----------------------------------------------------------------------------- demotion
 
-    def make_room(self, rank: int, n: int) -> None:
-        """Evict up to ``n`` blocks from level ``rank``, demoting them to the level below."""
+    def make_room(self, rank: int, n: int, tenant: str | None = None) -> None:
+        """Evict up to ``n`` blocks from level ``rank`` (only ``tenant``'s when given: a put at
+        its hard quota), demoting them to the level below (those it admits)."""
         level = self.levels[rank]
-        victims = self._pop_victims(level.policy, n)
+        victims = self._pop_victims(level, n, tenant)
         if not victims:
             return
         staged: list[BlockEntry] = []
         if rank + 1 < len(self.levels):
             below = self.levels[rank + 1]
             # victims come tail first; reversed, they are in chain order as store() expects
-            demoted = [v for v in reversed(victims) if v.slots[below.rank] is None and below.admits(v)]
+            entries = self.index.entries
+            demoted = below.admit([v for v in reversed(victims) if v.slots[below.rank] is None],
+                                  lambda k: entries[k].is_evictable)  # type: ignore[index]
             if demoted:
                 payloads = level.export([v.key for v in demoted], [v.slots[rank] for v in demoted])  # type: ignore[misc]
                 readable = [(v, p) for v, p in zip(demoted, payloads, strict=True) if p is not None]
@@ -220,6 +319,8 @@ class Cascade:
             self.offer_leaving(level, victims)
         if self._drop(level, victims):
             level.counters.evictions += len(victims)
+            if level.tenants is not None:
+                level.tenants.note_evicted([v.tenant for v in victims])
 
     def _stage_demotions(self, below: Level, readable: list[tuple[BlockEntry, torch.Tensor]],
                          ) -> tuple[list[BlockEntry], list[tuple[BlockEntry, torch.Tensor]]]:
@@ -256,15 +357,22 @@ class Cascade:
         readable = [(e, p) for e, p in zip(leaving, payloads, strict=True) if p is not None]
         for shared in takers:
             # a decoded copy of a lossy level is not the bytes put: only a lossy level takes it
-            fit = [(e.key, p) for e, p in readable if shared.lossy or e.is_exact(rank)]
-            shared.offer([k for k, _ in fit], [p for _, p in fit])
+            admitted = {id(e) for e in shared.admit([e for e, _ in readable])}
+            fit = [(e, p) for e, p in readable if (shared.lossy or e.is_exact(rank)) and id(e) in admitted]
+            shared.offer([e.key for e, _ in fit], [p for _, p in fit], [e.tenant for e, _ in fit])
 
-    def _pop_victims(self, policy: EvictionPolicy, n: int) -> list[BlockEntry]:
-        """Up to ``n`` entries the policy gives up, skipping pinned and in-flight blocks."""
+    def _pop_victims(self, level: Level, n: int, tenant: str | None = None) -> list[BlockEntry]:
+        """Up to ``n`` entries the level's policy gives up (only ``tenant``'s when given),
+        skipping pinned and in-flight blocks."""
         entries = self.index.entries
+        policy: EvictionPolicy = level.policy
+        tenants = level.tenant_policy() if tenant is not None else None
         victims: list[BlockEntry] = []
         while len(victims) < n:
-            key = policy.pop_victim(lambda k: entries[k].is_evictable)  # type: ignore[index]
+            if tenants is None:
+                key = policy.pop_victim(lambda k: entries[k].is_evictable)  # type: ignore[index]
+            else:
+                key = tenants.pop_victim_of(tenant, lambda k: entries[k].is_evictable)  # type: ignore[arg-type,index]
             if key is None:
                 break
             victims.append(entries[key])  # type: ignore[index]
@@ -449,18 +557,19 @@ class Cascade:
 
     # ----------------------------------------------------------------------------- queries
 
-    def count_lookup(self, tiers: Sequence[str], num_keys: int) -> None:
+    def count_lookup(self, tiers: Sequence[str], num_keys: int, tenant: str | None = None) -> None:
         """Count a lookup that found the leading run ``tiers`` (each block's best tier) of
         ``num_keys``: a level hits the blocks it is the best holder of, and misses those found
-        only below it plus one for a run that ends short."""
+        only below it plus one for a run that ends short. With ``tenant`` (``chain_tenant``),
+        in that tenant's counters of each level too."""
         if self._uncounted:
             self.settle_counts()
-        self._count(tiers, num_keys)
+        self._count(tiers, num_keys, tenant)
 
-    def count_lookup_later(self, tiers: Sequence[str], num_keys: int) -> None:
+    def count_lookup_later(self, tiers: Sequence[str], num_keys: int, tenant: str | None = None) -> None:
         """``count_lookup`` for a lookup made without the lock: noted now (one atomic append),
         counted by the next holder of the lock that counts or reads the counters."""
-        self._uncounted.append((tiers, num_keys))
+        self._uncounted.append((tiers, num_keys, tenant))
 
     @property
     def num_uncounted(self) -> int:
@@ -473,7 +582,7 @@ class Cascade:
         while uncounted:
             self._count(*uncounted.popleft())
 
-    def _count(self, tiers: Sequence[str], num_keys: int) -> None:
+    def _count(self, tiers: Sequence[str], num_keys: int, tenant: str | None = None) -> None:
         short = 1 if len(tiers) < num_keys else 0
         below = len(tiers)
         for level in self.levels:
@@ -481,6 +590,10 @@ class Cascade:
             below -= hits
             level.counters.hits += hits
             level.counters.misses += below + short
+            if tenant is not None and level.tenants is not None:
+                row = level.tenants.counters.row(tenant)
+                row.hits += hits
+                row.misses += below + short
 
     def held_by_tier(self) -> dict[str, list[tuple[bytes, bytes | None]]]:
         """Per level name, ``(key, parent)`` of every block it holds."""
@@ -533,8 +646,9 @@ class Cascade:
         host_only: list[BlockEntry] = []
         while (key := self.host.policy.pop_victim()) is not None:
             entry = entries[key]  # type: ignore[index]
-            if entry.slots[below.rank] is None and below.admits(entry):
+            if entry.slots[below.rank] is None:
                 host_only.append(entry)
+        host_only = below.admit(host_only)
         keep = host_only[-below.num_slots :][::-1]
         payloads = self.host.export([e.key for e in keep], [e.slots[0] for e in keep])  # type: ignore[misc]
         self.store(below.rank, keep, payloads, source_rank=0)  # type: ignore[arg-type]

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvstore.admission import ADMISSIONS
 from kvstore.codecs import CODECS, get_codec, stored_bytes
 from kvstore.errors import ConfigError, LayoutMismatchError
 from kvstore.eviction import DEFAULT_POLICY, POLICIES
@@ -21,7 +22,8 @@ if TYPE_CHECKING:
 
 PAGE = 4096
 WRITE_POLICIES = ("write_back", "write_through")
-DISK_ADMISSIONS = ("all", "seen_twice")
+DISK_ADMISSIONS = ADMISSIONS  # kvstore/admission.py; the same names for remote_admission
+REMOTE_ADMISSIONS = ADMISSIONS
 PROMOTIONS = ("get", "lookup", "never")
 REMOTE_WRITES = ("put", "demote")
 CODEC_FIELDS = ("host_codec", "disk_codec", "remote_codec")
@@ -55,6 +57,7 @@ def check_store_knobs(knobs: StoreConfig | StoreSettings) -> None:
         ("hash_algo", knobs.hash_algo, tuple(HASHES)),
         ("write_policy", knobs.write_policy, WRITE_POLICIES),
         ("disk_admission", knobs.disk_admission, DISK_ADMISSIONS),
+        ("remote_admission", knobs.remote_admission, REMOTE_ADMISSIONS),
         ("promotion", knobs.promotion, PROMOTIONS),
         ("remote_writes", knobs.remote_writes, REMOTE_WRITES),
     ):
@@ -95,7 +98,12 @@ class StoreConfig:
         hash_algo: "sha256" (default) or "xxh3_128" (non-cryptographic: single tenant only).
         write_policy: "write_back" (a put lands in host; host evictions demote to disk) or
             "write_through" (a put is also written to disk before it returns).
-        disk_admission: "all" blocks, or only blocks "seen_twice" (put, then used again).
+        disk_admission: which of host's victims the disk takes (kvstore/admission.py): "all",
+            those "seen_twice" (put, then used again), or "tinylfu" (those whose recent
+            access count beats the disk's next victim's). Applies to demotions (write_back);
+            a write-through put's blocks all go to disk.
+        remote_admission: which blocks offered to the remote tier are sent: the same names
+            ("tinylfu" against no victim: blocks met at least twice by the access sketch).
         promotion: when a disk-only block is copied up to host: on "get"/fetch, also
             ahead of time on "lookup" (asynchronously), or "never".
         host_policy, disk_policy: eviction policy names (see kvstore.eviction.POLICIES).
@@ -134,6 +142,7 @@ class StoreConfig:
     hash_algo: str = "sha256"
     write_policy: str = "write_back"
     disk_admission: str = "all"
+    remote_admission: str = "all"
     promotion: str = "get"
     host_policy: str = DEFAULT_POLICY
     disk_policy: str = DEFAULT_POLICY

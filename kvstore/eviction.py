@@ -53,6 +53,12 @@ class EvictionPolicy(ABC):
             The victim's key, or None when no tracked block may be evicted.
         """
 
+    def peek_victim(self, can_evict: Callable[[Key], bool] | None = None) -> Key | None:
+        """The block ``pop_victim`` would return now, left tracked (admission compares a
+        candidate with it). None when no tracked block may be evicted, or when the policy
+        cannot say (this default)."""
+        return None
+
     @abstractmethod
     def __len__(self) -> int: ...
 
@@ -89,9 +95,14 @@ class LRUPolicy(EvictionPolicy):
         self._order.pop(key, None)
 
     def pop_victim(self, can_evict: Callable[[Key], bool] | None = None) -> Key | None:
+        key = self.peek_victim(can_evict)
+        if key is not None:
+            del self._order[key]
+        return key
+
+    def peek_victim(self, can_evict: Callable[[Key], bool] | None = None) -> Key | None:
         for key in self._order:
             if can_evict is None or can_evict(key):
-                del self._order[key]
                 return key
         return None
 
@@ -233,6 +244,20 @@ class ReusePolicy(EvictionPolicy):
         self._parents.pop(key, None)
 
     def pop_victim(self, can_evict: Callable[[Key], bool] | None = None) -> Key | None:
+        victim, queue = self._choose(can_evict)
+        if victim is None:
+            return None
+        self._ghost[victim] = (self._uses.pop(victim), queue.pop(victim))
+        self._parents.pop(victim, None)
+        if len(self._ghost) > self._ghost_limit:
+            self._ghost.popitem(last=False)
+        return victim
+
+    def peek_victim(self, can_evict: Callable[[Key], bool] | None = None) -> Key | None:
+        return self._choose(can_evict)[0]
+
+    def _choose(self, can_evict: Callable[[Key], bool] | None) -> tuple[Key | None, OrderedDict[Key, int]]:
+        """The victim and the queue it sits in (``once`` when there is none)."""
         once, reused = self._once, self._reused
         first_once = first_reused = None
         if can_evict is None:
@@ -247,22 +272,13 @@ class ReusePolicy(EvictionPolicy):
                     first_reused = key
                     break
         if first_reused is None:
-            if first_once is None:
-                return None
-            victim, queue = first_once, once
-        elif first_once is None:
-            victim, queue = first_reused, reused
-        else:
-            stamp = reused[first_reused]
-            if stamp < once[first_once] and self._clock - stamp > self.horizon:
-                victim, queue = first_reused, reused
-            else:
-                victim, queue = first_once, once
-        self._ghost[victim] = (self._uses.pop(victim), queue.pop(victim))
-        self._parents.pop(victim, None)
-        if len(self._ghost) > self._ghost_limit:
-            self._ghost.popitem(last=False)
-        return victim
+            return first_once, once
+        if first_once is None:
+            return first_reused, reused
+        stamp = reused[first_reused]
+        if stamp < once[first_once] and self._clock - stamp > self.horizon:
+            return first_reused, reused
+        return first_once, once
 
     def __len__(self) -> int:
         return len(self._uses)
@@ -329,6 +345,10 @@ class DeferredAccess(EvictionPolicy):
     def pop_victim(self, can_evict: Callable[[Key], bool] | None = None) -> Key | None:
         self.apply_pending()
         return self.policy.pop_victim(can_evict)
+
+    def peek_victim(self, can_evict: Callable[[Key], bool] | None = None) -> Key | None:
+        self.apply_pending()
+        return self.policy.peek_victim(can_evict)
 
     def __len__(self) -> int:
         self.apply_pending()

@@ -136,15 +136,18 @@ class HostLeases:
         a free store lock, none of ``keys`` being written); returns whether it was done."""
         if len(keys) != len(slots):
             raise ValueError(f"{len(keys)} keys for {len(slots)} slots")
-        if not blocking and not self.writes.commits_in_memory:
-            return False
+        if not blocking and (not self.writes.commits_in_memory or self.writes.capped(tenant)):
+            return False  # (a hard quota may evict: demotions to write down after the lock)
         cascade = self.cascade
-        with cascade.locked(blocking) as held:
-            if not held or (not blocking and cascade.any_written(keys)):
-                return False
-            cascade.wait_written(keys)  # another put or a demotion writing some
-            cascade.check_open()
-            durable = self.writes.commit(keys, slots, tenant)
+        try:
+            with cascade.locked(blocking) as held:
+                if not held or (not blocking and cascade.any_written(keys)):
+                    return False
+                cascade.wait_written(keys)  # another put or a demotion writing some
+                cascade.check_open()
+                durable = self.writes.commit(keys, slots, tenant)
+        finally:
+            cascade.write_owed()  # disk writes of the demotions its hard quota made room with
         if durable is not None:  # write-through: the disk write, outside the lock
             self.writes.finish(durable)
         return True

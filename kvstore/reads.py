@@ -47,6 +47,9 @@ class ReadPath:
     def __init__(self, cascade: Cascade, *, promote: bool) -> None:
         self.cascade = cascade
         self.promote = promote
+        # tenants being forgotten (kvstore/forget.py): their blocks a shared level delivers
+        # are not promoted meanwhile (changed and read under the store lock)
+        self.unpromoted: set[str] = set()
 
     def read_into(self, keys: Sequence[bytes], dst: torch.Tensor | None, *, count: bool = False,
                   exact: bool = False) -> FetchResult:
@@ -102,7 +105,7 @@ class ReadPath:
                 keys if num_host == len(keys) else keys[:num_host]
             if count:
                 found_tiers = (names[0],) * num_host if not plan else tuple(names[r] for _, r in plan)
-                cascade.count_lookup(found_tiers, len(keys))
+                cascade.count_lookup(found_tiers, len(keys), cascade.chain_tenant(keys))
             if host_keys:
                 cascade.host.policy.access(host_keys)
             if not plan and (num_host == len(keys) or not cascade.shared) \
@@ -123,7 +126,11 @@ class ReadPath:
             slots_read: list[int] = host_slots if len(plan) == num_host else \
                 [entry.slots[rank] for entry, rank in plan]  # type: ignore[misc]
             lower = [(e, r) for e, r in plan if r > 0]
-            promo_slots = cascade.reserve_host(len(lower)) if lower and self.promote else []
+            # promotions stay within their tenants' hard quotas (Cascade.promotion_room), held
+            # against them until published in _finish
+            promo_slots = cascade.reserve_host(cascade.promotion_room([e for e, _ in lower])) \
+                if lower and self.promote else []
+            cascade.claim_entries([e for e, _ in lower[: len(promo_slots)]])
         if not lower and (len(plan) == len(keys) or not cascade.shared):
             # all in host RAM, but too much to copy under the lock
             try:
@@ -185,31 +192,40 @@ class ReadPath:
                 break
             if exact and level.lossy:
                 continue
-            flags = level.read(keys[first:], list(rows[first - start :]))
+            owners: list[str | None] = [None] * (len(keys) - first)
+            flags = level.read(keys[first:], list(rows[first - start :]), owners)
             n = flags.index(False) if False in flags else len(flags)
             if n and self.promote:
-                self._promote(keys, first, rows[first - start : first - start + n], not level.lossy)
+                self._promote(keys, first, rows[first - start : first - start + n], not level.lossy, owners[:n])
             tiers += [level.name] * n
         return tiers
 
-    def _promote(self, keys: Sequence[bytes], first: int, rows: torch.Tensor, exact: bool) -> None:
+    def _promote(self, keys: Sequence[bytes], first: int, rows: torch.Tensor, exact: bool,
+                 tenants: Sequence[str | None]) -> None:
         """Copy ``rows`` (blocks ``keys[first:first + len(rows)]``, verified; ``exact``: the
-        bytes put, not a lossy level's decoding) into host slots and publish them; blocks host
-        already holds, or that find no slot, are skipped."""
+        bytes put, not a lossy level's decoding; ``tenants``: whose each is, where the level
+        said) into host slots and publish them; blocks host already holds, or that find no
+        slot, are skipped, as are blocks of a tenant being forgotten."""
         try:
-            self._promote_locked(keys, first, rows, exact)
+            self._promote_locked(keys, first, rows, exact, tenants)
         finally:
             self.cascade.write_owed()  # disk writes of the demotions it made room with, lock free
 
-    def _promote_locked(self, keys: Sequence[bytes], first: int, rows: torch.Tensor, exact: bool) -> None:
+    def _promote_locked(self, keys: Sequence[bytes], first: int, rows: torch.Tensor, exact: bool,
+                        tenants: Sequence[str | None]) -> None:
         cascade = self.cascade
         with cascade.lock:
             if cascade.closed:
                 return
             index, now = cascade.index, time.time()
+            if self.unpromoted and (None in tenants or not self.unpromoted.isdisjoint(tenants)):
+                return  # a tenant being forgotten (or one the level could not name): not now
             # a block being written (a put's, a demotion's: ``writing``) is its writer's to place
             need = [i for i in range(len(rows))
                     if (e := index.get(keys[first + i])) is None or (e.slots[0] is None and not e.writing)]
+            owner = next((t for t in tenants if t is not None), None)
+            if owner is not None and need:  # within the tenant's hard quota in host RAM, if any
+                need = need[: cascade.room_for(owner, len(need), refuse=False)]
             slots = cascade.reserve_host(len(need))
             placed: list[BlockEntry] = []
             for i in need[: len(slots)]:
@@ -218,7 +234,9 @@ class ReadPath:
                 if entry is None:
                     parent = keys[first + i - 1] if first + i > 0 else None
                     above = index.get(parent) if parent is not None else None
-                    entry = index.new_entry(key, parent, above.tenant if above is not None else "", now)
+                    tenant = tenants[i] if i < len(tenants) and tenants[i] is not None else \
+                        above.tenant if above is not None else ""
+                    entry = index.new_entry(key, parent, tenant, now)  # type: ignore[arg-type]
                 cascade.note_use(entry, now)
                 placed.append(entry)
             written = cascade.host.write(placed, slots, [rows[i] for i in need[: len(slots)]])
@@ -312,6 +330,7 @@ class ReadPath:
                 else:
                     unused.append(promo_slots[i])
         cascade.end_reservation(len(promo_slots), unused)
+        cascade.claim_entries([e for e, _ in lower[: len(promo_slots)]], release=True)
         if promoted:
             cascade.publish(0, promoted, promoted_slots, exact)
         for entry, _rank in plan:

@@ -27,7 +27,7 @@ class StoreSettings:
         host_bytes: hard capacity of the host RAM tier (0 is valid here: LLMEngine reads it as
             "no store"; a StoreConfig needs at least one block slot).
         disk_path, disk_bytes: the disk tier's directory (None: no disk tier) and capacity.
-        write_policy, disk_admission, promotion: see StoreConfig.
+        write_policy, disk_admission, remote_admission, promotion: see StoreConfig.
         host_codec, disk_codec, remote_codec: how each tier represents blocks (kvstore.codecs).
         remote_url: the shared remote tier (docs/remote.md); None: none. Never shown in repr
             or in errors (it may hold a password).
@@ -44,6 +44,7 @@ class StoreSettings:
     disk_bytes: int = 0
     write_policy: str = "write_back"
     disk_admission: str = "all"
+    remote_admission: str = "all"
     promotion: str = "get"
     host_codec: str = "none"
     disk_codec: str = "none"

@@ -39,3 +39,44 @@ def tier_stats(
 def is_count(value: Any) -> bool:
     """Whether a ``stats()`` value is a number to sum (not the tier's codec name or lossy flag)."""
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass
+class TenantCounters:
+    """Monotonic counters of one tenant in one tier.
+
+    ``hits``/``misses``: the tenant's blocks the tier served or lacked (counted as the tier's
+    own, kvstore.cascade's ``count_lookup``); ``evictions_suffered``: the tenant's blocks
+    evicted from the tier; ``evictions_caused``: evictions whose room the tenant's blocks took;
+    ``refused``: blocks of its puts refused at its hard quota.
+    """
+
+    hits: int = 0
+    misses: int = 0
+    evictions_caused: int = 0
+    evictions_suffered: int = 0
+    refused: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+OTHER_TENANTS = "(other)"  # the row of tenants past MAX_TENANT_ROWS
+MAX_TENANT_ROWS = 1024
+
+
+class TenantTable:
+    """``TenantCounters`` per tenant of one tier, at most ``MAX_TENANT_ROWS`` rows: tenants
+    first seen past that share the row ``OTHER_TENANTS`` (an embedded store takes any tenant
+    string, and counters must not grow without bound)."""
+
+    def __init__(self) -> None:
+        self.rows: dict[str, TenantCounters] = {}
+
+    def row(self, tenant: str) -> TenantCounters:
+        found = self.rows.get(tenant)
+        if found is None:
+            if len(self.rows) >= MAX_TENANT_ROWS:
+                tenant = OTHER_TENANTS
+            found = self.rows.setdefault(tenant, TenantCounters())
+        return found

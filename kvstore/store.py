@@ -21,18 +21,21 @@ from kvstore.api import BlockStore
 from kvstore.cascade import Cascade
 from kvstore.config import StoreConfig
 from kvstore.demotions import budget as staging_budget
-from kvstore.errors import CapacityError
+from kvstore.forget import FORGET_WAIT_S, ForgetReport, TenantForget
 from kvstore.index import PrefixMatch
 from kvstore.inspection import StoreView
 from kvstore.keys import BlockHasher, ExtraKey, Namespace
 from kvstore.layout import raw_rows
 from kvstore.leases import HostLeases
 from kvstore.levels import Level, SharedLevel
-from kvstore.levels.build import build_levels, build_shared
+from kvstore.levels.build import build_admissions, build_levels, build_shared
 from kvstore.listeners import StoreListener
+from kvstore.management import BlockInfo, Management, PrefetchHandle
+from kvstore.quotas import QuotaTable
 from kvstore.reads import ReadPath
 from kvstore.tiers.records import check_name
 from kvstore.transfer import FetchHandle, FetchResult
+from kvstore.usage import index_usage, tenant_usage
 from kvstore.writes import HostWrite, WritePath
 
 # Lookups made while another thread held the store lock wait in a queue to be counted (see
@@ -56,6 +59,7 @@ class TieredStore:
         self._payload = self.layout.bytes_per_block
         self._cascade = cascade = Cascade(build_levels(config, self.namespace), build_shared(config),
                                           staging_budget(config.host_bytes))
+        build_admissions(config, cascade.levels, cascade.shared)  # disk_admission, remote_admission
         self._lock = cascade.lock
         self._index = cascade.index
         self._writes = WritePath(cascade, write_through=config.write_policy == "write_through")
@@ -64,6 +68,8 @@ class TieredStore:
         self._view = StoreView(cascade, self._payload)
         self._codings = [level.coding for level in cascade.levels if level.coding is not None]
         self._executor = ThreadPoolExecutor(config.transfer_threads, thread_name_prefix="kvstore-transfer")
+        self._manage = Management(cascade, self._reads, self._executor, self.codecs)
+        self._forget = TenantForget(cascade, self._reads, self._manage.pins)
         for shared in cascade.shared:
             shared.watch(functools.partial(self._shared_stored, shared.name))
 
@@ -87,7 +93,15 @@ class TieredStore:
         parent: bytes | None = None,
     ) -> list[bytes]:
         """One chained key per full block of ``token_ids`` (see kvstore.keys.BlockHasher)."""
+        if self._cascade.shared:
+            self.know_tenant(tenant)
         return self.hasher.block_keys(token_ids, tenant, extra_keys, parent)
+
+    def know_tenant(self, tenant: str) -> None:
+        """``tenant`` uses this store: blocks of its that the remote tier delivers are filed
+        under its name (block_keys and puts tell it already; the daemon tells it at hello)."""
+        for shared in self._cascade.shared:
+            shared.know_tenant(tenant)
 
     # ----------------------------------------------------------------------------- writes
 
@@ -160,9 +174,9 @@ class TieredStore:
             # lookup and the get that follows it.
             match = self._index.match(keys, exact=exact)
             if held:
-                cascade.count_lookup(match.tiers, len(keys))
+                cascade.count_lookup(match.tiers, len(keys), cascade.chain_tenant(keys))
             else:
-                cascade.count_lookup_later(match.tiers, len(keys))
+                cascade.count_lookup_later(match.tiers, len(keys), cascade.chain_tenant(keys))
         if cascade.shared and match.num_blocks < len(keys):
             match = self._reads.extend(keys, match, exact)
         host = self._cascade.host.name
@@ -242,54 +256,60 @@ class TieredStore:
             # a block held nowhere is being written (a put, a demotion): held, as a lookup says
             return [(e := entries.get(k)) is not None and (e.writing or e.is_held) for k in keys]
 
-    def delete(self, keys: Sequence[bytes]) -> int:
+    def delete(self, keys: Sequence[bytes], *, descendants: bool = False) -> int:
         """Remove blocks from every tier; returns how many were held. Absent keys are skipped.
+        With ``descendants``, also every block chained below one of them that the index links
+        to its parent (kvstore/management.py); the remote tier is asked to delete those too.
 
         Raises:
             CapacityError: a block is pinned or being read (nothing is deleted then).
         """
         keys = self._check_keys(keys)
-        with self._lock:
-            self._cascade.wait_written(keys)  # a block being written is deleted once it is
-            self._cascade.check_open()
-            entries = [e for e in (self._index.get(k) for k in dict.fromkeys(keys)) if e is not None]
-            busy = [e for e in entries if not e.is_evictable]
-            if busy:
-                raise CapacityError(f"{len(busy)} of {len(entries)} blocks are pinned or being read, "
-                                    f"first {busy[0].key.hex()}")
-            self._cascade.delete(entries)
+        num_deleted, doomed = self._manage.delete(keys, descendants)
         for level in self._cascade.shared:
-            level.discard(keys)
-        return len(entries)
+            level.discard(doomed)
+        return num_deleted
 
     # ----------------------------------------------------------------------------- pins
 
-    def pin(self, keys: Sequence[bytes]) -> None:
-        """Protect blocks from eviction in every tier until unpinned. KeyError if absent."""
-        keys = self._check_keys(keys)
-        with self._lock:
-            self._cascade.wait_written(keys)
-            entries = [self._require(k) for k in keys]
-            for entry in entries:
-                entry.pins += 1
+    def pin(self, keys: Sequence[bytes], *, ttl_s: float | None = None, holder: int | None = None) -> None:
+        """Protect blocks from eviction in every tier until unpinned (KeyError if absent), or
+        with ``ttl_s`` until then at the latest: the pin ends by itself (kvstore/pins.py).
+        ``holder``: who holds the pins (a daemon connection's id; ``end_pins`` ends them all)."""
+        self._manage.pin(self._check_keys(keys), ttl_s, holder)
 
-    def unpin(self, keys: Sequence[bytes]) -> None:
-        """Undo one pin() of each key. ValueError for a key that is not pinned."""
-        keys = self._check_keys(keys)
-        with self._lock:
-            self._cascade.wait_written(keys)
-            entries = [self._require(k) for k in keys]
-            for entry in entries:
-                if entry.pins == 0:
-                    raise ValueError(f"block {entry.key.hex()} is not pinned")
-            for entry in entries:
-                entry.pins -= 1
+    def unpin(self, keys: Sequence[bytes], *, holder: int | None = None) -> None:
+        """Undo the most recent pin of each key (of ``holder``'s when named). ValueError for a
+        key that is not pinned."""
+        self._manage.unpin(self._check_keys(keys), holder)
 
-    def _require(self, key: bytes) -> Any:
-        entry = self._index.get(key)
-        if entry is None:
-            raise KeyError(f"block {key.hex()} is not in the store")
-        return entry
+    def end_pins(self, holder: int) -> int:
+        """End every pin ``holder`` holds (its connection closed); how many there were."""
+        return self._manage.end_pins(holder)
+
+    # ----------------------------------------------------------------------------- management
+
+    def prefetch(self, keys: Sequence[bytes]) -> PrefetchHandle:
+        """Bring the blocks up to host RAM ahead of a read, in the background: returns at once;
+        ``result()`` is how many of them host RAM holds once done. ValueError past
+        ``management.MAX_KEYS`` keys, before any work."""
+        return self._manage.prefetch(self._check_keys(keys))
+
+    def inspect(self, keys: Sequence[bytes]) -> list[BlockInfo | None]:
+        """Per key, which tiers hold its block, with what codec and size, its tenant and pins
+        (None for a block no tier holds). Asks the remote tier (one round trip)."""
+        return self._manage.inspect(self._check_keys(keys))
+
+    def forget_tenant(self, tenant: str, *, remote: bool = True, wait_s: float = FORGET_WAIT_S) -> ForgetReport:
+        """Delete every block of ``tenant`` from every tier (pinned ones, ones being read once
+        their readers are done, the remote tier's whoever wrote them; durably: a restart
+        recovers none). Returns the count per tier (kvstore/forget.py).
+
+        Raises:
+            ValueError: ``tenant`` is not a tenant name (a str of at most 255 UTF-8 bytes).
+            CapacityError: some of its blocks were still being read after ``wait_s``.
+        """
+        return self._forget.forget(tenant, remote=remote, wait_s=wait_s)
 
     # ----------------------------------------------------------------------------- leases
     # Zero-copy host-slot access for the daemon's shared-memory clients (kvstore/leases.py).
@@ -380,6 +400,35 @@ class TieredStore:
         """Per tier: occupancy, counters, codec (see StoreView.stats for every field)."""
         return self._view.stats()
 
+    # ----------------------------------------------------------------------------- tenants
+    # Quotas (kvstore/quotas.py) and usage per tenant (kvstore/usage.py).
+
+    def set_quotas(self, table: QuotaTable) -> None:
+        """Put ``table``'s quotas in force now (at run time; the next eviction obeys them).
+
+        Raises:
+            ConfigError: a tier the store does not have, or a hard quota on a tier other
+                than host RAM (nothing changes then).
+        """
+        table.check_tiers(level.name for level in self._cascade.levels)
+        with self._lock:
+            self._cascade.set_quotas(table)
+
+    @property
+    def quotas(self) -> QuotaTable:
+        """The quotas in force (an empty table: none)."""
+        return self._cascade.quotas
+
+    def tenant_stats(self) -> dict[str, dict[str, Any]]:
+        """Per tenant: per tier its blocks and bytes held, hits, misses, evictions caused and
+        suffered, puts refused at its hard quota, and its quotas in blocks (kvstore/usage.py).
+        ``stats()`` stays per tier: every caller reads its keys as tier names."""
+        return tenant_usage(self._cascade)
+
+    def index_usage(self) -> dict[str, dict[str, int]]:
+        """Blocks per tenant and tier counted from the block index (a check of tenant_stats)."""
+        return index_usage(self._cascade)
+
     def codecs(self) -> dict[str, dict[str, Any]]:
         """Per tier: ``{"codec", "lossy", "block_bytes", ...}``, how it represents blocks."""
         return self._view.codecs()
@@ -401,6 +450,7 @@ class TieredStore:
         """Assert the index agrees with the tiers: slot accounting, policies, pins, catalog."""
         with self._lock:
             self._cascade.check_integrity()
+            self._manage.check()
 
     def close(self) -> None:
         """Write back what lives only in host RAM, then release the tiers. Idempotent."""
@@ -410,6 +460,7 @@ class TieredStore:
             self._cascade.closed = True
             self._cascade.wait_all_written()  # write-through puts and deferred demotions first
         self._executor.shutdown(wait=True)
+        self._manage.close()
         with self._lock:
             self._cascade.write_back()
             for level in reversed(self._cascade.levels):

@@ -21,6 +21,13 @@ places the blocks in their slots and marks them ``writing``; the caller copies w
 other blocks does not wait behind that copy; a get of these blocks waits for them, as for a
 write-through put's, and a lease stops short of them (``HostLeases``).
 
+Hard quotas (kvstore/quotas.py): a put or commit whose new host blocks would take its tenant
+past its hard quota in host RAM first makes room among the tenant's own host blocks
+(``Cascade.room_for``), under the same lock hold that places them; what still does not fit is
+refused (tails first: a prefix is worth more than its tail), counted, and not an error. A
+write-through put's blocks, placed on host only once below it, are claimed meanwhile
+(``Cascade.claim``), so concurrent puts never pass the quota by one block.
+
 ``put``, ``commit`` and ``finish_on_host`` run with the store lock held; ``finish`` takes it.
 """
 
@@ -59,6 +66,7 @@ class DurableWrite:
     own_slots: bool  # a put's: its host slots are freed on failure (a commit's caller cancels them)
     short_of: str = ""  # why ``missing`` blocks found no slot below
     error: KVStoreError | None = None  # raised once the write settled (a put's tails found no room)
+    claimed: dict[str, int] | None = None  # host blocks claimed per tenant until it settles (hard quotas)
 
 
 UNLOCKED_COPY_BYTES = 1 << 20  # a put's host copy this big or bigger runs outside the store lock
@@ -107,13 +115,16 @@ class WritePath:
         now = time.time()
         refreshed: list[bytes] = []  # keys host already holds: only touched
         entries, fresh = self._entries_for(keys, start, stop, tenant, now, refreshed)
-        if cascade.host.num_free >= len(fresh) and not self.write_through:  # nothing evicts: nothing to protect
+        limited = bool(fresh) and self.capped(tenant)
+        if cascade.host.num_free >= len(fresh) and not self.write_through and not limited:  # nothing evicts: nothing to protect
             busy: list[BlockEntry] = []
         else:  # in flight: making room must not evict what is being put
             busy = entries + [cascade.index.entries[k] for k in refreshed]
             for entry in busy:
                 entry.readers += 1
         try:
+            if limited:
+                entries, fresh = self._within_quota(entries, fresh, tenant)
             if fresh:
                 return self._store_fresh(entries, fresh, src, refreshed)
             if refreshed:
@@ -122,6 +133,25 @@ class WritePath:
         finally:
             for entry in busy:
                 cascade.end_read(entry)
+
+    def capped(self, tenant: str) -> bool:
+        """Whether ``tenant`` has a hard quota in host RAM."""
+        policy = self.cascade.host.tenants
+        return policy is not None and tenant in policy.hard
+
+    def _within_quota(self, entries: list[BlockEntry], fresh: list[int], tenant: str
+                      ) -> tuple[list[BlockEntry], list[int]]:
+        """``entries``/``fresh`` (new to host, chain order) cut to what ``tenant``'s hard quota
+        lets into host RAM (``Cascade.room_for``: its own blocks make room first); the refused
+        tails leave the index where no level holds them. The caller holds ``entries`` and the
+        chain's blocks host has as being read (the room made must not take them)."""
+        n = self.cascade.room_for(tenant, len(fresh))
+        if n == len(fresh):
+            return entries, fresh
+        for entry in entries[n:]:
+            if not entry.is_held and self.cascade.index.get(entry.key) is entry:
+                self.cascade.index.discard(entry.key)
+        return entries[:n], fresh[:n]
 
     def _entries_for(self, keys: list[bytes], start: int, stop: int, tenant: str, now: float,
                      refreshed: list[bytes]) -> tuple[list[BlockEntry], list[int]]:
@@ -296,6 +326,11 @@ class WritePath:
         cascade = self.cascade
         below = cascade.levels[1]
         cascade.start_writing(placed, 0)  # first: making room below must not evict what is being written
+        claimed: dict[str, int] = {}
+        for entry in placed:  # on their way into host RAM: held, for hard quotas, until finish
+            claimed[entry.tenant] = claimed.get(entry.tenant, 0) + 1
+        for owner, n_claimed in claimed.items():
+            cascade.claim(owner, n_claimed)
         try:
             todo = [(e, p) for e, p in zip(placed, payloads, strict=True) if e.slots[below.rank] is None]
             short = len(todo) - below.num_free
@@ -305,12 +340,18 @@ class WritePath:
             below_slots = below.allocate(n) if n else []
         except BaseException:
             cascade.end_writing(placed)
+            self._unclaim(claimed)
             raise
         missing = len(todo) - n
         short_of = (f"need {missing} {below.name} slots, {below.num_free} free of {below.num_slots} "
                     "(the rest pinned or being read)") if missing else ""
         return DurableWrite(placed, host_slots, [e for e, _ in todo], [p for _, p in todo],  # type: ignore[misc]
-                            below_slots, missing, refreshed, raw, num_reserved, unused, own_slots, short_of)
+                            below_slots, missing, refreshed, raw, num_reserved, unused, own_slots, short_of,
+                            claimed=claimed)
+
+    def _unclaim(self, claimed: dict[str, int] | None) -> None:
+        for owner, n in (claimed or {}).items():
+            self.cascade.unclaim(owner, n)
 
     def finish(self, w: DurableWrite | HostWrite) -> None:
         """The half of a put or commit that ``put``/``commit`` left for after the lock: a big
@@ -344,6 +385,7 @@ class WritePath:
         acknowledged = written and not w.missing
         with cascade.lock:
             cascade.end_writing(w.placed)  # waiters wake once the lock is let go, on what follows
+            self._unclaim(w.claimed)  # placed on host below, or given up
             if written and n:
                 cascade.publish_written(below.rank, w.todo[:n], w.below_slots)
             if acknowledged:
@@ -388,7 +430,12 @@ class WritePath:
             if raw is None:
                 raw = host.export([e.key for e in placed], [e.slots[0] for e in placed])  # type: ignore[assignment,misc]
             for level in takers:
-                level.offer([e.key for e in placed], raw)  # type: ignore[arg-type]
+                sent = level.admit(placed)  # remote_admission
+                rows: Sequence[torch.Tensor] = raw  # type: ignore[assignment]
+                if sent is not placed:
+                    ids = {id(e) for e in sent}
+                    rows = [rows[i] for i, e in enumerate(placed) if id(e) in ids]
+                level.offer([e.key for e in sent], rows, [e.tenant for e in sent])
 
     def commit(self, keys: list[bytes], slots: Sequence[int], tenant: str) -> DurableWrite | None:
         """Publish ``keys[i]`` as the bytes just written into reserved host ``slots[i]``.
@@ -404,6 +451,15 @@ class WritePath:
         now = time.time()
         refreshed: list[bytes] = []
         placed, fresh = self._entries_for(keys, 0, len(keys), tenant, now, refreshed)
+        if placed and self.capped(tenant):  # the room its hard quota makes must not take these
+            busy = placed + [cascade.index.entries[k] for k in refreshed]
+            for entry in busy:
+                entry.readers += 1
+            try:
+                placed, fresh = self._within_quota(placed, fresh, tenant)
+            finally:
+                for entry in busy:
+                    cascade.end_read(entry)
         if len(fresh) == len(slots):  # every slot is used (a new chain, say)
             placed_slots, unused = list(slots), []
         else:  # the slots of the blocks host holds already are given back

@@ -228,3 +228,98 @@ def test_real_trace_slice(tmp_path: Path) -> None:
         tiers = [rp.TierSpec("device", capacity)]
         lru, reuse, best = (rp.replay(trace, tiers, p).hit_ratio for p in ("lru", "reuse", "belady"))
         assert best >= reuse >= gain * lru, (capacity, lru, reuse, best)
+
+
+# ----------------------------------------------------------------------------- tenants, quotas, admission
+
+
+def test_derived_tenants_are_deterministic_per_conversation(tmp_path: Path) -> None:
+    # every request opens with id 0 (a shared system prompt): the conversation is the next id
+    requests = [[0, 10, 11], [0, 20], [0, 10, 11, 12], [0, 30, 31], [0, 20, 21]]
+    path = write_trace(tmp_path / "t.jsonl", requests)
+    trace = rp.load_trace(path, tenants=3)
+    again = rp.load_trace(path, tenants=3)
+    assert trace.tenants == again.tenants and len(trace.tenants) == 5
+    assert trace.tenants[0] == trace.tenants[2] and trace.tenants[1] == trace.tenants[4]
+    assert set(trace.tenants) <= {"t0", "t1", "t2"}
+    # salted per tenant: the shared id 0 is a separate block of each tenant
+    roots = {trace.chains[i][0] for i in range(5)}
+    assert len(roots) == len(set(trace.tenants))
+    assert all(trace.owners[trace.chains[i][0]] == trace.tenants[i] for i in range(5))
+    named = tmp_path / "named.jsonl"
+    named.write_text('{"hash_ids": [1], "tenant": "x"}\n')
+    with pytest.raises(rp.ReplayError, match="names its tenants"):
+        rp.load_trace(named, tenants=2)
+    named.write_text('{"hash_ids": [1], "tenant": 7}\n')
+    with pytest.raises(rp.ReplayError, match="'tenant' must be a string"):
+        rp.load_trace(named)
+
+
+def test_replay_with_quotas_shields_the_hot_tenant_from_the_flood(tmp_path: Path) -> None:
+    from kvstore.quotas import Limit, QuotaTable, TierQuota
+
+    path = tmp_path / "flood.jsonl"
+    write_workload("flood", path, num_requests=3000)
+    trace = rp.load_trace(path)
+    assert trace.tenant_names == ["flood", "hot"]
+    tiers = [rp.TierSpec("host", 200)]
+    free = rp.replay(trace, tiers, "lru")
+    equal = rp.replay(trace, tiers, "lru", quotas=QuotaTable.equal_shares(trace.tenant_names), quota_label="equal")
+    free_hot, equal_hot = free.tenant_hit_ratios()["hot"], equal.tenant_hit_ratios()["hot"]
+    assert equal_hot > free_hot + 0.1, (free_hot, equal_hot)
+    assert equal.blocks_by_tenant == free.blocks_by_tenant and equal.quotas == "equal"
+    # a hard quota on the flood: it holds at most 40 blocks, refuses nothing (its own make room)
+    capped = QuotaTable({"flood": {"host": TierQuota(hard=Limit(bytes=40))}})
+    hard = rp.replay(trace, tiers, "lru", quotas=capped, block_bytes=1)
+    assert hard.refused_blocks == 0 and hard.tenant_hit_ratios()["hot"] > free_hot
+    tiny = QuotaTable({"hot": {"host": TierQuota(hard=Limit(bytes=3))}})  # below one prompt: tails refused
+    assert rp.replay(trace, tiers, "lru", quotas=tiny, block_bytes=1).refused_blocks > 0
+
+
+def test_admission_cuts_disk_writes_and_the_cli_reports_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "flood.jsonl"
+    write_workload("flood", path, num_requests=2000)
+    code, out, err = cli([str(path), "--host", "100", "--disk", "300", "--remote", "600", "--policy", "lru",
+                          "--disk-admission", "all,seen_twice,tinylfu", "--remote-admission", "seen_twice",
+                          "--quotas", "none", "--quotas", "equal", "--json"], capsys)
+    assert code == 0, err
+    rows = json.loads(out)["results"]
+    assert {(r["admission"], r["quotas"]) for r in rows} == {
+        (f"disk={d},remote=seen_twice" if d != "all" else "remote=seen_twice", q)
+        for d in ("all", "seen_twice", "tinylfu") for q in ("none", "equal")}
+    by = {(r["admission"], r["quotas"]): r for r in rows}
+    everything = by[("remote=seen_twice", "none")]["written_blocks_by_tier"]["disk"]
+    twice = by[("disk=seen_twice,remote=seen_twice", "none")]["written_blocks_by_tier"]["disk"]
+    assert twice * 5 < everything  # one-off flood blocks never reach the disk
+    assert all(set(r["hit_ratio_by_tenant"]) == {"flood", "hot"} for r in rows)
+    code, out, _ = cli([str(path), "--host", "100", "--disk", "300", "--policy", "lru", "--policy", "belady",
+                        "--disk-admission", "all,seen_twice", "--quiet"], capsys)
+    assert code == 0 and "disk=seen_twice" in out and "hit ratio by tenant" in out
+    assert sum(line.startswith("belady ") for line in out.splitlines()) == 1  # the reference runs once
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--host", "10", "--quotas", "equal"], "quotas need tenants"),
+    (["--host", "10", "--disk-admission", "seen_twice"], "--disk-admission needs a --disk tier"),
+    (["--host", "10", "--disk", "10", "--disk-admission", "lfu"], "unknown admission policy 'lfu'"),
+    (["--disk", "10"], "a cascade"),
+    (["--host", "10", "--tenants", "2", "--quotas", "missing.toml"], "--quotas missing.toml"),
+])
+def test_bad_tenant_and_admission_options(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                          args: list[str], message: str) -> None:
+    path = write_trace(tmp_path / "t.jsonl", [[1, 2], [3]])
+    code, out, err = cli([str(path), *args], capsys)
+    assert code == 2 and message in err and out == ""
+
+
+def test_quota_file_for_replay(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "flood.jsonl"
+    write_workload("flood", path, num_requests=1000)
+    quotas = tmp_path / "q.toml"
+    quotas.write_text('[quotas.hot]\nhost = { soft = "60%" }\n[quotas.flood]\nhost = { soft = "40%", hard = "40%" }\n')
+    code, out, err = cli([str(path), "--host", "100", "--policy", "lru", "--quotas", str(quotas), "--json"], capsys)
+    assert code == 0, err
+    assert json.loads(out)["results"][0]["quotas"] == "q.toml"
+    quotas.write_text('[quotas.nobody]\nhost = { soft = "60%" }\n')
+    code, _, err = cli([str(path), "--host", "100", "--quotas", str(quotas)], capsys)
+    assert code == 2 and "not the trace's" in err

@@ -37,7 +37,8 @@ URL = f"redis://user:{SECRET}@127.0.0.1:6379"
     ({"host_codec": "gzip"}, r"host_codec must be one of .*got 'gzip'"),
     ({"write_policy": "write_around"}, r"write_policy must be one of \['write_back', 'write_through'\]"),
     ({"promotion": "always"}, r"promotion must be one of \['get', 'lookup', 'never'\]"),
-    ({"disk_admission": "seen_once"}, r"disk_admission must be one of \['all', 'seen_twice'\]"),
+    ({"disk_admission": "seen_once"}, r"disk_admission must be one of \['all', 'seen_twice', 'tinylfu'\]"),
+    ({"remote_admission": "some"}, r"remote_admission must be one of \['all', 'seen_twice', 'tinylfu'\]"),
     ({"remote_writes": "evict"}, r"remote_writes must be one of \['put', 'demote'\]"),
     ({"hash_algo": "md5"}, r"hash_algo must be one of .*got 'md5'"),
     ({"host_bytes": -1}, r"host_bytes must be an int of bytes >= 0, got -1"),
@@ -75,7 +76,8 @@ def test_the_remote_url_is_never_shown() -> None:
 
 def test_store_config_round_trips_every_setting(tmp_path: Path) -> None:
     settings = StoreSettings(host_bytes=1 << 20, disk_path=str(tmp_path / "kv"), disk_bytes=2 << 20,
-                             write_policy="write_through", disk_admission="seen_twice", promotion="lookup",
+                             write_policy="write_through", disk_admission="seen_twice", remote_admission="tinylfu",
+                             promotion="lookup",
                              host_codec="int8", disk_codec="fp8", remote_codec="int8-fp32", remote_url=URL,
                              remote_writes="demote", remote_timeout_s=2.5, remote_queue_blocks=9,
                              remote_prefix="blue", hash_algo="xxh3_128")

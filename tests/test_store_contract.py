@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 import itertools
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -69,7 +70,7 @@ def contract_methods() -> list[str]:
 def test_every_store_takes_the_contract_arguments_in_the_contract_order(impl: type) -> None:
     methods = [*contract_methods(), "block_keys"]
     assert {"put", "lookup", "get", "fetch", "contains", "delete", "pin", "unpin", "stats", "flush",
-            "close"} <= set(methods)
+            "close", "prefetch", "inspect"} <= set(methods)
     for name in methods:
         want = list(inspect.signature(getattr(BlockStore, name) if name != "block_keys"
                                       else KeyChain.block_keys).parameters.values())
@@ -168,6 +169,48 @@ def test_a_pinned_block_is_kept_and_unpin_lets_it_go(store: BlockStore) -> None:
     store.flush(10)
     assert store.contains(keys) == [True]
     store.unpin(keys)
+
+
+def test_a_pin_with_a_ttl_ends_by_itself_and_a_bad_one_is_refused(store: BlockStore) -> None:
+    keys = store.block_keys(fresh(1))
+    store.put(keys, blocks(keys))
+    store.flush(10)
+    with pytest.raises(ValueError, match="ttl_s must be"):
+        store.pin(keys, ttl_s=0)
+    store.pin(keys, ttl_s=0.5)
+    info = store.inspect(keys)[0]
+    assert info is not None and info.pins == 1 and info.pin_expires_s is not None
+    deadline = time.monotonic() + 10
+    while store.inspect(keys)[0].pins:  # type: ignore[union-attr]
+        assert time.monotonic() < deadline, "the pin did not end by itself"
+        time.sleep(0.05)
+
+
+def test_prefetch_answers_at_once_with_a_handle_and_refuses_too_many_keys(store: BlockStore) -> None:
+    keys = store.block_keys(fresh(2))
+    store.put(keys, blocks(keys))
+    store.flush(10)
+    handle = store.prefetch([*keys, *store.block_keys(fresh(1))])
+    assert handle.result(30) == 2 and handle.done() and handle.num_requested == 3
+    with pytest.raises(ValueError, match="at most 65536 keys"):
+        store.prefetch(keys[:1] * 10_000_000)
+
+
+def test_inspect_says_where_each_block_is(store: BlockStore) -> None:
+    keys = store.block_keys(fresh(2))
+    store.put(keys[:1], blocks(keys[:1]))
+    store.flush(10)
+    found, missing = store.inspect(keys)
+    assert missing is None and found is not None and found.key == keys[0]
+    assert "host" in found.tiers and found.codecs["host"] == "none" and found.stored_bytes["host"] > 0
+
+
+def test_delete_with_descendants_takes_the_chain_below(store: BlockStore) -> None:
+    keys = store.block_keys(fresh(4))
+    store.put(keys, blocks(keys))
+    store.flush(10)
+    assert store.delete(keys[1:2], descendants=True) == 3
+    assert store.contains(keys) == [True, False, False, False]
 
 
 def test_stats_are_counters_per_tier(store: BlockStore) -> None:

@@ -205,3 +205,29 @@ def test_lora_and_multimodal_items_key_only_the_blocks_they_touch(tmp_path: Path
     assert all(a != b for a, b in zip(k_lora, k_plain, strict=True))
     assert all(a != b for a, b in zip(k_lora, k_moved, strict=True))  # vLLM keys the path too
     store.close()
+
+
+def test_kv_transfer_params_say_do_not_store_and_skip_reading_asks_nothing(tmp_path: Path) -> None:
+    side, store = make(tmp_path)
+    tokens = list(range(700, 713))  # 3 full blocks
+    keys = store.block_keys(tokens, "")
+    assert store.try_put(keys[:2], torch.randn(2, *LAYOUT.block_shape))
+    quiet = request("quiet", tokens)
+    quiet.kv_transfer_params = {"kvstore": {"store": False}}
+    assert side.get_num_new_matched_tokens(quiet, 0) == (2 * B, False)  # it still reads
+    side.update_state_after_alloc(quiet, [1, 2, 3, 4], 2 * B)
+    meta = side.build_connector_meta(step(new=[("quiet", [1, 2, 3, 4], 2 * B, 5)]))
+    worker_output(side, meta.step)
+    assert not side.build_connector_meta(step(cached=[("quiet", None, 13, 1)])).saves
+    for bad in ({"kvstore": {"stor": False}}, {"kvstore": "no"}, {"kvstore": {"store": "false"}}):
+        odd = request(f"odd-{len(side._tracked)}", list(range(800, 813)))
+        odd.kv_transfer_params = bad  # not understood: read as "do not store"
+        side.get_num_new_matched_tokens(odd, 0)
+        assert not side.build_connector_meta(step(new=[(odd.request_id, [5, 6, 7, 8], 0, 13)])).saves
+    skip = request("skip", tokens)
+    skip.skip_reading_prefix_cache = True
+    assert side.get_num_new_matched_tokens(skip, 0) == (0, False)
+    assert side._tracked["skip"].keys is None  # not even hashed: the store was not asked
+    meta = side.build_connector_meta(step(new=[("skip", [9, 10, 11, 12], 0, 13)]))
+    assert [s.block_ids for s in meta.saves] == [[9, 10, 11]]  # it computed them all: saved as ever
+    store.close()

@@ -203,3 +203,27 @@ def test_prompt_embeddings_pass_through_uncached(model_dir: str, tmp_path: Path)
     for r in (first, second):
         assert r["counters"]["lookups"] == 0 and r["counters"]["saved_blocks"] == 0
     assert tokens["counters"]["saved_blocks"] == 4  # requests of token ids are saved as ever
+
+
+def test_vllms_per_request_settings_are_honoured(model_dir: str, reference: dict[str, list[int]],
+                                                 tmp_path: Path) -> None:
+    """``kv_transfer_params={"kvstore": {"store": False}}`` (vLLM's per-request dict for the
+    connector) stores none of the request's blocks; vLLM's ``skip_reading_prefix_cache`` asks
+    the store nothing and loads nothing. Other requests are served as ever."""
+    store = {"host_bytes": "16MiB", "disk_path": str(tmp_path / "kv"), "disk_bytes": "16MiB"}
+    no_store = {"extra_args": {"kv_transfer_params": {"kvstore": {"store": False}}}}
+    _, (kept_out,), held, (stored,), held_after, _, (read, skipped) = run_plan([
+        llm(model_dir, store), {"generate": [{"ids": P, "params": no_store}]},
+        {"stored": {"ids": P, "path": str(tmp_path / "none.pt")}},
+        {"generate": [{"ids": P}]},
+        {"stored": {"ids": P, "path": str(tmp_path / "all.pt")}},
+        llm(model_dir, store),  # a fresh vLLM: an empty device cache, the store from disk
+        {"generate": [{"ids": P}, {"ids": P, "params": {"skip_reading_prefix_cache": True}}]},
+    ])
+    assert kept_out["tokens"] == reference["P"] and kept_out["counters"]["saved_blocks"] == 0
+    assert held == []  # nothing of the "do not store" request reached the store
+    assert stored["counters"]["saved_blocks"] == 4 and held_after == [0, 1, 2, 3]
+    assert skipped["cached"] == 0 and skipped["counters"]["lookups"] == 0
+    assert skipped["counters"]["loaded_blocks"] == 0 and skipped["tokens"] == reference["P"]
+    assert read["cached"] == 4 * BLOCK and read["counters"]["loaded_blocks"] == 4
+    assert read["tokens"] == reference["P"]

@@ -4,8 +4,10 @@
   {"llm": {"model": DIR, "extra": {...} | null, "options": {...}}}
                                           start an LLM (null: no connector; options: more LLM(...)
                                           arguments), closing the last
-  {"generate": [{"ids": [...], "salt": str | null, "embeds": {"n": N, "seed": S}}, ...], "max_tokens": N}
-                                          ("embeds": a prompt of N random embeddings instead of ids)
+  {"generate": [{"ids": [...], "salt": str | null, "embeds": {"n": N, "seed": S}, "params": {...}}, ...],
+   "max_tokens": N}                       ("embeds": a prompt of N random embeddings instead of ids;
+                                          "params": more SamplingParams arguments, e.g.
+                                          skip_reading_prefix_cache, extra_args)
   {"kill": PID}                           SIGKILL a process (a daemon), and wait for it
   {"flip": {"path": FILE, "offset": N}}   flip one byte of a file (corrupt a block)
   {"stored": {"ids": [...], "path": FILE}}
@@ -91,9 +93,10 @@ def main(plan: list[dict[str, Any]]) -> list[Any]:
             results.append({"start_s": time.perf_counter() - started})
         elif "generate" in step:
             assert llm is not None, "generate before llm"
-            params = SamplingParams(max_tokens=step.get("max_tokens", 8), temperature=0.0, ignore_eos=True)
             out = []
             for p in step["generate"]:  # one at a time: each prompt's counters are its own
+                params = SamplingParams(max_tokens=step.get("max_tokens", 8), temperature=0.0, ignore_eos=True,
+                                        **p.get("params", {}))
                 before = counters()
                 r = llm.generate([prompt_of(p, llm)], params, use_tqdm=False)[0]
                 after = counters()

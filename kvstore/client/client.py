@@ -23,6 +23,7 @@ import torch
 
 from kvstore import env
 from kvstore.api import BlockStore
+from kvstore.client.manage import ManagementCalls, socket_timeout
 from kvstore.client.pool_map import MappedPool
 from kvstore.client.protocol import (
     DEFAULT_MAX_FRAME,
@@ -41,6 +42,7 @@ from kvstore.errors import CapacityError, DaemonUnreachableError, LayoutMismatch
 from kvstore.index import HOST, PrefixMatch
 from kvstore.keys import BlockHasher, ExtraKey, Namespace
 from kvstore.layout import KVLayout, raw_rows
+from kvstore.pins import check_ttl
 from kvstore.tiers.host import PayloadViews
 from kvstore.transfer import FetchHandle, FetchResult
 
@@ -73,7 +75,7 @@ def connect(url: str, token: str | None = None, *, layout: KVLayout, model_id: s
     return StoreClient(url, token if token is not None else env.token(), layout, model_id, hash_algo, shm, timeout)
 
 
-class StoreClient:
+class StoreClient(ManagementCalls):
     """A TieredStore-like view of one namespace in a daemon."""
 
     def __init__(self, url: str, token: str | None, layout: KVLayout, model_id: str, hash_algo: str,
@@ -484,9 +486,10 @@ class StoreClient:
     def exists(self, keys: Sequence[bytes]) -> list[bool]:
         return self.contains(keys)
 
-    def delete(self, keys: Sequence[bytes]) -> int:
+    def delete(self, keys: Sequence[bytes], *, descendants: bool = False, tenant: str | None = None) -> int:
         """Delete the blocks under ``keys``; returns how many there were. More keys than one
-        request carries go in several, each all or nothing."""
+        request carries go in several, each all or nothing. ``descendants``: every block the
+        daemon knows to chain below them too; ``tenant``: another tenant's (admin token)."""
         deleted = 0
         with self._lock:
             # The daemon runs a connection's requests concurrently: a read lease this client
@@ -495,17 +498,24 @@ class StoreClient:
             self._settle()
             self._settle_posts()
             for batch in self._key_batches(keys):
-                deleted += int(self._call_locked({"op": "delete", "keys": self._keys_blob(batch)})[0]["num_deleted"])
+                meta = {"op": "delete", "keys": self._keys_blob(batch), "descendants": descendants}
+                deleted += int(self._call_locked(_named(meta, tenant))[0]["num_deleted"])
         return deleted
 
-    def pin(self, keys: Sequence[bytes]) -> None:
-        """Protect blocks from eviction while this connection lives (or until unpin)."""
+    def pin(self, keys: Sequence[bytes], *, ttl_s: float | None = None, tenant: str | None = None) -> None:
+        """Protect blocks from eviction while this connection lives (or until unpin), and
+        with ``ttl_s`` no longer than that. ``tenant``: another tenant's (admin token)."""
+        ttl = check_ttl(ttl_s)
         for batch in self._key_batches(keys):
-            self._call({"op": "pin", "keys": self._keys_blob(batch)})
+            self._call(_named({"op": "pin", "keys": self._keys_blob(batch), "ttl_s": ttl}, tenant))
 
-    def unpin(self, keys: Sequence[bytes]) -> None:
+    def unpin(self, keys: Sequence[bytes], *, tenant: str | None = None) -> None:
+        """Undo this connection's most recent pin of each key."""
         for batch in self._key_batches(keys):
-            self._call({"op": "unpin", "keys": self._keys_blob(batch)})
+            self._call(_named({"op": "unpin", "keys": self._keys_blob(batch)}, tenant))
+
+    def _with_timeout(self, timeout: float) -> contextlib.AbstractContextManager[None]:
+        return socket_timeout(self._sock, timeout)
 
     def stats(self) -> dict[str, dict[str, int]]:
         """Per tier of this namespace, as TieredStore.stats()."""
@@ -602,6 +612,13 @@ def _unreachable(exc: OSError, url: str, tried: str) -> OSError:
     message = f"no kvstore daemon answers at {url!r} (tried {tried}): {exc.strerror or exc}; " \
               "is `kvstore serve` running?"
     return kind(exc.errno, message) if exc.errno is not None else kind(message)
+
+
+def _named(meta: dict[str, Any], tenant: str | None) -> dict[str, Any]:
+    """``meta`` acting on ``tenant`` (the admin's choice), or on the connection's own."""
+    if tenant is not None:
+        meta["tenant"] = tenant
+    return meta
 
 
 def _same_prefix(now: list[int], want: list[int]) -> int:

@@ -25,7 +25,7 @@ HEADER = struct.Struct(">II")
 DEFAULT_MAX_FRAME = 64 << 20
 MAX_ITEMS = 1 << 16  # array / map entries in one frame
 OPS = ("hello", "lookup", "get", "put", "exists", "pin", "unpin", "delete", "stats",
-       "reserve", "commit", "release")
+       "reserve", "commit", "release", "touch", "prefetch", "prefetch_status", "inspect", "forget")
 
 
 class Code(enum.IntEnum):

@@ -32,6 +32,10 @@ class SamplingParams:
             are still stored for later requests); None (default): True exactly when
             ``prompt_logits`` is. False with ``prompt_logits``: the logits of the rows after the
             cached prefix only (scoring a continuation of a cached context).
+        skip_writing_prefix_cache: "do not store": none of this request's blocks is written to
+            the store or kept in the device prefix cache past the request (nothing of it is
+            sealed under a key: its blocks are freed when it ends, and no KV event names them).
+            It still reads the cached prefix other requests stored (unless told otherwise).
     """
 
     max_tokens: int = 16
@@ -44,6 +48,7 @@ class SamplingParams:
     ignore_eos: bool = False
     prompt_logits: bool = False
     skip_reading_prefix_cache: bool | None = None
+    skip_writing_prefix_cache: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens <= 0:
@@ -61,6 +66,8 @@ class SamplingParams:
             raise ValueError(f"seed must be an int in [{SEED_MIN}, {SEED_MAX}], got {self.seed!r}")
         if self.skip_reading_prefix_cache is not None and not isinstance(self.skip_reading_prefix_cache, bool):
             raise ValueError(f"skip_reading_prefix_cache must be a bool or None, got {self.skip_reading_prefix_cache!r}")
+        if not isinstance(self.skip_writing_prefix_cache, bool):
+            raise ValueError(f"skip_writing_prefix_cache must be a bool, got {self.skip_writing_prefix_cache!r}")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
 
     @property
@@ -72,6 +79,11 @@ class SamplingParams:
         """Whether the request starts from its cached prefix (see ``skip_reading_prefix_cache``)."""
         skip = self.prompt_logits if self.skip_reading_prefix_cache is None else self.skip_reading_prefix_cache
         return not skip
+
+    @property
+    def writes_prefix_cache(self) -> bool:
+        """Whether the request's blocks are kept (device prefix cache, store) for later ones."""
+        return not self.skip_writing_prefix_cache
 
 
 def make_generator(params: SamplingParams, index: int) -> torch.Generator | None:

@@ -236,7 +236,7 @@ class Scheduler:
         self.blocks.release(loading.block_ids[n:])  # not delivered: recomputed after the hits
         del seq.block_table[len(seq.block_table) - len(loading.block_ids) + n :]
         first = seq.num_cached_tokens // self.block_size
-        for j in range(first, first + n):
+        for j in range(first, first + n) if seq.request.params.writes_prefix_cache else ():
             parent = seq.block_keys[j - 1] if j else None
             self.blocks.seal(seq.block_table[j], seq.block_keys[j], parent, seq.request.tenant,
                              seq.token_ids[j * self.block_size : (j + 1) * self.block_size], computed=False)
@@ -262,7 +262,7 @@ class Scheduler:
         before = seq.num_cached_tokens // self.block_size
         seq.num_cached_tokens = item.start + item.num_tokens
         after = seq.num_cached_tokens // self.block_size
-        if self.block_keys is not None and after > before:
+        if self.block_keys is not None and after > before and seq.request.params.writes_prefix_cache:
             keys = self.ensure_keys(seq, after)
             for j in range(before, after):
                 self.blocks.seal(seq.block_table[j], keys[j], keys[j - 1] if j else None, seq.request.tenant,

@@ -14,16 +14,18 @@ ordered by speed; evicting from rank r demotes to rank r + 1, and the last level
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from kvstore.eviction import EvictionPolicy
+from kvstore.admission import AdmissionPolicy, AdmitAll, make_admission
+from kvstore.eviction import DeferredAccess, EvictionPolicy, Key
 from kvstore.index import BlockEntry
 from kvstore.levels.coding import LevelCodec
 from kvstore.stats import TierCounters, tier_stats
+from kvstore.tenant_policy import TenantPolicy
 
 
 @dataclass(frozen=True)
@@ -48,20 +50,24 @@ class Level(ABC):
         name: the tier's name in lookups, stats and events ("host", "disk", ...).
         rank: the level's position in the cascade (0 = host RAM); ``entry.slots[rank]``.
         policy: which of the level's blocks goes first when it must make room.
+        tenants: that policy's ``TenantPolicy`` (blocks and counters per tenant, quotas),
+            when it is one (as ``build_levels`` makes it), else None.
         counters: hits, misses, evictions, bytes moved, errors.
-        admission: "all" blocks, or only blocks "seen_twice" (put, then used again).
+        admission: which blocks demoted from the level above it takes (kvstore/admission.py).
         coding: the level's lossy codec, or None for raw blocks. Payloads crossing the
             interface are always raw (``raw_bytes`` per block); a coded level encodes on
             ``write`` and decodes on ``read``.
     """
 
-    def __init__(self, name: str, rank: int, policy: EvictionPolicy, admission: str = "all",
+    def __init__(self, name: str, rank: int, policy: EvictionPolicy, admission: str | AdmissionPolicy = "all",
                  coding: LevelCodec | None = None) -> None:
         self.name = name
         self.rank = rank
         self.policy = policy
+        inner = policy.policy if isinstance(policy, DeferredAccess) else policy
+        self.tenants = inner if isinstance(inner, TenantPolicy) else None
         self.counters = TierCounters()
-        self.admission = admission
+        self.admission = make_admission(admission) if isinstance(admission, str) else admission
         self.coding = coding
 
     @property
@@ -85,9 +91,22 @@ class Level(ABC):
             return {"codec": "none", "lossy": False, "block_bytes": self.payload_bytes}
         return self.coding.describe()
 
-    def admits(self, entry: BlockEntry) -> bool:
-        """Whether a block demoted from the level above may enter this one."""
-        return self.admission == "all" or entry.num_uses >= 2
+    def admit(self, entries: list[BlockEntry], can_evict: Callable[[Key], bool] | None = None) -> list[BlockEntry]:
+        """Those of ``entries`` (demoted from the level above, chain order) this level takes:
+        its admission policy's answer, given the level's next victim (``can_evict``: which
+        blocks may be victims) when it has no room for them all."""
+        if not entries or isinstance(self.admission, AdmitAll):
+            return entries
+        full = self.num_free < len(entries)
+        victim = self.policy.peek_victim(can_evict) if full else None
+        flags = self.admission.admit([e.key for e in entries], [e.num_uses for e in entries], victim, full)
+        return [e for e, ok in zip(entries, flags, strict=True) if ok]
+
+    def tenant_policy(self) -> TenantPolicy | None:
+        """``tenants``, with hits recorded by a ``DeferredAccess`` applied first (lock held)."""
+        if isinstance(self.policy, DeferredAccess):
+            self.policy.apply_pending()
+        return self.tenants
 
     # ----------------------------------------------------------------------------- occupancy
 

@@ -1,11 +1,20 @@
 """The levels a ``StoreConfig`` describes: the indexed cascade (host RAM, then disk) and the
-shared levels below it (the remote tier), each under its configured codec."""
+shared levels below it (the remote tier), each under its configured codec.
+
+Every indexed level's policy is a ``TenantPolicy`` around the configured one (blocks per
+tenant, quotas; its owner lookup is bound by the cascade, which owns the index). Admission:
+``disk_admission`` on the disk level, ``remote_admission`` on the remote; a ``tinylfu`` one
+reads an access sketch that host's policy feeds with every put and hit.
+"""
 
 from __future__ import annotations
 
+import functools
+
+from kvstore.admission import AdmissionPolicy, TinyLFU, make_admission
 from kvstore.codecs import get_codec
 from kvstore.config import PAGE, StoreConfig
-from kvstore.eviction import DeferredAccess, make_policy
+from kvstore.eviction import DeferredAccess, Key, make_policy
 from kvstore.kernels.pages import PAGE_CODES
 from kvstore.keys import Namespace
 from kvstore.levels.base import Level
@@ -13,8 +22,19 @@ from kvstore.levels.coding import LevelCodec
 from kvstore.levels.disk_level import CODED_SUFFIX, DiskLevel
 from kvstore.levels.host_level import HostLevel
 from kvstore.levels.shared import SharedLevel
+from kvstore.sketch import FrequencySketch
+from kvstore.tenant_policy import TenantPolicy
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.host import HostTier
+
+
+def _unbound(key: Key) -> str:
+    raise AssertionError("a level's TenantPolicy is used before the cascade bound its owner lookup")
+
+
+def tenant_policy(name: str) -> TenantPolicy:
+    """A level's policy: ``name`` (kvstore.eviction.POLICIES) per tenant or shared."""
+    return TenantPolicy(functools.partial(make_policy, name), _unbound)
 
 
 def build_levels(config: StoreConfig, namespace: Namespace) -> list[Level]:
@@ -25,7 +45,8 @@ def build_levels(config: StoreConfig, namespace: Namespace) -> list[Level]:
     payload = host_coding.stored_bytes if host_coding else layout.bytes_per_block
     host = HostTier(config.host_bytes, payload, pin_memory=config.pin_host_memory, shared=config.shared_host)
     # host hits are on readers' critical path: their policy bookkeeping waits for the next write
-    levels: list[Level] = [HostLevel(host, DeferredAccess(make_policy(config.host_policy)), host_coding)]
+    host_policy = tenant_policy(config.host_policy)
+    levels: list[Level] = [HostLevel(host, DeferredAccess(host_policy), host_coding)]
     if config.disk_path is not None:
         disk_coding = _coding(config, "disk", PAGE)
         payload = disk_coding.stored_bytes if disk_coding else layout.bytes_per_block
@@ -35,9 +56,29 @@ def build_levels(config: StoreConfig, namespace: Namespace) -> list[Level]:
         disk = DiskTier(config.disk_path, config.disk_bytes, payload, sync=config.sync_disk,
                         direct_io=config.direct_io, replaceable=others,
                         owners=(namespace.id, f"{namespace.id}{CODED_SUFFIX}"))
-        levels.append(DiskLevel(disk, len(levels), make_policy(config.disk_policy), config.disk_admission,
+        levels.append(DiskLevel(disk, len(levels), tenant_policy(config.disk_policy), "all",
                                 namespace.id, disk_coding))
     return levels
+
+
+def build_admissions(config: StoreConfig, levels: list[Level], shared: list[SharedLevel]) -> None:
+    """Give the disk level ``disk_admission`` and the shared levels ``remote_admission``; a
+    ``tinylfu`` one gets the access sketch that host's policy feeds (sized to the largest
+    local tier)."""
+    sketch: FrequencySketch | None = None
+    if TinyLFU.name in (config.disk_admission, config.remote_admission):
+        sketch = FrequencySketch(max(level.num_slots for level in levels))
+        host_policy = levels[0].tenants
+        assert host_policy is not None
+        host_policy.on_touch = sketch.add
+
+    def make(name: str) -> AdmissionPolicy:
+        return make_admission(name, sketch)
+
+    for level in levels[1:]:
+        level.admission = make(config.disk_admission)
+    for level_below in shared:
+        level_below.admission = make(config.remote_admission)
 
 
 def _coding(config: StoreConfig, tier: str, align: int) -> LevelCodec | None:

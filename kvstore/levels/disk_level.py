@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from kvstore.admission import AdmissionPolicy
 from kvstore.errors import CodecError
 from kvstore.eviction import EvictionPolicy
 from kvstore.index import DISK, BlockEntry
@@ -38,7 +39,7 @@ class DiskLevel(SlotLevel):
             blocks are not on disk (write-through).
     """
 
-    def __init__(self, tier: DiskTier, rank: int, policy: EvictionPolicy, admission: str,
+    def __init__(self, tier: DiskTier, rank: int, policy: EvictionPolicy, admission: str | AdmissionPolicy,
                  namespace_id: str, coding: LevelCodec | None = None) -> None:
         super().__init__(DISK, rank, policy, admission, coding)
         self.tier = tier

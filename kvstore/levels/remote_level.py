@@ -10,10 +10,11 @@ import torch
 
 from kvstore.index import REMOTE
 from kvstore.levels.coding import LevelCodec
-from kvstore.levels.shared import SharedLevel
+from kvstore.levels.shared import UNKNOWN_TENANT, SharedLevel, owner_tag
 from kvstore.tiers.remote import RemoteTier
 
 CLOSE_FLUSH_S = 5.0  # the most close() waits for queued blocks to reach the remote
+MAX_KNOWN_TENANTS = 4096  # tenant names remembered per level to name the blocks it delivers
 
 
 class RemoteLevel(SharedLevel):
@@ -31,6 +32,39 @@ class RemoteLevel(SharedLevel):
         super().__init__(REMOTE, source, coding)
         self.tier = tier
         self._lock = threading.Lock()  # callers come without the store lock
+        self._tenants: dict[bytes, str] = {owner_tag(""): ""}  # owner tag -> tenant name, as met
+
+    def know_tenant(self, tenant: str) -> None:
+        tag = owner_tag(tenant)
+        if tag not in self._tenants:
+            with self._lock:
+                if len(self._tenants) >= MAX_KNOWN_TENANTS:
+                    self._tenants = {owner_tag(""): ""}
+                self._tenants[tag] = tenant
+
+    def tenant_of(self, tag: bytes | None) -> str | None:
+        """The name of the tenant whose tag is ``tag`` (``#<hex>`` when none met here has it)."""
+        if tag is None:
+            return None
+        return self._tenants.get(tag, UNKNOWN_TENANT + tag.hex())
+
+    def _owners(self, tenants: Sequence[str] | None, n: int) -> list[bytes] | None:
+        if tenants is None:
+            return None
+        for tenant in set(tenants):
+            self.know_tenant(tenant)
+        tags = {t: owner_tag(t) for t in set(tenants)}
+        return [tags[t] for t in tenants[:n]]
+
+    def holds(self, keys: Sequence[bytes]) -> list[bool]:
+        return self.tier.contains(keys) if keys else []
+
+    def forget_tenant(self, tenant: str) -> tuple[int, list[str]]:
+        result = self.tier.forget_owner(owner_tag(tenant))
+        return result.deleted, list(result.failed)
+
+    def forget_hints(self) -> None:
+        self.tier.forget_hints()
 
     def _count(self, found: int, asked: int) -> None:
         with self._lock:
@@ -42,14 +76,16 @@ class RemoteLevel(SharedLevel):
         self._count(n, len(keys))
         return n
 
-    def read(self, keys: Sequence[bytes], outs: Sequence[torch.Tensor]) -> list[bool]:
+    def read(self, keys: Sequence[bytes], outs: Sequence[torch.Tensor],
+             tenants: list[str | None] | None = None) -> list[bool]:
         if not keys:
             return []
+        owners: list[bytes | None] | None = None if tenants is None else [None] * len(keys)
         if self.coding is None:
-            flags = self.tier.get(keys, outs, leading=True)
+            flags = self.tier.get(keys, outs, leading=True, owners=owners)
         else:
             stored = torch.empty((len(keys), self.coding.stored_bytes), dtype=torch.uint8)
-            flags = self.tier.get(keys, list(stored), leading=True)
+            flags = self.tier.get(keys, list(stored), leading=True, owners=owners)
             found = flags.index(False) if False in flags else len(flags)
             decoded = self.coding.decode(list(stored[:found]), outs[:found])
             refused = [keys[i] for i, ok in enumerate(decoded) if not ok]
@@ -58,20 +94,26 @@ class RemoteLevel(SharedLevel):
                 self.tier.delete(refused)
             flags = decoded + [False] * (len(keys) - found)
         self._count(flags.index(False) if False in flags else len(flags), len(keys))
+        if tenants is not None and owners is not None:
+            for i, good in enumerate(flags):
+                tenants[i] = self.tenant_of(owners[i]) if good else None
         return flags
 
-    def offer(self, keys: Sequence[bytes], payloads: Sequence[torch.Tensor]) -> None:
+    def offer(self, keys: Sequence[bytes], payloads: Sequence[torch.Tensor],
+              tenants: Sequence[str] | None = None) -> None:
         if not keys:
             return
         # Room first: blocks the queue cannot take are dropped before anything copies (or
         # encodes) them. A close() of a demoting store offers every host block at once.
         with self.tier.reserve(len(keys)) as room:
+            owners = self._owners(tenants, room.size)
             keys, payloads = keys[: room.size], payloads[: room.size]
             if self.coding is not None and keys:
-                keys, payloads = self._encode(keys, payloads)
-            self.tier.put_into(room, keys, payloads)
+                keys, payloads, owners = self._encode(keys, payloads, owners)
+            self.tier.put_into(room, keys, payloads, owners=owners)
 
-    def _encode(self, keys: Sequence[bytes], payloads: Sequence[torch.Tensor]) -> tuple[list[bytes], list[torch.Tensor]]:
+    def _encode(self, keys: Sequence[bytes], payloads: Sequence[torch.Tensor], owners: list[bytes] | None,
+                ) -> tuple[list[bytes], list[torch.Tensor], list[bytes] | None]:
         """The blocks the codec takes, encoded: one call for the lot, block by block only when
         it refused one. A refused block is left out (the room it leaves counts it as dropped)."""
         coding = self.coding
@@ -81,8 +123,9 @@ class RemoteLevel(SharedLevel):
             coding.encode(payloads, stored)
         except Exception:  # NaN/Inf or a scale out of range in some block: keep the others
             kept = [i for i in range(len(keys)) if _encodes(coding, payloads[i], stored[i])]
-            return [keys[i] for i in kept], [stored[i] for i in kept]
-        return list(keys), stored
+            return ([keys[i] for i in kept], [stored[i] for i in kept],
+                    None if owners is None else [owners[i] for i in kept])
+        return list(keys), stored, owners
 
     def watch(self, stored: Callable[[list[bytes]], None]) -> None:
         self.tier.on_stored = stored

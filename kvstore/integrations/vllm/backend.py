@@ -29,6 +29,8 @@ from kvstore.index import PrefixMatch
 from kvstore.integrations.vllm.settings import ConnectorSettings
 from kvstore.keys import BlockHasher, ExtraKey, Namespace
 from kvstore.layout import KVLayout
+from kvstore.management import BlockInfo, PrefetchHandle, check_count
+from kvstore.pins import check_ttl
 from kvstore.store import TieredStore
 from kvstore.transfer import FetchHandle, FetchResult
 
@@ -317,13 +319,37 @@ class GuardedStore:
         """Whether the store holds each key; all False while it is down."""
         return self._call(lambda store: store.contains(keys), [False] * len(keys))
 
-    def delete(self, keys: Sequence[bytes]) -> int:
+    def delete(self, keys: Sequence[bytes], *, descendants: bool = False) -> int:
         """Drop the blocks; 0 while the store is down."""
-        return self._call(lambda store: store.delete(keys), 0, retry=True)
+        return self._call(lambda store: store.delete(keys, descendants=descendants), 0, retry=True)
 
-    def pin(self, keys: Sequence[bytes]) -> None:
-        """Pin the blocks; while the store is down nothing is held, so nothing is pinned."""
-        self._call(lambda store: store.pin(keys), None, retry=True)
+    def pin(self, keys: Sequence[bytes], *, ttl_s: float | None = None) -> None:
+        """Pin the blocks; while the store is down nothing is held, so nothing is pinned. A
+        bad ``ttl_s`` is the caller's error (ValueError), not the store's."""
+        ttl = check_ttl(ttl_s)
+        self._call(lambda store: store.pin(keys, ttl_s=ttl), None, retry=True)
+
+    def prefetch(self, keys: Sequence[bytes]) -> PrefetchHandle:
+        """Warm the store's host RAM; a handle that delivers 0 at once while the store is down.
+        Too many keys is the caller's error (ValueError)."""
+        check_count("prefetch", len(keys))
+        inner = self._call(lambda store: store.prefetch(keys), PrefetchHandle.finished(0, len(keys)))
+
+        def poll(wait_s: float) -> int | None:  # a store that fails meanwhile: nothing was warmed
+            try:
+                return inner.result(wait_s)
+            except TimeoutError:
+                return None
+            except Exception as exc:
+                logger.info("kvstore: a prefetch of %d blocks failed: %s", len(keys), exc)
+                return 0
+
+        return PrefetchHandle(len(keys), poll)
+
+    def inspect(self, keys: Sequence[bytes]) -> list[BlockInfo | None]:
+        """Where the blocks are; none anywhere while the store is down."""
+        check_count("inspect", len(keys))
+        return self._call(lambda store: store.inspect(keys), [None] * len(keys))
 
     def unpin(self, keys: Sequence[bytes]) -> None:
         self._call(lambda store: store.unpin(keys), None, retry=True)

@@ -16,6 +16,11 @@ request whose blocks include one in doubt plans no save. The first step after th
 it computed meanwhile (from vLLM's blocks, still the request's) or, after a miss, what vLLM
 recomputes. A request that finishes while in doubt leaves those blocks unsaved (a future miss).
 Prompt-embedding requests are neither looked up nor saved: their token ids are placeholders.
+
+Per-request settings vLLM carries are honoured: ``skip_reading_prefix_cache`` (vLLM's own
+SamplingParams field) asks nothing of the store and loads nothing; ``kv_transfer_params``
+(vLLM's per-request dict for the connector, e.g. the OpenAI body's ``kv_transfer_params``)
+with ``{"kvstore": {"store": false}}`` saves none of the request's blocks ("do not store").
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ class _Tracked:
     is_async: bool = False  # the planned load runs outside the step
     loading: frozenset[int] = frozenset()  # vLLM block ids of the last planned load
     load_failed: bool = False  # a load missed blocks: never plan another (no retry loop)
+    saves: bool = True  # False: the request said "do not store" (kv_transfer_params)
     block_ids: list[int] = field(default_factory=list)
 
 
@@ -126,8 +132,8 @@ class SchedulerSide:
             # would name every such prompt alike. It is tracked only to count in-flight requests.
             cacheable = getattr(request, "prompt_embeds", None) is None and request.prompt_token_ids is not None
             t = self._tracked[request.request_id] = _Tracked(request, getattr(request, "cache_salt", None),
-                                                             is_cacheable=cacheable)
-        if not t.is_cacheable:
+                                                             is_cacheable=cacheable, saves=stores(request))
+        if not t.is_cacheable or getattr(request, "skip_reading_prefix_cache", False):
             return 0, False
         usable = (len(request.prompt_token_ids) - 1) // self.block_size
         keys = self._extend_keys(t, usable) if usable > 0 else None
@@ -212,7 +218,7 @@ class SchedulerSide:
 
     def _plan_save(self, meta: KVStoreMetadata, req_id: str, t: _Tracked, num_computed: int,
                    num_scheduled: int) -> None:
-        if not self.can_save or not t.is_cacheable:
+        if not self.can_save or not t.is_cacheable or not t.saves:
             return
         # vLLM recomputing blocks the lookup found (a load failed, or they were evicted since):
         # the store lost them, so the step that recomputes them saves them again.
@@ -232,3 +238,18 @@ class SchedulerSide:
     def request_finished(self, request: Any) -> None:
         """Forget the request: every full block was saved by the step that completed it."""
         self._tracked.pop(request.request_id, None)
+
+
+def stores(request: Any) -> bool:
+    """Whether a request's blocks may be saved: not when its ``kv_transfer_params`` say
+    ``{"kvstore": {"store": false}}``. Anything else under "kvstore" (a misspelt option, a
+    non-bool) is logged and read as "do not store": a request that asked for privacy keeps it."""
+    params = getattr(request, "kv_transfer_params", None)
+    if not isinstance(params, dict) or "kvstore" not in params:
+        return True
+    options = params["kvstore"]
+    if isinstance(options, dict) and set(options) <= {"store"} and isinstance(options.get("store", True), bool):
+        return bool(options.get("store", True))
+    logger.warning("kvstore: request %s: kv_transfer_params['kvstore'] must be {'store': true|false}, got %.80r; "
+                   "not storing its blocks", getattr(request, "request_id", "?"), options)
+    return False

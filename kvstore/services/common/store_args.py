@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from kvstore.codecs import CODECS
-from kvstore.config import DISK_ADMISSIONS, PROMOTIONS, REMOTE_WRITES, WRITE_POLICIES
+from kvstore.config import DISK_ADMISSIONS, PROMOTIONS, REMOTE_ADMISSIONS, REMOTE_WRITES, WRITE_POLICIES
 from kvstore.errors import ConfigError
 from kvstore.keys import HASHES
 from kvstore.services.common.argtypes import positive
@@ -60,8 +60,12 @@ STORE_FLAGS: dict[str, StoreFlag] = {  # StoreSettings field -> its flag
     "disk_bytes": StoreFlag("--disk-size", "disk tier size, e.g. 20GiB", "SIZE", _size),
     "write_policy": StoreFlag("--write-policy", "write_through: a put is on disk before it returns; "
                               "write_back: host evictions demote to disk", choices=WRITE_POLICIES),
-    "disk_admission": StoreFlag("--disk-admission", "which blocks the disk takes: all, or those seen_twice",
+    "disk_admission": StoreFlag("--disk-admission", "which of host RAM's demoted blocks the disk takes: all, "
+                                "those seen_twice, or tinylfu (recent access count beats the disk's next victim's)",
                                 choices=DISK_ADMISSIONS),
+    "remote_admission": StoreFlag("--remote-admission", "which blocks are sent to the remote tier: all, those "
+                                  "seen_twice, or tinylfu (met at least twice by the access sketch)",
+                                  choices=REMOTE_ADMISSIONS),
     "promotion": StoreFlag("--promotion", "when a disk or remote block is copied up to host RAM: on get, "
                            "ahead of time on lookup, or never", choices=PROMOTIONS),
     "host_codec": StoreFlag("--host-codec", CODEC_HELP.format(tier="host RAM"), choices=tuple(CODECS)),

@@ -8,7 +8,7 @@ import sys
 from kvstore import env
 from kvstore.errors import ConfigError
 from kvstore.services.common.store_args import add_store_arguments, store_flags_given
-from kvstore.services.daemon.config import DEFAULT_STORE, FIXED_SETTINGS
+from kvstore.services.daemon.config import DEFAULT_QUOTAS, DEFAULT_STORE, FIXED_SETTINGS
 
 
 def _addr(value: str) -> str:
@@ -27,6 +27,7 @@ def run_serve(args: argparse.Namespace) -> int:
         "token": args.token or env.token(), "tokens_file": args.tokens,
         "max_namespaces": args.max_namespaces, "lease_s": args.lease_s, "shm": False if args.no_shm else None,
         "kv_events": args.kv_events, "kv_events_replay": args.kv_events_replay,
+        "default_quotas": args.default_quotas,
         **store_flags_given(args),  # over the TOML file's store settings
     }
     try:
@@ -57,6 +58,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="publish the tiers as KV events (vLLM's ZeroMQ format), e.g. tcp://127.0.0.1:5557")
     p.add_argument("--kv-events-replay", default=None, metavar="ENDPOINT",
                    help="the KV events replay/snapshot socket (default: the next port)")
+    p.add_argument("--default-quotas", default=None, choices=list(DEFAULT_QUOTAS),
+                   help="equal: each tenant of --tokens gets an equal soft share of every tier; none: only the "
+                   "quotas the tokens file, --config's [quotas.TENANT] tables or POST /v1/admin/quotas set "
+                   "(default equal; docs/eviction.md)")
     add_store_arguments(
         p, defaults=DEFAULT_STORE, without=tuple(FIXED_SETTINGS),
         shown={"host_bytes": "a tenth of RAM, at least 64MiB, at most 16GiB",

@@ -1,7 +1,8 @@
 """DaemonConfig: every knob of ``kvstore serve``, from flags and an optional TOML file.
 
 The store knobs are one StoreSettings (``store``; TOML keys are its field names, as for every
-service); the rest is the daemon's own: addresses, tokens, limits, the namespace split.
+service); the rest is the daemon's own: addresses, tokens, limits, the namespace split, and
+tenants' quotas (``default_quotas``, and ``[quotas.TENANT]`` tables: kvstore/quotas.py).
 """
 
 from __future__ import annotations
@@ -10,11 +11,12 @@ import math
 import os
 import shutil
 import sys
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, get_args, get_type_hints
 
 from kvstore.errors import ConfigError
+from kvstore.quotas import QuotaTable
 from kvstore.services.common.net import is_loopback, parse_hostport
 from kvstore.services.common.sizes import parse_size
 from kvstore.settings import StoreSettings
@@ -35,6 +37,7 @@ FIXED_SETTINGS = {
     "hash_algo": "each client chooses its namespace's key hash (hello's hash_algo)",
 }
 RENAMED = {"remote": "remote_url"}  # old TOML key -> its name now
+DEFAULT_QUOTAS = ("equal", "none")
 
 
 def default_host_bytes() -> int:
@@ -82,6 +85,11 @@ class DaemonConfig:
         kv_events: publish every namespace's tiers as KV events on this ZeroMQ endpoint
             (docs/kv-events.md); None: no events.
         kv_events_replay: the replay/snapshot socket; None: the next port, "": none.
+        default_quotas: "equal": each tenant of the tokens file has an equal soft share of
+            every tier (unless ``quotas`` or the tokens file says otherwise); "none": tenants
+            have only the quotas given (none at all: one shared eviction order per tier).
+        quotas: tenants' quotas (TOML ``[quotas.acme] host = {soft = "40%", hard = "2GiB"}``),
+            over the tokens file's and the defaults; an admin REST call changes them at run time.
     """
 
     data_dir: Path = Path(".kvstore")
@@ -100,6 +108,8 @@ class DaemonConfig:
     drain_s: float = 4.0
     kv_events: str | None = None
     kv_events_replay: str | None = None
+    default_quotas: str = "equal"
+    quotas: QuotaTable = field(default_factory=QuotaTable)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "data_dir", Path(self.data_dir))
@@ -116,6 +126,10 @@ class DaemonConfig:
                 raise ConfigError(f"{name} must be a positive int, got {value!r}")
         if self.max_frame < 4096:
             raise ConfigError(f"max_frame must be at least 4096 bytes, got {self.max_frame}")
+        if self.default_quotas not in DEFAULT_QUOTAS:
+            raise ConfigError(f"default_quotas must be one of {list(DEFAULT_QUOTAS)}, got {self.default_quotas!r}")
+        if not isinstance(self.quotas, QuotaTable):
+            raise ConfigError(f"quotas must be a QuotaTable, got {type(self.quotas).__name__}")
         if not self.lease_s > 0 or not self.drain_s >= 0:
             raise ConfigError(f"lease_s must be > 0 and drain_s >= 0, got {self.lease_s}, {self.drain_s}")
         if self.store.host_bytes < 4096 * self.max_namespaces:
@@ -208,6 +222,7 @@ def load_config(path: str | os.PathLike[str] | None, overrides: dict[str, Any]) 
             (naming the key, the file and the type); or a setting is invalid.
     """
     values: dict[str, Any] = {}
+    quotas: Any = None
     if path is not None:
         try:
             with open(path, "rb") as f:
@@ -220,6 +235,7 @@ def load_config(path: str | os.PathLike[str] | None, overrides: dict[str, Any]) 
         for name, reason in FIXED_SETTINGS.items():
             if name in values:
                 raise ConfigError(f"{name} in {path} is not a daemon setting: {reason}")
+        quotas = values.pop("quotas", None)
         known = config_keys()
         unknown = sorted(set(values) - set(known))
         if unknown:
@@ -227,6 +243,8 @@ def load_config(path: str | os.PathLike[str] | None, overrides: dict[str, Any]) 
         check_types(values, str(path))
     given = {k: v for k, v in overrides.items() if v is not None}
     values.update(given)
+    if quotas is not None:
+        values["quotas"] = QuotaTable.from_dict(quotas, parse_size, where=f"{path}: quotas")
     for name in SIZE_FIELDS:
         if name in values:
             try:

@@ -1,6 +1,13 @@
 """Prometheus exposition: per-tier gauges and counters (label ``tier``, ``namespace``), read
 from the stores at scrape time, plus the daemon's request and error counters, and the
-per-tenant series for the tenants the caller may see (rest.py decides which)."""
+per-tenant series for the tenants the caller may see (rest.py decides which).
+
+Per-tenant usage (``kvstore_tenant_*{tenant, tier}``: blocks and bytes held, hits, misses,
+evictions caused and suffered, puts refused, quota limits) has bounded label cardinality: the
+``MAX_TENANT_SERIES`` tenants holding the most bytes get series of their own, the rest are
+summed under ``tenant="(other)"`` (a sum over a changing set of tenants: its counters can step
+down when one of them moves into the top). Series: at most (MAX_TENANT_SERIES + 1) x tiers per
+family."""
 
 from __future__ import annotations
 
@@ -13,6 +20,17 @@ from prometheus_client.registry import Collector
 
 from kvstore.events.metrics import event_families
 from kvstore.services.daemon.registry import Registry
+from kvstore.stats import OTHER_TENANTS
+
+MAX_TENANT_SERIES = 20  # tenants with series of their own; the rest are summed as "(other)"
+TENANT_GAUGES = {"blocks": "Blocks the tenant holds in the tier", "bytes": "Bytes the tenant's blocks occupy in the tier",
+                 "soft_blocks": "The tenant's soft quota in the tier, in blocks (absent: none)",
+                 "hard_blocks": "The tenant's hard quota in the tier, in blocks (absent: none)"}
+TENANT_COUNTERS = {"hits": "The tenant's blocks found in the tier by lookups and reads",
+                   "misses": "The tenant's blocks asked of the tier and not found",
+                   "evictions_suffered": "The tenant's blocks evicted from the tier",
+                   "evictions_caused": "Evictions from the tier whose room the tenant's blocks took",
+                   "refused": "Blocks of the tenant's puts refused at its hard quota"}
 
 GAUGES = {"capacity_bytes": "Capacity of the tier in bytes", "used_bytes": "Bytes the tier's blocks occupy",
           "num_blocks": "Blocks the tier holds"}
@@ -48,6 +66,7 @@ class StoreCollector(Collector):
             if self.tenants is None or tenant in self.tenants:
                 tenants.add_metric([tenant], counters["requests"])
         yield tenants
+        yield from tenant_families(self.registry.tenant_usage(), self.tenants)
         if self.daemon is not None:
             ops = CounterMetricFamily("kvstore_daemon_requests", "Block protocol requests by op", labels=["op"])
             for op, n in sorted(self.daemon.ops.requests.items()):
@@ -62,6 +81,32 @@ class StoreCollector(Collector):
             yield GaugeMetricFamily("kvstore_daemon_leases", "Live shared-memory leases", value=len(self.daemon.leases))
             if getattr(self.daemon, "kv_events", None) is not None:
                 yield from event_families(self.daemon.kv_events.stats())
+
+
+def tenant_families(usage: dict[str, dict[str, Any]], visible: Container[str] | None) -> Iterator[Any]:
+    """``kvstore_tenant_*{tenant, tier}`` for the ``visible`` tenants (None: all): the top
+    ``MAX_TENANT_SERIES`` by bytes held, the rest summed as ``(other)``. The families are
+    declared even when no tenant's series may be shown."""
+    rows = {t: u for t, u in usage.items() if visible is None or t in visible}
+    ranked = sorted(rows, key=lambda t: (-rows[t]["bytes"], t))
+    shown: dict[str, dict[str, dict[str, Any]]] = {t: rows[t]["tiers"] for t in ranked[:MAX_TENANT_SERIES]}
+    if len(ranked) > MAX_TENANT_SERIES:
+        other: dict[str, dict[str, Any]] = {}
+        for tenant in ranked[MAX_TENANT_SERIES:]:
+            for tier, row in rows[tenant]["tiers"].items():
+                acc = other.setdefault(tier, {})
+                for name, value in row.items():
+                    if value is not None:
+                        acc[name] = acc.get(name, 0) + value
+        shown[OTHER_TENANTS] = other
+    for families, kind in ((TENANT_GAUGES, GaugeMetricFamily), (TENANT_COUNTERS, CounterMetricFamily)):
+        for name, doc in families.items():
+            family = kind(f"kvstore_tenant_{name}", doc, labels=["tenant", "tier"])
+            for tenant, tiers in shown.items():
+                for tier, row in tiers.items():
+                    if row.get(name) is not None:
+                        family.add_metric([tenant, tier], row[name])
+            yield family
 
 
 REMOTE_COUNTERS = {"dropped": "Blocks a write-behind gave up on (queue full or node failed)",

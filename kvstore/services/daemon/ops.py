@@ -33,7 +33,9 @@ from kvstore.errors import (
     TierFullError,
 )
 from kvstore.keys import HASHES
+from kvstore.management import PrefetchHandle
 from kvstore.services.common.tokens import AuthError, Principal
+from kvstore.services.daemon.cache_ops import CacheOps
 from kvstore.services.daemon.config import DaemonConfig
 from kvstore.services.daemon.registry import NamespaceState, Registry
 from kvstore.services.daemon.shm import Lease, Leases
@@ -85,21 +87,22 @@ class Session:
     principal: Principal | None = None
     state: NamespaceState | None = None
     shm: bool = False
-    pins: Counter[bytes] = field(default_factory=Counter)  # pins this connection holds
+    prefetches: dict[int, PrefetchHandle] = field(default_factory=dict)  # not yet reported done
+    num_prefetches: int = 0
 
     def unpin_all(self) -> None:
-        """A connection's pins end with it: a dead client cannot pin blocks forever."""
-        if self.state is not None and self.pins:
-            keys = [k for k, n in self.pins.items() for _ in range(n)]
-            self.pins.clear()
+        """A connection's pins end with it (its pins are held as ``holder=conn_id``, TTL or
+        not): a dead client cannot pin blocks forever. Its prefetches are dropped."""
+        self.prefetches.clear()
+        if self.state is not None:
             try:
-                self.state.store.unpin(keys)
-            except (KeyError, ValueError, KVStoreError):
-                log.warning("could not unpin %d blocks of a closed connection", len(keys))
+                self.state.store.end_pins(self.conn_id)
+            except KVStoreError:
+                log.warning("could not end the pins of closed connection %d", self.conn_id)
 
 
 @dataclass
-class Ops:
+class Ops(CacheOps):
     config: DaemonConfig
     registry: Registry
     leases: Leases
@@ -226,6 +229,7 @@ class Ops:
                                 f"it does not fit this daemon's max_frame of {self.config.max_frame} bytes "
                                 "(raise max_frame in the daemon's config)")
         state = self.registry.open(model_id, layout, hash_algo)
+        state.store.know_tenant(principal.tenant)  # its blocks the remote tier delivers are filed under it
         pool = state.store.shared_pool
         want_shm = field_of(meta, "shm", bool, False)
         session.principal, session.state = principal, state
@@ -460,24 +464,26 @@ class Ops:
         return {"num_blocks": len(slots)}, b""
 
     def op_pin(self, session: Session, meta: dict[str, Any], data: bytes) -> Reply:
-        state, tenant, keys = self._keys(session, meta)
-        state.store.pin(keys)
-        session.pins.update(keys)
+        """Pin as this connection: the pins end with it, or after ``ttl_s`` if sooner."""
+        state, tenant, keys = self._managed_keys(session, meta)
+        ttl_s = field_of(meta, "ttl_s", (int, float, type(None)), None)
+        state.store.pin(keys, ttl_s=ttl_s, holder=session.conn_id)
         state.count(tenant, requests=1)
         return {"num_blocks": len(keys)}, b""
 
     def op_unpin(self, session: Session, meta: dict[str, Any], data: bytes) -> Reply:
-        state, tenant, keys = self._keys(session, meta)
-        state.store.unpin(keys)
-        session.pins.subtract(keys)
-        session.pins = +session.pins  # drop counts at or below zero (pins of other connections)
+        """Undo this connection's most recent pin of each key (BAD_REQUEST for a key this
+        connection has not pinned, NOT_FOUND for one not held; nothing undone then)."""
+        state, tenant, keys = self._managed_keys(session, meta)
+        state.store.unpin(keys, holder=session.conn_id)
         state.count(tenant, requests=1)
         return {"num_blocks": len(keys)}, b""
 
     def op_delete(self, session: Session, meta: dict[str, Any], data: bytes) -> Reply:
-        state, tenant, keys = self._keys(session, meta)
+        state, tenant, keys = self._managed_keys(session, meta)
+        descendants = field_of(meta, "descendants", bool, False)
         state.count(tenant, requests=1)
-        return {"num_deleted": state.store.delete(keys)}, b""
+        return {"num_deleted": state.store.delete(keys, descendants=descendants)}, b""
 
     def op_stats(self, session: Session, meta: dict[str, Any], data: bytes) -> Reply:
         state, principal = session.state, session.principal

@@ -4,6 +4,11 @@ Capacity rule: the configured host and disk sizes are hard totals. They are cut 
 ``max_namespaces`` equal slots; a namespace takes one slot on its first hello (or at start,
 when its disk directory already exists) and keeps it for the daemon's life.
 
+Quotas (kvstore/quotas.py): one table for the daemon, put in force in every namespace's
+store (each applies it to its own share of the tiers): an equal soft share of every tier for
+each tenant of the tokens file (``default_quotas="equal"``), then the tokens file's quotas,
+then the config's ``[quotas]``; ``set_quota`` changes a tenant's at run time (admin REST).
+
 Tenant isolation: a connection's tenant comes from its token. Every key a tenant sends is
 scoped before it reaches a store: ``stored = SHA-256(SCOPE_TAG || lp(tenant) || key)``
 (truncated to the key size), so no key a tenant can send names another tenant's block,
@@ -24,9 +29,10 @@ from typing import Any
 from kvstore.client.protocol import Code, ProtocolError, layout_from_dict, layout_to_dict
 from kvstore.codecs import get_codec, stored_bytes
 from kvstore.config import PAGE, StoreConfig
-from kvstore.errors import LayoutMismatchError
+from kvstore.errors import ConfigError, LayoutMismatchError
 from kvstore.keys import HASHES, Namespace
 from kvstore.layout import KVLayout
+from kvstore.quotas import QuotaTable, TierQuota
 from kvstore.services.common.tokens import Tokens
 from kvstore.services.daemon.config import DaemonConfig
 from kvstore.stats import TierCounters, is_count, tier_stats
@@ -106,6 +112,13 @@ class Registry:
         self._lock = threading.Lock()
         self._namespaces: dict[str, NamespaceState] = {}
         self.on_open: list[Callable[[TieredStore], None]] = []  # called with each store it opens (KV events)
+        base = QuotaTable.equal_shares(tokens.tenants) if config is not None and config.default_quotas == "equal" \
+            else QuotaTable()
+        table = base.merged(tokens.quotas).merged(config.quotas if config is not None else QuotaTable())
+        self._check_quota_tenants(table)
+        if config is not None:
+            table.check_tiers(self._quota_tiers())
+        self.quota_table = table
 
     @classmethod
     def embedded(cls, store: TieredStore, tokens: Tokens | None = None) -> Registry:
@@ -113,6 +126,7 @@ class Registry:
         reg = cls(None, tokens or Tokens(None, None))
         ns = store.namespace
         reg._namespaces[ns.id] = NamespaceState(ns.id, ns.model_id, ns.layout, ns.hash_algo, store, scoped=False)
+        reg.quota_table = store.quotas
         return reg
 
     def reopen_existing(self) -> None:
@@ -142,6 +156,7 @@ class Registry:
                 raise ProtocolError(Code.LAYOUT, f"all {limit} namespace slots are taken; cannot open "
                                     f"{model_id} {layout.fingerprint()}")
             store = TieredStore(self._store_config(ns))
+            store.set_quotas(self.quota_table.restricted(store.levels))
             for hook in self.on_open:
                 hook(store)
             state = NamespaceState(ns.id, model_id, layout, hash_algo, store)
@@ -234,6 +249,59 @@ class Registry:
             if nodes:
                 return nodes
         return []
+
+    # ----------------------------------------------------------------------------- quotas, usage
+
+    def _quota_tiers(self) -> list[str]:
+        """The tiers a quota may name: the indexed ones (a shared tier's rows have nodes_up)."""
+        return [tier for tier, row in self.tiers().items() if "nodes_up" not in row]
+
+    def quota_tenants(self) -> set[str] | None:
+        """The tenants a quota may name: the tokens file's and the admin's ``""``; None (any)
+        on an open store, whose callers name their tenants themselves."""
+        return None if self.tokens.is_open else {"", *self.tokens.tenants}
+
+    def _check_quota_tenants(self, table: QuotaTable) -> None:
+        """ConfigError for a quota of a tenant no token names."""
+        known = self.quota_tenants()
+        unknown = sorted(set(table.tenants) - known) if known is not None else []
+        if unknown:
+            raise ConfigError(f"quotas for unknown tenants {unknown}; the tokens name {sorted(known or ())}")
+
+    def set_quota(self, tenant: str, tiers: dict[str, TierQuota | None]) -> QuotaTable:
+        """Replace ``tenant``'s quotas in ``tiers`` (None removes one) in every namespace, now.
+
+        Raises:
+            ConfigError: an unknown tenant or tier, or a hard quota off host RAM; nothing
+                changes then.
+        """
+        known = self._quota_tiers()  # (takes the lock itself)
+        with self._lock:
+            table = self.quota_table.with_tenant(tenant, tiers)
+            self._check_quota_tenants(table)
+            table.check_tiers(known)
+            for state in self._namespaces.values():
+                state.store.set_quotas(table.restricted(state.store.levels))
+            self.quota_table = table
+            return table
+
+    def tenant_usage(self) -> dict[str, dict[str, Any]]:
+        """Per tenant, its usage summed over the namespaces (TieredStore.tenant_stats: blocks,
+        bytes, counters and quota limits in blocks, per tier)."""
+        out: dict[str, dict[str, Any]] = {}
+        for state in self.namespaces():
+            for tenant, usage in state.store.tenant_stats().items():
+                acc = out.setdefault(tenant, {"tiers": {}, "blocks": 0, "bytes": 0})
+                acc["blocks"] += usage["blocks"]
+                acc["bytes"] += usage["bytes"]
+                for tier, row in usage["tiers"].items():
+                    into = acc["tiers"].setdefault(tier, {})
+                    for name, value in row.items():
+                        if value is None:
+                            into.setdefault(name, None)
+                        else:
+                            into[name] = (into.get(name) or 0) + value
+        return out
 
     def tenant_counters(self) -> dict[str, dict[str, int]]:
         out: dict[str, dict[str, int]] = {}

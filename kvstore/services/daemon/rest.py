@@ -216,11 +216,10 @@ def create_app(target: Registry | TieredStore, admin_token: str | None = None, d
 
     @app.get("/v1/tenants")
     def list_tenants(who: Reader) -> dict[str, Any]:
-        """Per tenant counters (a tenant token sees its own only)."""
-        counters = registry.tenant_counters()
-        if not sees_all(who):
-            counters = {who.tenant: counters.get(who.tenant, dict.fromkeys(COUNTERS, 0))}
-        return {"tenants": counters}
+        """Per tenant: request counters, usage per tier, quotas (a tenant token sees its own only)."""
+        from kvstore.services.daemon.rest_tenants import tenants_view
+
+        return tenants_view(registry, who)
 
     def stored_keys(body: KeysRequest) -> list[tuple[NamespaceState, list[bytes]]]:
         out = []
@@ -268,4 +267,10 @@ def create_app(target: Registry | TieredStore, admin_token: str | None = None, d
                 raise HTTPException(409, str(exc)) from None
         return {"evicted": evicted}
 
+    from kvstore.services.daemon.rest_cache import add_cache_routes  # it imports this module's dependencies
+
+    add_cache_routes(app)
+    from kvstore.services.daemon.rest_tenants import add_tenant_routes
+
+    add_tenant_routes(app)
     return app

@@ -30,6 +30,8 @@ from kvstore.services.engine_server.schema import (
 from kvstore.services.engine_server.state import ServerState
 
 log = logging.getLogger("kvstore.services.engine_server")
+NO_STORE_HEADER = "x-kvstore-no-store"  # "1"/"true"/"yes": the request's blocks are not stored
+TRUTHS = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
 UNION_MESSAGES = {"prompt": "must be a string, a list of token ids, or a list of strings or of token id lists",
                   "stop": "must be a string or a list of strings"}
 
@@ -91,18 +93,29 @@ def create_app(state: ServerState) -> FastAPI:
 
     # ------------------------------------------------------------------ generation
 
-    def sampling(req: SamplingFields, max_tokens: int | None, prompt_len: int) -> SamplingParams:
+    def no_store(request: Request, req: SamplingFields) -> bool:
+        """"Do not store": the body's ``kvstore.store: false`` or the X-KVStore-No-Store header."""
+        header = request.headers.get(NO_STORE_HEADER)
+        if header is not None and header.strip().lower() not in TRUTHS:
+            raise bad_request(f"the X-KVStore-No-Store header must be one of {sorted(TRUTHS)}, got {header[:40]!r}")
+        by_header = header is not None and TRUTHS[header.strip().lower()]
+        return by_header or (req.kvstore is not None and not req.kvstore.store)
+
+    def sampling(req: SamplingFields, max_tokens: int | None, prompt_len: int, skip_store: bool) -> SamplingParams:
         if max_tokens is None:
             max_tokens = max(1, loop.llm.max_model_len - prompt_len)
         try:
             return SamplingParams(max_tokens=max_tokens, temperature=float(req.temperature), top_p=float(req.top_p),
-                                  top_k=req.top_k, seed=req.seed, n=req.n, ignore_eos=req.ignore_eos)
+                                  top_k=req.top_k, seed=req.seed, n=req.n, ignore_eos=req.ignore_eos,
+                                  skip_writing_prefix_cache=skip_store)
         except ValueError as exc:
             raise bad_request(str(exc)) from None
 
     async def generate(request: Request, kind: str, req: SamplingFields, prompts: list[list[int]],
                        max_tokens: int | None, tenant: str) -> Response:
-        run = Run(state, kind, req, prompts, [sampling(req, max_tokens, len(ids)) for ids in prompts], tenant)
+        skip_store = no_store(request, req)
+        run = Run(state, kind, req, prompts, [sampling(req, max_tokens, len(ids), skip_store) for ids in prompts],
+                  tenant)
         return run.stream() if req.stream else await run.whole(request)
 
     def check_model(req: SamplingFields) -> None:

@@ -3,7 +3,9 @@
 Fields the engine does not use (``user``, ``logprobs`` off, ...) are accepted and ignored, as
 OpenAI clients send them; a field of the wrong type or out of range is a 400 naming the field.
 ``null`` is every optional field's default, as in OpenAI's API (``"temperature": null`` is 1.0).
-kvstore extensions (vLLM's names): ``ignore_eos``, ``top_k``.
+kvstore extensions (vLLM's names): ``ignore_eos``, ``top_k``; and ``kvstore`` (an object):
+``{"store": false}`` is "do not store" (the request's blocks are neither stored nor cached
+for later requests; the ``X-KVStore-No-Store`` header says the same).
 """
 
 from __future__ import annotations
@@ -48,6 +50,14 @@ class StreamOptions(Body):
     include_usage: StrictBool = False
 
 
+class KVStoreOptions(Body):
+    """The ``kvstore`` extension object of a request body."""
+
+    model_config = ConfigDict(extra="forbid")  # a misspelt option is a 400, not a silent store
+
+    store: StrictBool = True  # False: "do not store" (SamplingParams.skip_writing_prefix_cache)
+
+
 class SamplingFields(Body):
     """What completions and chat share."""
 
@@ -61,6 +71,7 @@ class SamplingFields(Body):
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     ignore_eos: StrictBool = False
+    kvstore: KVStoreOptions | None = None
     # refused unless off (null, false, 0, empty), each a 400 naming itself
     echo: Any = None
     suffix: Any = None

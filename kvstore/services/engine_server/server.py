@@ -17,6 +17,7 @@ import os
 import time
 from typing import Any
 
+from kvstore.quotas import QuotaTable
 from kvstore.services.common.http import bind, freeze_start_heap, stop_on_signals, uvicorn_server, where
 from kvstore.services.engine_server.app import create_app
 from kvstore.services.engine_server.auth import Auth
@@ -24,6 +25,7 @@ from kvstore.services.engine_server.config import ServeConfig
 from kvstore.services.engine_server.loop import EngineLoop
 from kvstore.services.engine_server.state import ServerState
 from kvstore.services.engine_server.tokenizer import load_tokenizer
+from kvstore.store import TieredStore
 
 log = logging.getLogger("kvstore.services.engine_server")
 
@@ -44,6 +46,10 @@ def build_state(config: ServeConfig) -> ServerState:
     try:
         tokenizer = load_tokenizer(config.model, llm.tokenizer)
         auth = Auth(config.tokens_file, config.router_token)
+        if isinstance(llm.store, TieredStore) and auth.tokens.tenants:
+            # the embedded store: the tokens file's tenants get equal soft shares of every tier,
+            # as a daemon gives them (docs/eviction.md, "Quotas"); a daemon's store sets its own
+            llm.store.set_quotas(QuotaTable.equal_shares(auth.tokens.tenants))
     except Exception:
         llm.close()
         raise

@@ -119,6 +119,11 @@ class KeptValues:
             self._trim(now)
         return out
 
+    def clear(self) -> None:
+        with self._lock:
+            self._values.clear()
+            self.num_bytes = 0
+
     def drop(self, keys: Sequence[bytes]) -> None:
         with self._lock:
             for key in keys:

@@ -1,7 +1,7 @@
 """Redis key names of blocks: a format-versioned prefix, a hash tag, the block key.
 
-    <prefix>:v1:g<G>:{<tag hex>}            when the block is its group's head (tag == key)
-    <prefix>:v1:g<G>:{<tag hex>}:<key hex>  otherwise
+    <prefix>:v2:g<G>:{<tag hex>}            when the block is its group's head (tag == key)
+    <prefix>:v2:g<G>:{<tag hex>}:<key hex>  otherwise
 
 Redis Cluster places a key by the CRC16 of the text between the first ``{`` and the next
 ``}``, so every block with the same tag lands in one hash slot. The tag of the block at depth
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # v2: values carry their owner (codec.py); v1 names are never read
 DEFAULT_PREFIX = "kvstore"
 MAX_RUN_LENGTH = 1024
 
@@ -28,6 +28,13 @@ def check_prefix(prefix: str) -> str:
     if not prefix or not prefix.isascii() or not prefix.isprintable() or any(c in prefix for c in "{} "):
         raise ValueError(f"remote key prefix must be printable ASCII without braces or spaces, got {prefix!r}")
     return prefix
+
+
+def name_pattern(prefix: str = DEFAULT_PREFIX) -> bytes:
+    """A SCAN ``MATCH`` glob of every block name of ``prefix`` in this format (any G, any tag):
+    the prefix's glob characters escaped."""
+    escaped = "".join("\\" + c if c in "*?[]\\" else c for c in prefix)
+    return f"{escaped}:v{FORMAT_VERSION}:g*".encode()
 
 
 def block_name(key: bytes, tag: bytes, prefix: str = DEFAULT_PREFIX, run_length: int = 1) -> bytes:

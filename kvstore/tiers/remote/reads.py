@@ -87,7 +87,8 @@ class RemoteReads:
                            [v for v, f in zip(values, found, strict=True) if f])
         return start + (found.index(False) if False in found else len(found))
 
-    def get(self, keys: Sequence[bytes], outs: Sequence[Any], tags: Sequence[bytes] | None, leading: bool) -> list[bool]:
+    def get(self, keys: Sequence[bytes], outs: Sequence[Any], tags: Sequence[bytes] | None, leading: bool,
+            owners: list[bytes | None] | None = None) -> list[bool]:
         """See ``RemoteTier.get``."""
         if len(outs) != len(keys):
             raise ValueError(f"get needs one out per key: {len(keys)} keys, {len(outs)} outs")
@@ -117,6 +118,8 @@ class RemoteReads:
         for i, good in enumerate(ok):
             if good:
                 views[i][:pb] = values[i][-pb:]  # the one copy: from the received value to the caller
+                if owners is not None:
+                    owners[i] = codec.owner_of(values[i])
         num_hits = sum(ok)
         self.counters.add(hits=num_hits, misses=len(keys) - num_hits, bytes_read=num_hits * pb,
                           kept_used=num_kept, hint_hits=unasked)

@@ -27,8 +27,9 @@ from kvstore.tiers.remote import codec
 from kvstore.tiers.remote.counters import RemoteCounters
 from kvstore.tiers.remote.hints import HINT_TTL_S, Hints, KeptValues
 from kvstore.tiers.remote.info import NodeInfo, NodeInfoCache
-from kvstore.tiers.remote.naming import DEFAULT_PREFIX, MAX_RUN_LENGTH, block_name, check_prefix
+from kvstore.tiers.remote.naming import DEFAULT_PREFIX, MAX_RUN_LENGTH, block_name, check_prefix, name_pattern
 from kvstore.tiers.remote.reads import LOOKUP_GET_BYTES, RemoteReads
+from kvstore.tiers.remote.sweep import SweepResult, sweep_owner
 from kvstore.tiers.remote.topology import Command, NodeUnavailable, Topology, error_kind
 from kvstore.tiers.remote.url import Node, RemoteURL, parse_url
 from kvstore.tiers.remote.writer import PendingWrite, Room, WriteBehind
@@ -60,7 +61,9 @@ class RemoteTier:
             unknown run of at most this many value bytes, and asks EXISTS of a longer one.
 
     Every batch method takes ``tags``: the group head key of each block (``naming.group_tags``);
-    None means each block is its own head, which is right only for ``run_length == 1``.
+    None means each block is its own head, which is right only for ``run_length == 1``. Writes
+    take ``owners``: each block's owner tag (``codec.OWNER_BYTES``, the writer's tenant),
+    recorded in its value for ``forget_owner``; None records none.
 
     Attributes:
         on_stored: called with the keys of each batch a put or the write-behind wrote (not
@@ -177,7 +180,7 @@ class RemoteTier:
         return self._reads.lookup(keys, tags)
 
     def get(self, keys: Sequence[bytes], outs: Sequence[Any], tags: Sequence[bytes] | None = None, *,
-            leading: bool = False) -> list[bool]:
+            leading: bool = False, owners: list[bytes | None] | None = None) -> list[bool]:
         """Read blocks into caller memory (CPU tensors or writable buffers of >= payload_bytes).
 
         One pipeline of GETs per primary, all at once, for the blocks a lookup did not keep
@@ -186,12 +189,15 @@ class RemoteTier:
         leading run of hits is delivered. Each value is checked where it was received and its
         payload copied once into ``outs[i]``.
 
+        ``owners``: a list of ``len(keys)`` filled with each delivered block's owner tag (None
+        for the others).
+
         Returns:
             Per block, True when ``outs[i][:payload_bytes]`` now holds exactly the bytes put
             under ``keys[i]``. A missing, unreachable or invalid value is False (and counted);
             an invalid one is also deleted from the remote.
         """
-        return self._reads.get(keys, outs, tags, leading)
+        return self._reads.get(keys, outs, tags, leading, owners)
 
     @property
     def hints(self) -> Hints:
@@ -214,26 +220,32 @@ class RemoteTier:
 
     # ----------------------------------------------------------------------------- writes
 
-    def encode(self, keys: Sequence[bytes], payloads: Sequence[Any],
-               tags: Sequence[bytes] | None = None) -> list[PendingWrite]:
+    def encode(self, keys: Sequence[bytes], payloads: Sequence[Any], tags: Sequence[bytes] | None = None,
+               owners: Sequence[bytes] | None = None) -> list[PendingWrite]:
         """Name and frame blocks (each value a private copy of its payload)."""
         if len(payloads) != len(keys):
             raise ValueError(f"put needs one payload per key: {len(keys)} keys, {len(payloads)} payloads")
+        if owners is not None and len(owners) != len(keys):
+            raise ValueError(f"put needs one owner per key: {len(keys)} keys, {len(owners)} owners")
         names = self.names(keys, tags)
         pending = []
-        for name, key, payload in zip(names, keys, payloads, strict=True):
+        for i, (name, key, payload) in enumerate(zip(names, keys, payloads, strict=True)):
             view = byte_view(payload, writable=False)[0]
             if view.nbytes < self.payload_bytes:
                 raise ValueError(f"payload of {view.nbytes} bytes is shorter than payload_bytes={self.payload_bytes}")
-            pending.append(PendingWrite(name, codec.encode(key, self._layout, view[: self.payload_bytes]), key))
+            owner = codec.NO_OWNER if owners is None else owners[i]
+            pending.append(PendingWrite(name, codec.encode(key, self._layout, view[: self.payload_bytes], owner),
+                                        key, owner))
         return pending
 
-    def put(self, keys: Sequence[bytes], payloads: Sequence[Any], tags: Sequence[bytes] | None = None) -> int:
+    def put(self, keys: Sequence[bytes], payloads: Sequence[Any], tags: Sequence[bytes] | None = None,
+            owners: Sequence[bytes] | None = None) -> int:
         """Write blocks now, sending only those the remote lacks. Returns how many were sent
         and acknowledged; failures are counted in ``dropped`` (and ``errors``)."""
-        return self._send(self.encode(keys, payloads, tags))
+        return self._send(self.encode(keys, payloads, tags, owners))
 
-    def put_async(self, keys: Sequence[bytes], payloads: Sequence[Any], tags: Sequence[bytes] | None = None) -> int:
+    def put_async(self, keys: Sequence[bytes], payloads: Sequence[Any], tags: Sequence[bytes] | None = None,
+                  owners: Sequence[bytes] | None = None) -> int:
         """Copy blocks into the write-behind queue and return at once: how many were queued.
         Only the leading blocks the queue has room for are copied; the rest are dropped and
         counted without being read. ``flush`` waits for the queued ones."""
@@ -242,7 +254,8 @@ class RemoteTier:
         self._check_tags(keys, tags)
         with self.reserve(len(keys)) as room:
             n = room.size
-            return self.put_into(room, keys[:n], payloads[:n], None if tags is None else tags[:n])
+            return self.put_into(room, keys[:n], payloads[:n], None if tags is None else tags[:n],
+                                 None if owners is None else owners[:n])
 
     def reserve(self, n: int) -> Room:
         """Claim room in the write-behind queue for up to ``n`` blocks before making anything
@@ -252,11 +265,11 @@ class RemoteTier:
         return self._writer.reserve(n)
 
     def put_into(self, room: Room, keys: Sequence[bytes], payloads: Sequence[Any],
-                 tags: Sequence[bytes] | None = None) -> int:
+                 tags: Sequence[bytes] | None = None, owners: Sequence[bytes] | None = None) -> int:
         """Frame up to ``room.size`` blocks and queue them in ``room``: how many were queued."""
         if len(keys) > room.size:
             raise ValueError(f"{len(keys)} blocks for room of {room.size}")
-        return room.fill(self.encode(keys, payloads, tags))
+        return room.fill(self.encode(keys, payloads, tags, owners))
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every block given to ``put_async`` is written or counted as dropped."""
@@ -322,6 +335,30 @@ class RemoteTier:
         """Remove blocks from the remote (best effort, failures counted)."""
         self._reads.forget(keys)
         self._ask(self.names(keys, tags), "DEL")
+
+    def forget_owner(self, owner: bytes, flush_timeout: float = 30.0) -> SweepResult:
+        """Delete every value of this prefix whose header names ``owner``, on every primary
+        (tiers.remote.sweep), after dropping that owner's queued writes and waiting for the
+        batch being sent; what this tier learned lately (hints, kept values) goes too.
+
+        Unlike the other methods it reports what the remote did: ``failed`` names each node
+        it could not sweep whole (and says so when the queue did not drain in time).
+        """
+        if len(owner) != codec.OWNER_BYTES:
+            raise ValueError(f"an owner tag is {codec.OWNER_BYTES} bytes, got {len(owner)}")
+        self._writer.discard(owner)
+        drained = self._writer.flush(flush_timeout)  # a batch on its way could land after the sweep
+        self.forget_hints()
+        result = sweep_owner(self._topology, name_pattern(self.prefix), owner, self.timeout_s)
+        self.forget_hints()  # a lookup during the sweep may have kept one of its values
+        if not drained:
+            result.failed.append(f"the write-behind queue did not drain in {flush_timeout} s")
+        return result
+
+    def forget_hints(self) -> None:
+        """Drop every hint and kept value: the next lookups and reads ask the remote."""
+        self._reads.hints.clear()
+        self._reads.kept.clear()
 
     # ----------------------------------------------------------------------------- state
 

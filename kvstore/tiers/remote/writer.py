@@ -23,6 +23,7 @@ class PendingWrite:
     name: bytes
     value: bytes
     key: bytes
+    owner: bytes = b""  # the value's owner tag (tiers.remote.codec)
 
 
 Send = Callable[[list[PendingWrite]], object]
@@ -103,6 +104,19 @@ class WriteBehind:
         if size > len(taken):
             self._on_drop(size - len(taken))
         return len(taken)
+
+    def discard(self, owner: bytes) -> int:
+        """Drop the queued (not yet sending) blocks of ``owner``, counted as dropped; how many."""
+        with self._cond:
+            kept = deque(item for item in self._queue if item.owner != owner)
+            n = len(self._queue) - len(kept)
+            self._queue = kept
+            self._done += n
+            if n:
+                self._cond.notify_all()
+        if n:
+            self._on_drop(n)
+        return n
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every block offered so far is sent or dropped; False on timeout."""

@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import itertools
 import json
 import sys
 from pathlib import Path
 from typing import Any
 
+from kvstore.admission import ADMISSIONS
+from kvstore.errors import ConfigError
 from kvstore.eviction import DEFAULT_POLICY, POLICIES
+from kvstore.quotas import QuotaTable
 from kvstore.services.common.argtypes import positive
+from kvstore.services.common.sizes import parse_size
 from kvstore.tools.replay import estimate as est
 from kvstore.tools.replay.sim import ReplayResult, TierSpec, replay
 from kvstore.tools.replay.trace import ReplayError, Trace, load_trace
@@ -20,6 +26,36 @@ BASELINE, OPTIMUM = "lru", "belady"
 def _capacities(text: str) -> list[int]:
     parse = positive(int, "a capacity (blocks)")
     return [parse(part.strip()) for part in text.split(",")]
+
+
+def _admissions(text: str) -> list[str]:
+    names = [part.strip() for part in text.split(",")]
+    for name in names:
+        if name not in ADMISSIONS:
+            raise argparse.ArgumentTypeError(f"unknown admission policy {name!r}; known: {list(ADMISSIONS)}")
+    return names
+
+
+def quota_setting(spec: str, trace: Trace) -> tuple[str, QuotaTable | None]:
+    """``--quotas SPEC``: "none", "equal" (an equal soft share of every tier per tenant), or a
+    TOML file of ``[quotas.TENANT]`` tables (as ``kvstore serve --config`` takes). Its label
+    and table. ReplayError for a file that cannot be read or holds a bad quota."""
+    if spec == "none":
+        return spec, None
+    if spec == "equal":
+        return spec, QuotaTable.equal_shares(trace.tenant_names)
+    import tomllib
+
+    try:
+        with open(spec, "rb") as f:
+            doc = tomllib.load(f)
+        table = QuotaTable.from_dict(doc.get("quotas", {}), parse_size, where=f"{spec}: quotas")
+    except (OSError, tomllib.TOMLDecodeError, ConfigError) as exc:
+        raise ReplayError(f"--quotas {spec}: {exc}") from None
+    unknown = sorted(set(table.tenants) - set(trace.tenant_names))
+    if unknown:
+        raise ReplayError(f"--quotas {spec}: tenants {unknown} are not the trace's {trace.tenant_names}")
+    return Path(spec).name, table
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -35,6 +71,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--device", type=positive(int), metavar="N", help="cascade: device tier blocks")
     p.add_argument("--host", type=positive(int), metavar="N", help="cascade: host tier blocks")
     p.add_argument("--disk", type=positive(int), metavar="N", help="cascade: disk tier blocks")
+    p.add_argument("--remote", type=positive(int), metavar="N",
+                   help="cascade: a remote tier of N blocks below the rest (LRU, as Redis evicts; its "
+                   "victims hidden from admission)")
+    p.add_argument("--disk-admission", type=_admissions, action="append", metavar="A[,B...]",
+                   help=f"admission of the disk tier, one run each ({', '.join(ADMISSIONS)}; default all)")
+    p.add_argument("--remote-admission", type=_admissions, action="append", metavar="A[,B...]",
+                   help="admission of the remote tier, one run each (default all)")
+    p.add_argument("--tenants", type=positive(int), metavar="N",
+                   help="derive N tenants for a trace whose lines name none (docs/eviction.md)")
+    p.add_argument("--quotas", action="append", metavar="SPEC",
+                   help="quota setting to run, repeatable: none, equal (equal soft shares), or a TOML file "
+                   "of [quotas.TENANT] tables (default none)")
     p.add_argument("--policy", action="append", choices=[*POLICIES, OPTIMUM],
                    help=f"policies to run (repeatable; default: {DEFAULT_POLICY}, {BASELINE}, {OPTIMUM})")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
@@ -54,26 +102,41 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def tier_configs(args: argparse.Namespace) -> list[tuple[TierSpec, ...]]:
-    """The tier configurations to replay; ReplayError for a contradictory choice."""
-    cascade = [(name, getattr(args, name)) for name in ("device", "host", "disk")]
+    """The tier configurations to replay (one per capacity, and per admission choice of the
+    disk and remote tiers); ReplayError for a contradictory choice."""
+    cascade = [(name, getattr(args, name, None)) for name in ("device", "host", "disk", "remote")]
     if args.capacity and any(n is not None for _, n in cascade):
-        raise ReplayError("give either --capacity or --device/--host/--disk, not both")
+        raise ReplayError("give either --capacity or --device/--host/--disk/--remote, not both")
     if args.capacity:
         caps = sorted({c for group in args.capacity for c in group})
         return [(TierSpec("device", c),) for c in caps]
-    if args.device is None:
-        raise ReplayError("give --capacity N[,N...] (one tier) or --device N [--host N] [--disk N]")
+    given = [(name, n) for name, n in cascade if n is not None]
+    if not given or (len(given) == 1 and given[0][0] in ("disk", "remote")):
+        raise ReplayError("give --capacity N[,N...] (one tier) or a cascade: --device N and/or --host N, "
+                          "then [--disk N] [--remote N]")
     if args.plot:
         raise ReplayError("--plot draws a capacity sweep: use it with --capacity")
-    return [tuple(TierSpec(name, n) for name, n in cascade if n is not None)]
+    disk = list(dict.fromkeys(a for group in getattr(args, "disk_admission", None) or [["all"]] for a in group))
+    remote = list(dict.fromkeys(a for group in getattr(args, "remote_admission", None) or [["all"]] for a in group))
+    if (disk != ["all"] and args.disk is None) or (remote != ["all"] and getattr(args, "remote", None) is None):
+        raise ReplayError("--disk-admission needs a --disk tier, --remote-admission a --remote tier")
+    out = []
+    for d, r in itertools.product(disk, remote):
+        out.append(tuple(TierSpec(name, n, d if name == "disk" else r if name == "remote" else "all",
+                                  shared=name == "remote") for name, n in given))
+    return out
 
 
 def run(args: argparse.Namespace) -> int:
     try:
         configs = tier_configs(args)
-        trace = load_trace(args.trace)
+        trace = load_trace(args.trace, tenants=getattr(args, "tenants", None))
         policies = list(dict.fromkeys(args.policy or [DEFAULT_POLICY, BASELINE, OPTIMUM]))
-        results = replay_all(trace, configs, policies, show_progress=not args.quiet)
+        quotas = [quota_setting(spec, trace) for spec in dict.fromkeys(getattr(args, "quotas", None) or ["none"])]
+        if any(table is not None for _, table in quotas) and not trace.tenants:
+            raise ReplayError("quotas need tenants: a trace whose lines name them, or --tenants N")
+        results = replay_all(trace, configs, policies, show_progress=not args.quiet, quotas=quotas,
+                             block_bytes=args.block_bytes)
         model = est.CostModel(args.block_tokens, args.block_bytes, args.prefill_tokens_per_s,
                               args.host_gbps, args.disk_gbps)
         rows = [result_row(r, model) for r in results]
@@ -93,14 +156,28 @@ def run(args: argparse.Namespace) -> int:
 
 
 def replay_all(trace: Trace, configs: list[tuple[TierSpec, ...]], policies: list[str],
-               show_progress: bool = True) -> list[ReplayResult]:
-    """Every policy on every configuration, with one tqdm bar on stderr when it is a TTY."""
+               show_progress: bool = True, quotas: list[tuple[str, QuotaTable | None]] | None = None,
+               block_bytes: int = 1) -> list[ReplayResult]:
+    """Every policy on every configuration under every quota setting, with one tqdm bar on
+    stderr when it is a TTY. Belady, the reference, runs once per capacity: every tier
+    admitting all, no quota."""
     from tqdm import tqdm
 
-    total = trace.num_requests * len(configs) * len(policies)
-    with tqdm(total=total, unit="req", file=sys.stderr, leave=False,
+    settings = quotas or [("none", None)]
+    runs: list[tuple[tuple[TierSpec, ...], str, str, QuotaTable | None]] = []
+    belady_done: set[tuple[int, ...]] = set()
+    for tiers, policy, (label, table) in itertools.product(configs, policies, settings):
+        if policy == OPTIMUM:
+            caps = tuple(t.capacity_blocks for t in tiers)
+            if caps in belady_done:
+                continue
+            belady_done.add(caps)
+            tiers, label, table = tuple(dataclasses.replace(t, admission="all") for t in tiers), "none", None
+        runs.append((tiers, policy, label, table))
+    with tqdm(total=trace.num_requests * len(runs), unit="req", file=sys.stderr, leave=False,
               disable=not (show_progress and sys.stderr.isatty())) as bar:
-        return [replay(trace, tiers, policy, bar.update) for tiers in configs for policy in policies]
+        return [replay(trace, tiers, policy, bar.update, table, label, block_bytes)
+                for tiers, policy, label, table in runs]
 
 
 def result_row(result: ReplayResult, model: est.CostModel) -> dict[str, Any]:
@@ -109,8 +186,11 @@ def result_row(result: ReplayResult, model: est.CostModel) -> dict[str, Any]:
     return {
         "policy": result.policy, "default": result.policy == DEFAULT_POLICY,
         "capacity_blocks": sum(caps.values()), "tier_capacity_blocks": caps,
+        "admission": result.admission, "quotas": result.quotas,
         "hit_ratio": result.hit_ratio, "hits": result.hits, "prompt_blocks": result.prompt_blocks,
         "hits_by_tier": result.hits_by_tier, "dropped_blocks": result.dropped_blocks,
+        "written_blocks_by_tier": result.written_blocks, "refused_blocks": result.refused_blocks,
+        "hit_ratio_by_tenant": result.tenant_hit_ratios(),
         "replay_seconds": round(result.seconds, 3), **est.estimate(result, model),
     }
 
@@ -119,29 +199,43 @@ def format_table(trace: Trace, rows: list[dict[str, Any]]) -> str:
     """The human-readable result: ratios against LRU and Belady of the same configuration."""
     tiers = list(rows[0]["tier_capacity_blocks"])
     ref: dict[tuple[str, str], float] = {}
-    for row in rows:
-        ref[(row["policy"], str(row["tier_capacity_blocks"]))] = row["hit_ratio"]
-    head = f"{'policy':<10}{'capacity':>20}{'hit ratio':>11}{'x lru':>8}{'of belady':>11}"
+    for row in rows:  # LRU's of the same admission and quotas; Belady's of the same capacities
+        variant = "" if row["policy"] == OPTIMUM else f"{row['admission']}/{row['quotas']}"
+        ref[(row["policy"], str(row["tier_capacity_blocks"]) + variant)] = row["hit_ratio"]
+    varied = len({(r["admission"], r["quotas"]) for r in rows}) > 1 or rows[0]["quotas"] != "none"
+    head = f"{'policy':<10}{'capacity':>20}" + (f"{'admission':>22}{'quotas':>10}" if varied else "")
+    head += f"{'hit ratio':>11}{'x lru':>8}{'of belady':>11}"
     head += "".join(f"{t + ' hits':>13}" for t in tiers) + f"{'prefill saved':>15}{'replay s':>10}"
     lines = [f"{trace.path}: {trace.num_requests} requests, {trace.num_blocks} prompt blocks", head]
     for row in rows:
         config = str(row["tier_capacity_blocks"])
-        lru, opt = ref.get((BASELINE, config)), ref.get((OPTIMUM, config))
+        variant = f"{row['admission']}/{row['quotas']}"
+        lru, opt = ref.get((BASELINE, config + variant)), ref.get((OPTIMUM, config))
         ratio = row["hit_ratio"]
         name = row["policy"] + ("*" if row["default"] else "")
-        line = f"{name:<10}{'/'.join(map(str, row['tier_capacity_blocks'].values())):>20}{ratio:>11.4f}"
+        line = f"{name:<10}{'/'.join(map(str, row['tier_capacity_blocks'].values())):>20}"
+        if varied:
+            line += f"{row['admission']:>22}{row['quotas']:>10}"
+        line += f"{ratio:>11.4f}"
         line += f"{ratio / lru:>7.2f}x" if lru else f"{'-':>8}"
         line += f"{ratio / opt:>10.1%} " if opt else f"{'-':>11}"
         line += "".join(f"{row['hits_by_tier'][t]:>13}" for t in tiers)
         line += f"{row['prefill_seconds_saved'] / row['prefill_seconds_total']:>15.1%}"
         lines.append(line + f"{row['replay_seconds']:>10.2f}")
     lines.append("* the default policy; prefill saved: share of all prompt blocks' recompute time")
+    if len(rows[0]["hit_ratio_by_tenant"]) > 1:
+        lines.append("hit ratio by tenant" + (" (blocks refused at hard quotas)" if any(
+            r["refused_blocks"] for r in rows) else "") + ":")
+        for row in rows:
+            per = ", ".join(f"{t} {v:.4f}" for t, v in sorted(row["hit_ratio_by_tenant"].items()))
+            refused = f" (refused {row['refused_blocks']})" if row["refused_blocks"] else ""
+            lines.append(f"  {row['policy']:<8} {row['admission']}/{row['quotas']}: {per}{refused}")
     if len(tiers) > 1:
         lines.append("GB moved per tier (read up on hits / written by demotion):")
         for row in rows:
             moved = ", ".join(f"{t} {row['bytes_read_by_tier'][t] / 1e9:.0f}/{row['bytes_written_by_tier'][t] / 1e9:.0f}"
                               for t in tiers[1:])
-            lines.append(f"  {row['policy']:<10}{moved}")
+            lines.append(f"  {row['policy']:<10}{row['admission']:<22}{moved}")
     return "\n".join(lines)
 
 

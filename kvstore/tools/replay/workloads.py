@@ -5,6 +5,10 @@
 - ``scan``: a small hot set of conversations re-asked all the time, mixed with a one-pass scan
   of long unique prompts (the pattern that floods LRU).
 - ``loop``: the same long sequence of prompts cycled (LRU's worst case once it exceeds the tier).
+- ``flood``: two tenants (lines name them): ``hot`` holds 20 multi-turn chats at a time over one
+  8-block system prompt, each turn adding a block to its history, 8 to 15 turns a chat;
+  ``flood`` sends 10 one-off 4-block prompts (2k tokens) per ``hot`` request. The
+  noisy-neighbour pattern of docs/eviction.md's admission and quota tables.
 
 ``python -m kvstore.tools.replay.workloads zipf out.jsonl`` writes one; ``kvstore replay out.jsonl``
 replays it. Deterministic for a given seed.
@@ -56,8 +60,31 @@ def loop(rng: random.Random, num_requests: int) -> Iterator[list[int]]:
         yield prompts[i % len(prompts)]
 
 
-WORKLOADS: dict[str, Callable[[random.Random, int], Iterator[list[int]]]] = {
-    "zipf": zipf_prefixes, "scan": hot_and_scan, "loop": loop,
+def flood_and_hot_set(rng: random.Random, num_requests: int) -> Iterator[tuple[list[int], str]]:
+    system = list(range(8))
+    next_id = 8
+    chats: list[tuple[list[int], int]] = []  # (history ids, turns left)
+    made = 0
+    while made < num_requests:
+        while len(chats) < 20:
+            chats.append(([], rng.randint(8, 15)))
+        i = rng.randrange(len(chats))
+        history, left = chats[i]
+        history = [*history, next_id]
+        next_id += 1
+        yield system + history, "hot"
+        chats[i] = (history, left - 1)
+        if left == 1:
+            chats.pop(i)
+        made += 1
+        for _ in range(min(10, num_requests - made)):
+            yield list(range(next_id, next_id + 4)), "flood"
+            next_id += 4
+            made += 1
+
+
+WORKLOADS: dict[str, Callable[[random.Random, int], Iterator[list[int]] | Iterator[tuple[list[int], str]]]] = {
+    "zipf": zipf_prefixes, "scan": hot_and_scan, "loop": loop, "flood": flood_and_hot_set,
 }
 
 
@@ -65,9 +92,12 @@ def write_trace(name: str, path: Path, num_requests: int = 20_000, seed: int = 0
     """Write workload ``name`` as a Mooncake-format trace (100 ms between requests)."""
     rng = random.Random(seed)
     with path.open("w", encoding="utf-8") as out:
-        for i, ids in enumerate(WORKLOADS[name](rng, num_requests)):
-            record = {"timestamp": i * 100, "input_length": len(ids) * 512 - 100,
-                      "output_length": 200, "hash_ids": ids}
+        for i, item in enumerate(WORKLOADS[name](rng, num_requests)):
+            ids, tenant = item if isinstance(item, tuple) else (item, None)
+            record: dict[str, object] = {"timestamp": i * 100, "input_length": len(ids) * 512 - 100,
+                                         "output_length": 200, "hash_ids": ids}
+            if tenant is not None:
+                record["tenant"] = tenant
             out.write(json.dumps(record) + "\n")
 
 

@@ -107,3 +107,25 @@ def test_a_store_daemon_that_does_not_answer_is_a_clear_error(tmp_path: Path) ->
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.startswith("kvstore engine: ") and "Traceback" not in proc.stderr
     assert f"tried the socket {tmp_path / 'nothing.sock'}" in proc.stderr and "is `kvstore serve` running?" in proc.stderr
+
+
+def test_the_tokens_files_tenants_get_equal_soft_shares_of_the_embedded_store(tmp_path: Path) -> None:
+    from kvstore.services.engine_server.config import ServeConfig
+    from kvstore.services.engine_server.server import build_state
+
+    tokens = tmp_path / "tokens.toml"
+    tokens.write_text('[[tenant]]\nname = "acme"\ntokens = ["tok-acme"]\n\n'
+                      '[[tenant]]\nname = "globex"\ntokens = ["tok-globex"]\n')
+    state = build_state(ServeConfig(model=None, random_config={"num_layers": 1}, tokens_file=str(tokens),
+                                    kv_cache_bytes=1 << 20))
+    try:
+        store = state.loop.llm.store
+        assert store is not None
+        table = store.quotas  # type: ignore[attr-defined]
+        assert sorted(table.tenants) == ["acme", "globex"]
+        for quotas in table.tenants.values():
+            (quota,) = quotas.values()
+            assert quota.soft is not None and quota.soft.share == 0.5 and quota.hard is None
+    finally:
+        state.loop.stop()
+        state.loop.llm.close()
