@@ -1,7 +1,7 @@
 """``kvstore bench tenants``: no noisy neighbours, measured through one real daemon.
 
-Tenant B runs multi-turn chats over one hot system prompt through the real engine (a seeded
-random Llama, so the bench needs no checkpoint) whose store is a ``kvstore serve`` process
+Tenant B runs multi-turn chats over one hot system prompt through the real engine
+(SmolLM2-135M-Instruct by default; ``--model``, ``--random-model``, ``--tiny``) whose store is a ``kvstore serve`` process
 (B's token); its device pool holds about one prompt, so a returning chat finds its prefix in
 the daemon or recomputes it; it fetches every hit (``fetch_policy="always"``), so its hit
 ratio is what the daemon kept, not its cost model's choice between fetch and recompute. Tenant A floods one-off 2k-token prompts (a lookup, then a put of
@@ -40,10 +40,11 @@ from kvstore.errors import ConfigError
 from kvstore.services.common.argtypes import positive
 from kvstore.services.common.sizes import format_size, parse_size
 from kvstore.tools.bench.harness import machine, write_section
+from kvstore.tools.bench.models import BenchModel, add_model_arguments
 
 BLOCK = 16
-# B's model: 8 layers, 2 KV heads of 64, float32: 128 KiB per 16-token block (a 2k prompt: 16 MiB)
-BENCH_MODEL: dict[str, Any] = dict(num_layers=8, hidden_size=256, intermediate_size=512, num_heads=4,
+# --random-model: 8 layers, 2 KV heads of 64, float32: 128 KiB per 16-token block (a 2k prompt: 16 MiB)
+RANDOM_MODEL: dict[str, Any] = dict(num_layers=8, hidden_size=256, intermediate_size=512, num_heads=4,
                                    num_kv_heads=2, head_dim=64, vocab_size=4096, max_position_embeddings=8192)
 TINY_MODEL: dict[str, Any] = dict(num_layers=2, hidden_size=64, intermediate_size=128, num_heads=2,
                                   num_kv_heads=1, head_dim=32, vocab_size=512, max_position_embeddings=4096)
@@ -51,6 +52,7 @@ TOKENS = {"a": "tok-bench-flood", "b": "tok-bench-chat"}
 ARMS = (("B alone", False, "equal"), ("B + A, equal soft quotas", True, "equal"),
         ("B + A, no quotas", True, "none"))
 TARGET = 0.9  # B's hit ratio with A and quotas, as a share of B's alone
+HOST_BLOCKS = 768  # the daemon's default host RAM, in blocks of B's model (SmolLM2: 540 MiB)
 
 
 @dataclass
@@ -139,11 +141,10 @@ class Workload:
     seed: int = 0
 
 
-def run_arm(name: str, flood: bool, quotas: str, work: Workload, shape: dict[str, Any], host_bytes: int,
+def run_arm(name: str, flood: bool, quotas: str, work: Workload, model: BenchModel, host_bytes: int,
             device_blocks: int) -> ArmResult:
     """One run on a fresh daemon: B's chats, with A's flood before each B turn when ``flood``."""
     from kvstore import connect
-    from kvstore.engine.llm import LLMEngine
     from kvstore.engine.sampling import SamplingParams
 
     result = ArmResult(name)
@@ -155,9 +156,9 @@ def run_arm(name: str, flood: bool, quotas: str, work: Workload, shape: dict[str
     with tempfile.TemporaryDirectory(prefix="kv-bench-tenants-") as tmp:
         daemon = Daemon(Path(tmp), host_bytes, quotas)
         try:
-            llm = LLMEngine(None, random_model=shape, dtype=torch.float32, block_size=BLOCK,
-                            kv_cache_bytes=device_blocks * _block_bytes(shape), store=daemon.url,
-                            store_token=TOKENS["b"], fetch_policy="always")
+            llm = model.engine(dtype=torch.float32, block_size=BLOCK,
+                               kv_cache_bytes=device_blocks * _block_bytes(model), store=daemon.url,
+                               store_token=TOKENS["b"], fetch_policy="always")
             a = connect(daemon.url, TOKENS["a"], layout=llm.layout, model_id=llm.model_id) if flood else None
             flood_blocks = work.flood_tokens // BLOCK
             rows = torch.zeros((flood_blocks, *llm.layout.block_shape), dtype=llm.layout.dtype)
@@ -203,20 +204,19 @@ def _usage(llm: Any) -> dict[str, Any]:
         return {}
 
 
-def _block_bytes(shape: dict[str, Any]) -> int:
-    return int(shape["num_layers"]) * 2 * BLOCK * int(shape["num_kv_heads"]) * int(shape["head_dim"]) * 4
+def _block_bytes(model: BenchModel) -> int:
+    return int(model.layout(BLOCK, torch.float32).bytes_per_block)
 
 
-def render(results: list[ArmResult], work: Workload, shape: dict[str, Any], host_bytes: int,
+def render(results: list[ArmResult], work: Workload, model: BenchModel, host_bytes: int,
            device_blocks: int, where: str) -> str:
     alone = results[0]
     lines = [
         "## Tenants: no noisy neighbours (`kvstore bench tenants`)",
         "",
         f"Machine: {where}. One `kvstore serve` (host RAM {format_size(host_bytes)}, no disk, one namespace), "
-        f"tokens for tenants a and b. B: the engine on a random Llama ({shape['num_layers']} layers, "
-        f"{shape['num_kv_heads']} KV heads of {shape['head_dim']}, float32: {_block_bytes(shape) // 1024} KiB per "
-        f"{BLOCK}-token block), device pool of {device_blocks} blocks, store = the daemon (every hit fetched); "
+        f"tokens for tenants a and b. B: the engine on {model.describe()}, float32 KV "
+        f"({_block_bytes(model) // 1024} KiB per {BLOCK}-token block), device pool of {device_blocks} blocks, store = the daemon (every hit fetched); "
         f"{work.chats} chats x "
         f"{work.turns} turns over one {work.system_tokens}-token system prompt, {work.user_tokens} user tokens "
         f"and {work.reply_tokens} reply tokens a turn. A: {work.flood_ratio} one-off {work.flood_tokens}-token "
@@ -246,20 +246,24 @@ def render(results: list[ArmResult], work: Workload, shape: dict[str, Any], host
 
 
 def run(args: argparse.Namespace) -> int:
-    shape = TINY_MODEL if args.tiny else BENCH_MODEL
+    if args.tiny and args.model:
+        raise SystemExit("kvstore bench tenants: --tiny is a random model; it takes no --model")
+    if args.tiny:
+        args.random_model = True
+    model = BenchModel.from_args(args, random=TINY_MODEL if args.tiny else RANDOM_MODEL)
     work = Workload(args.chats, args.turns, args.system_tokens, args.user_tokens, args.reply_tokens,
-                    args.flood_ratio, args.flood_tokens, int(shape["vocab_size"]))
+                    args.flood_ratio, args.flood_tokens, model.vocab_size)
     longest = work.system_tokens + work.turns * (work.user_tokens + work.reply_tokens)
     device_blocks = args.device_blocks or -(-longest // BLOCK) + 8
-    host_bytes = args.host_mem or 96 << 20
+    host_bytes = args.host_mem or HOST_BLOCKS * _block_bytes(model)
     results = [ArmResult(name) for name, _, _ in ARMS]
     for round_ in range(args.rounds):
         order = [(round_ + i) % len(ARMS) for i in range(len(ARMS))]  # rotated: no arm always runs first
         for i in order:
             name, flood, quotas = ARMS[i]
             print(f"round {round_ + 1}/{args.rounds}: {name} ...", file=sys.stderr, flush=True)
-            results[i].merge(run_arm(name, flood, quotas, work, shape, host_bytes, device_blocks))
-    text = render(results, work, shape, host_bytes, device_blocks, machine())
+            results[i].merge(run_arm(name, flood, quotas, work, model, host_bytes, device_blocks))
+    text = render(results, work, model, host_bytes, device_blocks, machine())
     print(text)
     if not args.no_write:
         write_section("tenants", text)
@@ -284,10 +288,12 @@ def register_target(targets: argparse._SubParsersAction) -> None:
     p.add_argument("--reply-tokens", type=positive(int), default=16, help="tokens of each reply (default 16)")
     p.add_argument("--flood-ratio", type=positive(int), default=10, help="A's prompts per B request (default 10)")
     p.add_argument("--flood-tokens", type=positive(int), default=2048, help="tokens of A's prompts (default 2048)")
-    p.add_argument("--host-mem", type=_size, default=None, help="the daemon's host RAM (default 96MiB)")
+    p.add_argument("--host-mem", type=_size, default=None,
+                   help=f"the daemon's host RAM (default {HOST_BLOCKS} of B's blocks: 540MiB for SmolLM2)")
     p.add_argument("--device-blocks", type=positive(int), default=None,
                    help="B's device pool in blocks (default: its longest prompt and 8)")
     p.add_argument("--rounds", type=positive(int), default=2, help="runs of each arm, interleaved (default 2)")
-    p.add_argument("--tiny", action="store_true", help="a 2-layer model (tests: seconds, not minutes)")
+    add_model_arguments(p)
+    p.add_argument("--tiny", action="store_true", help="a 2-layer random model (tests: seconds, not minutes)")
     p.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
     p.set_defaults(func=run)
