@@ -156,7 +156,9 @@ def bench_remote(args: argparse.Namespace, workdir: Path, prompt: list[int], bas
     if missing is not None:
         print(f"remote hit: not measured ({missing})", flush=True)
         return []
-    per_node = max(64 * MIB, 2 * len(prompt) * int(args.bench_model.layout(BLOCK).bytes_per_block) // BLOCK // 3)
+    # room for the whole prefix twice on every node: hash slots need not share it out evenly, and
+    # a node at its maxmemory evicts (allkeys-lru), which would cut the chain short
+    per_node = max(64 * MIB, 2 * len(prompt) * int(args.bench_model.layout(BLOCK).bytes_per_block) // BLOCK)
     cluster = RedisCluster.start(workdir / "cluster", maxmemory=per_node)
     runs: list[Sample] = []
     try:
@@ -300,7 +302,9 @@ def render(t: dict[str, Any], d: dict[str, Any], tiers: dict[str, Any] | None, a
         limit = f"; bytes / `bench tiers` bandwidth ({gbps:.2f} GB/s) = {nbytes / gbps / 1e9 * 1e3:.1f} ms, " \
                 f"{nbytes / gbps / 1e9 / fetch:.0%} of the limit" if gbps and fetch else \
                 " (run `kvstore bench tiers` on this machine first for the physical limit)"
-        lines.append(f"- {tier} fetch: {t[f'{tier}_tokens']} tokens, {nbytes / 2**20:.1f} MiB in "
+        short = (f" (of the prompt's {args.prompt_tokens}: the tier delivered less, the rest was recomputed)"
+                 if t[f"{tier}_tokens"] < args.prompt_tokens - BLOCK else "")
+        lines.append(f"- {tier} fetch: {t[f'{tier}_tokens']} tokens{short}, {nbytes / 2**20:.1f} MiB in "
                      f"{fetch * 1e3:.1f} ms ({nbytes / max(fetch, 1e-9) / 1e9:.2f} GB/s){limit}.")
     lines += ["", "Where the time to the first token goes (ms; `RequestMetrics.stages`, best run of each row):", "",
               "| TTFT row | " + " | ".join(STAGES) + " | total |", "|---" * (len(STAGES) + 2) + "|"]
