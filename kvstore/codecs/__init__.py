@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 from kvstore.codecs.base import Codec
 from kvstore.codecs.fp8 import Fp8Codec
+from kvstore.codecs.framed import FramedCodec
 from kvstore.codecs.header import BlockHeader
 from kvstore.codecs.int4 import Int4Codec, Int4RotCodec
 from kvstore.codecs.int8 import Int8Codec, Int8Fp32Codec
@@ -59,14 +60,14 @@ def stored_bytes(codec: Codec, layout: KVLayout, align: int) -> int:
     return -(-codec.encoded_bytes(layout) // align) * align
 
 
-def codec_for_header(header: BlockHeader) -> ScaledCodec | Int4Codec:
+def codec_for_header(header: BlockHeader) -> FramedCodec:
     """The codec whose blocks carry ``header``'s codec id, version and scale dtype.
 
     Raises:
         CodecFormatError: no codec of this reader writes such blocks (e.g. a newer version).
     """
     for codec in _INSTANCES.values():
-        if (isinstance(codec, (ScaledCodec, Int4Codec)) and codec.codec_id == header.codec_id
+        if (isinstance(codec, FramedCodec) and codec.codec_id == header.codec_id
                 and codec.version == header.version and codec.scale_dtype == header.scale_dtype
                 and codec.scale_layout == header.scale_layout):
             return codec
@@ -76,5 +77,5 @@ def codec_for_header(header: BlockHeader) -> ScaledCodec | Int4Codec:
     )
 
 
-__all__ = ["CODECS", "Codec", "Fp8Codec", "Int4Codec", "Int4RotCodec", "Int8Codec", "Int8Fp32Codec", "RawCodec",
+__all__ = ["CODECS", "Codec", "Fp8Codec", "FramedCodec", "Int4Codec", "Int4RotCodec", "Int8Codec", "Int8Fp32Codec", "RawCodec",
            "ScaledCodec", "codec_for_header", "get_codec", "stored_bytes"]

@@ -31,18 +31,10 @@ from typing import Any, ClassVar
 
 import torch
 
-from kvstore.codecs.base import Codec, check_blocks, check_out, check_src
-from kvstore.codecs.header import (
-    HEADER_BYTES,
-    SCALE_PER_HEAD_GROUP,
-    BlockHeader,
-    encoded_size,
-    mismatch,
-    rows_matching,
-)
+from kvstore.codecs.framed import FramedCodec, check_finite
+from kvstore.codecs.header import SCALE_PER_HEAD_GROUP
 from kvstore.codecs.rotation import rotation
-from kvstore.codecs.scaled import CHUNK_ELEMENTS, FLOAT_DTYPES, _check_finite
-from kvstore.errors import CodecError, CodecFormatError, LayoutMismatchError
+from kvstore.errors import CodecError
 from kvstore.layout import KVLayout
 
 GROUP = 64  # values of a head row that share a scale (chosen by measurement: docs/storage-format.md)
@@ -50,15 +42,13 @@ HALF_LEVELS = 7.5  # codes 0..15 decode to (c - 7.5) * s
 SCALE_DTYPE = torch.float16
 
 
-class Int4Codec(Codec):
+class Int4Codec(FramedCodec):
     """4-bit codes, float16 scales per group of ``GROUP`` along head_dim, no rotation."""
 
     name = "int4-norot"
-    lossy = True
     codec_id: ClassVar[int] = 4
-    version: ClassVar[int] = 1
     scale_layout: ClassVar[int] = SCALE_PER_HEAD_GROUP
-    scale_dtype: ClassVar[torch.dtype] = SCALE_DTYPE
+    scale_dtype = SCALE_DTYPE
     rotated: ClassVar[bool] = False
     max_amax: ClassVar[float] = 65504.0 * HALF_LEVELS  # a larger group max needs a scale past float16's
 
@@ -70,59 +60,16 @@ class Int4Codec(Codec):
         """The shape of one block's scales: ``[layers, 2, block_size, kv_heads, groups]``."""
         return (*block_shape[:-1], self.num_groups(block_shape[-1]))
 
-    # ---------------------------------------------------------------------------- format
+    def element_bytes(self, layout: KVLayout) -> int:
+        return layout.elements_per_block // 2  # two codes a byte; elements_per_block is even: K and V
 
-    def header(self, layout: KVLayout) -> BlockHeader:
-        """The header every block of ``layout`` carries under this codec."""
-        if layout.dtype not in FLOAT_DTYPES:
-            raise LayoutMismatchError(f"{self.name} encodes {[str(d) for d in FLOAT_DTYPES]} blocks, "
-                                      f"not {layout.dtype}")
-        scale_bytes = math.prod(self.scale_shape(layout.block_shape)) * SCALE_DTYPE.itemsize
-        body = scale_bytes + layout.elements_per_block // 2  # elements_per_block is even: K and V
-        return BlockHeader(self.codec_id, self.version, layout.dtype, SCALE_DTYPE, self.scale_layout,
-                           layout.block_shape, body)
-
-    def encoded_bytes(self, layout: KVLayout) -> int:
-        return encoded_size(self.header(layout).body_bytes)
+    def _elements(self, raw: torch.Tensor, layout: KVLayout) -> torch.Tensor:
+        return raw  # packed codes, uint8 [n, elements / 2]
 
     def describe(self) -> dict[str, Any]:
-        return {**super().describe(), "version": self.version, "scale_dtype": "float16", "group": GROUP,
-                "rotated": self.rotated}
-
-    def _views(self, rows: torch.Tensor, layout: KVLayout) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(scales [n, *scale_shape] float16, codes [n, elements / 2] uint8)`` viewing encoded rows."""
-        n = rows.shape[0]
-        shape = self.scale_shape(layout.block_shape)
-        scale_end = HEADER_BYTES + math.prod(shape) * SCALE_DTYPE.itemsize
-        scales = rows[:, HEADER_BYTES:scale_end]
-        if scales.storage_offset() % 2 or rows.stride(0) % 2:
-            raise LayoutMismatchError(f"encoded rows at byte offset {rows.storage_offset()} stride "
-                                      f"{rows.stride(0)} do not align float16 scales")
-        codes = rows[:, scale_end : scale_end + layout.elements_per_block // 2]
-        return scales.view(SCALE_DTYPE).view(n, *shape), codes
-
-    def _chunk(self, layout: KVLayout) -> int:
-        return max(1, CHUNK_ELEMENTS // layout.elements_per_block)
+        return {**super().describe(), "group": GROUP, "rotated": self.rotated}
 
     # ---------------------------------------------------------------------------- encode
-
-    def encode(self, blocks: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        layout = check_blocks(blocks, FLOAT_DTYPES)
-        header = self.header(layout)
-        n, size = blocks.shape[0], encoded_size(header.body_bytes)
-        out = check_out(out, n, size)
-        if n == 0:
-            return out
-        out[:, :HEADER_BYTES].copy_(torch.frombuffer(bytearray(header.pack()), dtype=torch.uint8))
-        out[:, HEADER_BYTES + header.body_bytes :].zero_()
-        scales, codes = self._views(out, layout)
-        chunk = self._chunk(layout)
-        for start in range(0, n, chunk):
-            x = blocks[start : start + chunk].detach().to("cpu", torch.float32, copy=True)
-            chunk_scales, chunk_codes = self._quantize(x, start)
-            scales[start : start + chunk].copy_(chunk_scales)
-            codes[start : start + chunk].copy_(chunk_codes)
-        return out
 
     def _groups(self, x: torch.Tensor) -> torch.Tensor:
         """Float32 blocks ``x`` ``[c, *block_shape]`` as (rotated) groups ``[c, rows, groups, GROUP]``:
@@ -136,7 +83,7 @@ class Int4Codec(Codec):
             rows = torch.nn.functional.pad(rows, (0, width - head_dim))
         return rows.view(c, rows.shape[1], -1, GROUP)
 
-    def _quantize(self, x: torch.Tensor, first: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _encode_chunk(self, x: torch.Tensor, first: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Scales (float16 ``[c, *scale_shape]``) and packed codes (uint8 ``[c, elements / 2]``) of
         float32 blocks ``x`` (blocks ``first`` to ``first + c`` of the encode)."""
         c, head_dim = x.shape[0], x.shape[-1]
@@ -153,7 +100,7 @@ class Int4Codec(Codec):
 
     def _refuse(self, x: torch.Tensor, amax: torch.Tensor, first: int) -> None:
         """Raise CodecError for the first block of ``x`` with NaN/Inf, or whose scale overflows."""
-        _check_finite(x, first, self.name)
+        check_finite(x, first, self.name)
         worst = amax.view(x.shape[0], -1).amax(dim=1)
         i = int((worst > self.max_amax).nonzero()[0])
         raise CodecError(f"block {first + i} has a group of {self.name} values up to {float(worst[i]):.4g}; its "
@@ -169,37 +116,9 @@ class Int4Codec(Codec):
         limit = self.max_amax / (math.sqrt(blocks.shape[-1]) * (1 + 1e-5) if self.rotated else 1.0)
         for i in (~(amax <= limit)).nonzero().flatten().tolist():  # rare: NaN, Inf or huge values
             x = blocks[i : i + 1].detach().to("cpu", torch.float32, copy=True)
-            self._quantize(x, i)
+            self._encode_chunk(x, i)
 
     # ---------------------------------------------------------------------------- decode
-
-    def readable(self, src: torch.Tensor, layout: KVLayout) -> torch.Tensor:
-        header = self.header(layout)
-        check_src(src, encoded_size(header.body_bytes))
-        return rows_matching(src, header.pack())
-
-    def decode(self, src: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        layout = check_blocks(out, FLOAT_DTYPES)
-        n = src.shape[0] if isinstance(src, torch.Tensor) else -1
-        if n != out.shape[0] or (n > 0 and not out[0].is_contiguous()):
-            raise LayoutMismatchError(f"decode of {n} rows needs an out of {n} contiguous blocks, got "
-                                      f"{tuple(out.shape)} strides {out.stride()}")
-        ok = self.readable(src, layout)
-        if n and not bool(ok.all()):
-            bad = int((~ok).nonzero()[0])
-            raw = bytes(src[bad, :HEADER_BYTES].cpu().numpy())
-            raise CodecFormatError(f"encoded block {bad} of {n} is refused by {self.name}: "
-                                   f"{mismatch(raw, self.header(layout))}")
-        if n == 0:
-            return out
-        if src.device != out.device:
-            src = src.to(out.device, non_blocking=True)
-        scales, codes = self._views(src, layout)
-        chunk = n if out.device.type != "cpu" else self._chunk(layout)
-        for start in range(0, n, chunk):
-            stop = start + chunk
-            self._dequantize(scales[start:stop], codes[start:stop], out[start:stop])
-        return out
 
     def _dequantize(self, scales: torch.Tensor, packed: torch.Tensor, out: torch.Tensor) -> None:
         """``out`` = the values of codes ``packed`` times ``scales`` (rotated back), in out's dtype."""

@@ -1,50 +1,27 @@
-"""The body shared by the scaled 8-bit codecs (int8, fp8): header | scales | elements | zeros.
-
-Encoded block (docs/storage-format.md, "Codecs")::
-
-    [0, 32)          header (kvstore.codecs.header)
-    [32, 32 + S)     scales, scale dtype, C order over the codec's scale shape
-    [32 + S, +N)     one byte per element, C order over [num_layers, 2, block_size, kv_heads, head_dim]
-    [.., E)          zeros up to E, a multiple of 16
-
-Encoding and decoding run over chunks of a few blocks, so the float32 temporaries stay in the
-CPU's caches; every step is one vectorised torch call over the chunk.
+"""The scaled 8-bit codecs (int8, fp8): one byte per value times a float scale shared by a
+group of values, in the frame of kvstore/codecs/framed.py (header | scales | elements | zeros,
+the elements C order over [num_layers, 2, block_size, kv_heads, head_dim]).
 """
 
 from __future__ import annotations
 
-import math
 from abc import abstractmethod
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 
-from kvstore.codecs.base import Codec, check_blocks, check_out, check_src
-from kvstore.codecs.header import HEADER_BYTES, BlockHeader, encoded_size, mismatch, rows_matching
-from kvstore.errors import CodecError, CodecFormatError, LayoutMismatchError
+from kvstore.codecs.framed import FramedCodec, check_finite
+from kvstore.errors import CodecError
 from kvstore.layout import KVLayout
 
-FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-CHUNK_ELEMENTS = 1 << 20  # elements per CPU chunk: 4 MiB of float32 temporaries
-_KV = "KV"
 
-
-class ScaledCodec(Codec):
+class ScaledCodec(FramedCodec):
     """An 8-bit element per value times a float scale shared by a group of values."""
 
-    lossy = True
-    max_amax: ClassVar[float] = float("inf")  # the largest |x| whose scale the scale dtype holds
-    codec_id: ClassVar[int]
-    version: ClassVar[int] = 1
-    scale_layout: ClassVar[int]
     element_dtype: ClassVar[torch.dtype]
 
     def __init__(self, scale_dtype: torch.dtype) -> None:
         self.scale_dtype = scale_dtype
-
-    @abstractmethod
-    def scale_shape(self, block_shape: tuple[int, ...]) -> tuple[int, ...]:
-        """The shape of one block's scales."""
 
     @abstractmethod
     def _amax(self, x: torch.Tensor) -> torch.Tensor:
@@ -55,65 +32,17 @@ class ScaledCodec(Codec):
         """Turn float32 blocks ``x`` (finite) in place into the values their elements store;
         return the scales, in ``scale_dtype``, derived from ``amax``."""
 
-    @abstractmethod
-    def _dequantize(self, scales: torch.Tensor, elements: torch.Tensor, out: torch.Tensor) -> None:
-        """``out = elements * scales`` (broadcast per the scale layout), in ``out``'s dtype."""
+    def element_bytes(self, layout: KVLayout) -> int:
+        return layout.elements_per_block
 
-    # ---------------------------------------------------------------------------- format
+    def _elements(self, raw: torch.Tensor, layout: KVLayout) -> torch.Tensor:
+        return raw.view(self.element_dtype).view(raw.shape[0], *layout.block_shape)
 
-    def header(self, layout: KVLayout) -> BlockHeader:
-        """The header every block of ``layout`` carries under this codec."""
-        if layout.dtype not in FLOAT_DTYPES:
-            raise LayoutMismatchError(f"{self.name} encodes {[str(d) for d in FLOAT_DTYPES]} blocks, "
-                                      f"not {layout.dtype}")
-        scale_bytes = math.prod(self.scale_shape(layout.block_shape)) * self.scale_dtype.itemsize
-        body = scale_bytes + layout.elements_per_block
-        return BlockHeader(self.codec_id, self.version, layout.dtype, self.scale_dtype, self.scale_layout,
-                           layout.block_shape, body)
-
-    def encoded_bytes(self, layout: KVLayout) -> int:
-        return encoded_size(self.header(layout).body_bytes)
-
-    def describe(self) -> dict[str, Any]:
-        return {**super().describe(), "version": self.version, "scale_dtype": str(self.scale_dtype).split(".")[-1]}
-
-    def _views(self, rows: torch.Tensor, layout: KVLayout) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(scales [n, *scale_shape], elements [n, *block_shape])`` viewing encoded rows."""
-        n = rows.shape[0]
-        shape = self.scale_shape(layout.block_shape)
-        scale_end = HEADER_BYTES + math.prod(shape) * self.scale_dtype.itemsize
-        scales = rows[:, HEADER_BYTES:scale_end]
-        if scales.storage_offset() % self.scale_dtype.itemsize or rows.stride(0) % self.scale_dtype.itemsize:
-            raise LayoutMismatchError(f"encoded rows at byte offset {rows.storage_offset()} stride "
-                                      f"{rows.stride(0)} do not align {self.scale_dtype} scales")
-        elements = rows[:, scale_end : scale_end + layout.elements_per_block]
-        return (scales.view(self.scale_dtype).view(n, *shape),
-                elements.view(self.element_dtype).view(n, *layout.block_shape))
-
-    def _chunk(self, layout: KVLayout) -> int:
-        return max(1, CHUNK_ELEMENTS // layout.elements_per_block)
-
-    # ---------------------------------------------------------------------------- encode
-
-    def encode(self, blocks: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        layout = check_blocks(blocks, FLOAT_DTYPES)
-        header = self.header(layout)
-        n, size = blocks.shape[0], encoded_size(header.body_bytes)
-        out = check_out(out, n, size)
-        if n == 0:
-            return out
-        out[:, :HEADER_BYTES].copy_(torch.frombuffer(bytearray(header.pack()), dtype=torch.uint8))
-        out[:, HEADER_BYTES + header.body_bytes :].zero_()
-        scales, elements = self._views(out, layout)
-        chunk = self._chunk(layout)
-        for start in range(0, n, chunk):
-            x = blocks[start : start + chunk].detach().to("cpu", torch.float32, copy=True)
-            amax = self._amax(x)
-            if not bool(torch.isfinite(amax).all()):  # amax carries any NaN or Inf of its group
-                _check_finite(x, start, self.name)
-            scales[start : start + chunk].copy_(self._quantize(x, amax))
-            elements[start : start + chunk].copy_(x)
-        return out
+    def _encode_chunk(self, x: torch.Tensor, first: int) -> tuple[torch.Tensor, torch.Tensor]:
+        amax = self._amax(x)
+        if not bool(torch.isfinite(amax).all()):  # amax carries any NaN or Inf of its group
+            check_finite(x, first, self.name)
+        return self._quantize(x, amax), x
 
     def check_encodable(self, blocks: torch.Tensor) -> None:
         n = blocks.shape[0]
@@ -124,51 +53,6 @@ class ScaledCodec(Codec):
         if not bool(bad.any()):
             return
         i = int(bad.nonzero()[0])
-        _check_finite(blocks[i : i + 1].float(), i, self.name)
+        check_finite(blocks[i : i + 1].float(), i, self.name)
         raise CodecError(f"block {i} has values up to {float(amax[i]):.4g}; {self.name} holds at most "
                          f"{self.max_amax:.4g} (its {self.scale_dtype} scales overflow)")
-
-    # ---------------------------------------------------------------------------- decode
-
-    def readable(self, src: torch.Tensor, layout: KVLayout) -> torch.Tensor:
-        header = self.header(layout)
-        check_src(src, encoded_size(header.body_bytes))
-        return rows_matching(src, header.pack())
-
-    def decode(self, src: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        layout = check_blocks(out, FLOAT_DTYPES)
-        n = src.shape[0] if isinstance(src, torch.Tensor) else -1
-        if n != out.shape[0] or (n > 0 and not out[0].is_contiguous()):
-            raise LayoutMismatchError(f"decode of {n} rows needs an out of {n} contiguous blocks, got "
-                                      f"{tuple(out.shape)} strides {out.stride()}")
-        ok = self.readable(src, layout)
-        if n and not bool(ok.all()):
-            first = int((~ok).nonzero()[0])
-            raw = bytes(src[first, :HEADER_BYTES].cpu().numpy())
-            raise CodecFormatError(f"encoded block {first} of {n} is refused by {self.name}: "
-                                   f"{mismatch(raw, self.header(layout))}")
-        if n == 0:
-            return out
-        if src.device != out.device:
-            src = src.to(out.device, non_blocking=True)
-        scales, elements = self._views(src, layout)
-        chunk = n if out.device.type != "cpu" else self._chunk(layout)
-        for start in range(0, n, chunk):
-            stop = start + chunk
-            self._dequantize(scales[start:stop], elements[start:stop], out[start:stop])
-        return out
-
-
-def _check_finite(x: torch.Tensor, first: int, codec: str) -> None:
-    """Raise CodecError naming the first block of ``x`` (numbered from ``first``) with NaN/Inf."""
-    finite = torch.isfinite(x).view(x.shape[0], -1).all(dim=1)
-    if bool(finite.all()):
-        return
-    i = int((~finite).nonzero()[0])
-    block = x[i]
-    num_nan, num_inf = int(block.isnan().sum()), int(block.isinf().sum())
-    layer, kv, token, head, dim = (int(v) for v in (~torch.isfinite(block)).nonzero()[0])
-    raise CodecError(
-        f"block {first + i} holds {num_nan} NaN and {num_inf} Inf values (first at layer {layer}, "
-        f"{_KV[kv]}, token {token}, head {head}, dim {dim}); {codec} cannot encode them"
-    )
