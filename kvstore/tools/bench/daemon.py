@@ -26,7 +26,15 @@ from pathlib import Path
 import torch
 
 from kvstore.services.common.argtypes import positive
-from kvstore.tools.bench.harness import BENCH_LAYOUT, CacheFlush, Row, best_of, machine, write_section
+from kvstore.tools.bench.harness import (
+    BENCH_LAYOUT,
+    CacheFlush,
+    Row,
+    best_of,
+    machine,
+    start_service,
+    write_section,
+)
 
 NUM_BLOCKS = 64
 RUN = 8  # shared-memory puts timed back to back
@@ -56,12 +64,8 @@ def _start_daemon(tmp: Path, host_bytes: int) -> tuple[subprocess.Popen[str], st
     cmd = [sys.executable, "-m", "kvstore.services.daemon", "serve", "--data-dir", str(tmp / "data"), "--disk-size", "0",
            "--host-mem", str(host_bytes), "--max-namespaces", "1", "--socket", str(tmp / "kv.sock"),
            "--listen", "", "--http", ""]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        if "ready" in line:
-            return proc, f"unix://{tmp / 'kv.sock'}"
-    raise RuntimeError(f"the daemon did not start (exit {proc.wait()})")
+    proc, _ = start_service(cmd, "the daemon")
+    return proc, f"unix://{tmp / 'kv.sock'}"
 
 
 def _start_redis(tmp: Path) -> tuple[subprocess.Popen[bytes], str]:

@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import re
-import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -25,7 +23,7 @@ from typing import Any
 import torch
 
 from kvstore.engine.sampling import SamplingParams
-from kvstore.tools.bench.harness import ratio_text
+from kvstore.tools.bench.harness import ratio_text, start_service
 from kvstore.tools.bench.models import BenchModel
 
 NUM_CONCURRENT = 32
@@ -37,18 +35,10 @@ class _Server:
 
     def __init__(self, args: list[str]) -> None:
         cmd = [sys.executable, "-m", "kvstore.cli", "engine", "--port", "0", *args]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        assert self.proc.stdout is not None
-        lines = []
-        for line in self.proc.stdout:
-            lines.append(line)
-            if "ready" in line:
-                match = re.search(r"(http://\S+) ", line)
-                assert match, line
-                self.url = match.group(1)
-                threading.Thread(target=lambda: [None for _ in self.proc.stdout or []], daemon=True).start()
-                return
-        raise RuntimeError(f"kvstore engine did not start (exit {self.proc.wait()}): {''.join(lines)}")
+        self.proc, line = start_service(cmd, "kvstore engine")
+        match = re.search(r"(http://\S+) ", line)
+        assert match, line
+        self.url = match.group(1)
 
     def stop(self) -> None:
         self.proc.terminate()

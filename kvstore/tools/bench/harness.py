@@ -8,8 +8,9 @@ import os
 import platform
 import re
 import subprocess
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -89,6 +90,27 @@ def dd_seconds(args: list[str]) -> float:
     if not match:
         raise RuntimeError(f"could not parse dd output: {proc.stderr!r}")
     return float(match.group(1))
+
+
+def start_service(cmd: list[str], what: str) -> tuple[subprocess.Popen[str], str]:
+    """Start ``cmd`` (a kvstore service) and wait for the line of its output that says "ready";
+    the process and that line. Its later output is read off on a thread, so a chatty service
+    never blocks on a full pipe. RuntimeError with its output if it exits first."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    out = proc.stdout
+    assert out is not None
+    lines = []
+    for line in out:
+        lines.append(line)
+        if "ready" in line:
+            threading.Thread(target=_drain, args=(out,), daemon=True).start()
+            return proc, line
+    raise RuntimeError(f"{what} did not start (exit {proc.wait()}): {''.join(lines)[-2000:]}")
+
+
+def _drain(stream: Iterable[str]) -> None:
+    for _ in stream:
+        pass
 
 
 def drop_page_cache(path: Path) -> None:

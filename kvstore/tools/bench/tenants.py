@@ -28,7 +28,6 @@ import random
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,7 +38,7 @@ import torch
 from kvstore.errors import ConfigError
 from kvstore.services.common.argtypes import positive
 from kvstore.services.common.sizes import format_size, parse_size
-from kvstore.tools.bench.harness import machine, write_section
+from kvstore.tools.bench.harness import machine, start_service, write_section
 from kvstore.tools.bench.models import BenchModel, add_model_arguments
 
 BLOCK = 16
@@ -106,15 +105,7 @@ class Daemon:
                "--disk-size", "0", "--host-mem", str(host_bytes), "--max-namespaces", "1",
                "--socket", str(self.socket), "--listen", "", "--http", "", "--tokens", str(tokens),
                "--default-quotas", default_quotas]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        assert self.proc.stdout is not None
-        lines = []
-        for line in self.proc.stdout:
-            lines.append(line)
-            if "ready" in line:
-                threading.Thread(target=lambda: [None for _ in self.proc.stdout or ()], daemon=True).start()
-                return
-        raise RuntimeError(f"the daemon did not start (exit {self.proc.wait()}): {''.join(lines)[-2000:]}")
+        self.proc, _ = start_service(cmd, "the daemon")
 
     @property
     def url(self) -> str:

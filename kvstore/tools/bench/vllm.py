@@ -29,7 +29,7 @@ from typing import Any
 
 from kvstore.engine.loader import CheckpointError
 from kvstore.services.common.argtypes import positive
-from kvstore.tools.bench.harness import drop_page_cache, machine, write_section
+from kvstore.tools.bench.harness import drop_page_cache, machine, start_service, write_section
 from kvstore.tools.bench.models import BenchModel, add_model_arguments
 
 BLOCK = 128  # vLLM's CPU block
@@ -48,12 +48,7 @@ class Daemon:
         cmd = [sys.executable, "-m", "kvstore.services.daemon", "serve", "--data-dir", str(self.root / "data"),
                "--host-mem", "512MiB", "--disk-size", "1GiB", "--max-namespaces", str(self.max_namespaces),
                "--socket", str(self.root / "kv.sock"), "--listen", "", "--http", ""]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            if "ready" in line:
-                return
-        raise RuntimeError(f"the daemon did not start (exit {self.proc.wait()})")
+        self.proc, _ = start_service(cmd, "the daemon")
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
