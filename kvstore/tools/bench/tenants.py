@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from kvstore.engine.loader import CheckpointError
 from kvstore.errors import ConfigError
 from kvstore.services.common.argtypes import positive
 from kvstore.services.common.sizes import format_size, parse_size
@@ -241,7 +242,12 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("kvstore bench tenants: --tiny is a random model; it takes no --model")
     if args.tiny:
         args.random_model = True
-    model = BenchModel.from_args(args, random=TINY_MODEL if args.tiny else RANDOM_MODEL)
+    try:
+        model = BenchModel.from_args(args, random=TINY_MODEL if args.tiny else RANDOM_MODEL)
+        model.config  # noqa: B018  (a missing or unreadable model fails here, not halfway)
+    except CheckpointError as exc:
+        print(f"kvstore bench tenants: {exc}", file=sys.stderr)
+        return 2
     work = Workload(args.chats, args.turns, args.system_tokens, args.user_tokens, args.reply_tokens,
                     args.flood_ratio, args.flood_tokens, model.vocab_size)
     longest = work.system_tokens + work.turns * (work.user_tokens + work.reply_tokens)
