@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -10,7 +11,10 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -109,3 +113,24 @@ def blocks(keys: list[bytes], layout: KVLayout = LAYOUT) -> torch.Tensor:
 
 def prompt(salt: int, num_blocks: int, block_size: int = LAYOUT.block_size) -> list[int]:
     return [salt * 1_000_003 % (1 << 31) + i for i in range(num_blocks * block_size)]
+
+
+def call(url: str, method: str = "GET", body: Any = None, token: str | None = None,
+         timeout: float = 20.0) -> tuple[int, Any]:
+    """A REST call: its status and its JSON body (the text where the body is not JSON), errors included."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method=method)
+    if data is not None:
+        req.add_header("content-type", "application/json")
+    if token:
+        req.add_header("authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            raw = r.read()
+            status = r.status
+    except urllib.error.HTTPError as err:
+        raw, status = err.read(), err.code
+    try:
+        return status, json.loads(raw)
+    except ValueError:
+        return status, raw.decode()

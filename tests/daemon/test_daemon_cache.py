@@ -12,8 +12,6 @@ import subprocess
 import sys
 import textwrap
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
@@ -24,6 +22,7 @@ from kvstore.client.protocol import Code, RemoteError
 from kvstore.management import MAX_KEYS
 
 from daemon_helpers import LAYOUT, ROOT, DaemonProc, blocks, prompt
+from daemon_helpers import call as rest_call
 
 ADMIN, ACME, GLOBEX = "tok-admin", "tok-acme", "tok-globex"
 
@@ -41,17 +40,7 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProc]:
 
 
 def call(url: str, method: str = "GET", body: Any = None, token: str | None = None) -> tuple[int, Any]:
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, method=method)
-    if data is not None:
-        req.add_header("content-type", "application/json")
-    if token:
-        req.add_header("authorization", f"Bearer {token}")
-    try:
-        with urllib.request.urlopen(req, timeout=60) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as err:
-        return err.code, json.loads(err.read())
+    return rest_call(url, method, body, token, timeout=60.0)  # forgets and prefetches can take a while
 
 
 def wait_until(check, timeout: float = 20.0) -> None:  # type: ignore[no-untyped-def]

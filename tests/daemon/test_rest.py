@@ -3,7 +3,6 @@ dashboard in headless Chromium."""
 
 from __future__ import annotations
 
-import json
 import re
 import shutil
 import socket
@@ -11,8 +10,6 @@ import subprocess
 import tempfile
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,29 +21,10 @@ from kvstore import KVLayout, StoreConfig, TieredStore
 from kvstore.services.daemon.registry import COUNTERS
 from kvstore.services.daemon.rest import create_app
 
-from daemon_helpers import DaemonProc, blocks, prompt
+from daemon_helpers import DaemonProc, blocks, call, prompt
 from factories import require
 
 ADMIN, ACME, GLOBEX, BETA = "tok-admin", "tok-acme", "tok-globex", "tok-beta"  # beta never sends a request
-
-
-def call(url: str, method: str = "GET", body: Any = None, token: str | None = None) -> tuple[int, Any]:
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, method=method)
-    if data is not None:
-        req.add_header("content-type", "application/json")
-    if token:
-        req.add_header("authorization", f"Bearer {token}")
-    try:
-        with urllib.request.urlopen(req, timeout=20) as r:
-            raw = r.read()
-            status = r.status
-    except urllib.error.HTTPError as err:
-        raw, status = err.read(), err.code
-    try:
-        return status, json.loads(raw)
-    except ValueError:
-        return status, raw.decode()
 
 
 @pytest.fixture(scope="module")

@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_rest import CHROMIUM, call
+from test_rest import CHROMIUM
 
-from daemon_helpers import ROOT, DaemonProc, blocks, prompt
+from daemon_helpers import ROOT, DaemonProc, blocks, call, prompt
 from factories import require, run_in_threads
 
 ADMIN = "tok-admin"
