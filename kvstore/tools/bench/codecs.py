@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import functools
 import statistics
-import tempfile
 import time
 import zlib
 from collections.abc import Callable
@@ -26,7 +25,14 @@ from kvstore.config import StoreConfig
 from kvstore.layout import KVLayout
 from kvstore.services.common.argtypes import positive
 from kvstore.store import TieredStore
-from kvstore.tools.bench.harness import BENCH_LAYOUT, drop_page_cache, interleaved, machine, write_section
+from kvstore.tools.bench.harness import (
+    BENCH_LAYOUT,
+    drop_page_cache,
+    interleaved,
+    machine,
+    scratch_dir,
+    write_section,
+)
 
 LOSSY = ("int8", "int8-fp32", "fp8", "int4-rot", "int4-norot")
 
@@ -235,15 +241,13 @@ def run(args: argparse.Namespace) -> int:
     print("shuffle + zlib ...", flush=True)
     sz = bench_shuffle_zlib(blocks)
     errs = error_figures(blocks)
-    base = Path(args.dir) if args.dir else Path.cwd()
-    base.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="kvstore-bench-codecs-", dir=base) as tmp:
+    with scratch_dir(args.dir, "codecs") as tmp:
         print("disk cold read, int8 vs raw ...", flush=True)
-        disk = bench_disk_read(blocks, args.repeat, Path(tmp))
+        disk = bench_disk_read(blocks, args.repeat, tmp)
         tt = None
         if not args.no_engine:
             print("TTFT from disk through the engine, int8 vs raw ...", flush=True)
-            tt = bench_ttft(args.blocks * 16, max(2, args.repeat // 2), Path(tmp))
+            tt = bench_ttft(args.blocks * 16, max(2, args.repeat // 2), tmp)
     text = render(tp, sz, errs, disk, tt, args.blocks, args.repeat)
     print(text)
     if not args.no_write:

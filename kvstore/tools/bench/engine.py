@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,7 @@ from kvstore.engine.sampling import SamplingParams
 from kvstore.engine.sequence import STAGES
 from kvstore.services.common.argtypes import positive
 from kvstore.tools.bench import engine_server as served
-from kvstore.tools.bench.harness import DOCS, drop_page_cache, machine, ratio_text, write_section
+from kvstore.tools.bench.harness import DOCS, drop_page_cache, machine, ratio_text, scratch_dir, write_section
 from kvstore.tools.bench.models import BenchModel, add_model_arguments
 
 BLOCK = 16
@@ -354,13 +353,11 @@ def run(args: argparse.Namespace) -> int:
     except CheckpointError as exc:
         print(f"kvstore bench engine: {exc}", file=sys.stderr)
         return 2
-    base = Path(args.dir) if args.dir else Path.cwd()
-    base.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="kvstore-bench-engine-", dir=base) as tmp:
+    with scratch_dir(args.dir, "engine") as tmp:
         print(f"{args.bench_model.describe()}: TTFT of recompute, host, disk and remote hits ...", flush=True)
-        t = bench_ttft(args, Path(tmp))
+        t = bench_ttft(args, tmp)
         print("decode vs transformers ...", flush=True)
-        d = bench_decode(args, Path(tmp))
+        d = bench_decode(args, tmp)
     print("served: TTFT over HTTP vs in process, concurrent vs sequential requests ...", flush=True)
     s = served.bench_served(args, engine, args.bench_model, BLOCK, pool_bytes(args))
     tiers_json = DOCS / "bench_tiers.json"

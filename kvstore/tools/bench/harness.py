@@ -8,9 +8,11 @@ import os
 import platform
 import re
 import subprocess
+import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -90,6 +92,17 @@ def dd_seconds(args: list[str]) -> float:
     if not match:
         raise RuntimeError(f"could not parse dd output: {proc.stderr!r}")
     return float(match.group(1))
+
+
+@contextmanager
+def scratch_dir(where: str | None, name: str) -> Iterator[Path]:
+    """A scratch directory ``kvstore-bench-NAME-*`` for one run, under ``where`` (a bench's
+    ``--dir``; default the current directory, which unlike /tmp is not tmpfs: a disk tier
+    measured there reads a disk), removed afterwards whatever happens."""
+    base = Path(where) if where else Path.cwd()
+    base.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=f"kvstore-bench-{name}-", dir=base, ignore_cleanup_errors=True) as tmp:
+        yield Path(tmp)
 
 
 def start_service(cmd: list[str], what: str) -> tuple[subprocess.Popen[str], str]:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -33,7 +32,7 @@ from kvstore.engine.sampling import SamplingParams
 from kvstore.services.common.argtypes import positive
 from kvstore.services.common.sizes import parse_size
 from kvstore.settings import StoreSettings
-from kvstore.tools.bench.harness import drop_page_cache, machine, ratio_text, write_section
+from kvstore.tools.bench.harness import drop_page_cache, machine, ratio_text, scratch_dir, write_section
 from kvstore.tools.bench.models import BenchModel, add_model_arguments
 
 BLOCK = 16
@@ -211,11 +210,9 @@ def run(args: argparse.Namespace) -> int:
     d = bench_decode(args)
     print("capacity and throughput at a full pool ...", flush=True)
     cap = bench_capacity(args)
-    base = Path(args.dir) if args.dir else Path.cwd()
-    base.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="kvstore-bench-pool-", dir=base) as tmp:
+    with scratch_dir(args.dir, "pool") as tmp:
         print("cold-disk TTFT per disk codec ...", flush=True)
-        disk = bench_disk_codecs(args, Path(tmp))
+        disk = bench_disk_codecs(args, tmp)
     text = render(d, cap, disk, args)
     print(text)
     if not args.no_write:

@@ -13,7 +13,6 @@ import itertools
 import json
 import pickle
 import shutil
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -37,6 +36,7 @@ from kvstore.tools.bench.harness import (
     interleaved,
     machine,
     render,
+    scratch_dir,
     write_section,
 )
 
@@ -235,16 +235,14 @@ def run_tiers(args: argparse.Namespace) -> int:
     if shutil.which("dd") is None:
         print("kvstore bench tiers: needs dd (coreutils) for the disk baselines")
         return 2
-    base_dir = Path(args.dir) if args.dir else Path.cwd()
-    base_dir.mkdir(parents=True, exist_ok=True)
     rows: list[Row] = []
-    with tempfile.TemporaryDirectory(prefix="kvstore-bench-", dir=base_dir) as tmp:
+    with scratch_dir(args.dir, "tiers") as tmp:
         print("host tier ...", flush=True)
         rows += bench_host(args.host_blocks, args.repeat)
         print("host get beside puts ...", flush=True)
         beside = bench_get_beside_puts(args.beside_seconds)
         print("disk tier ...", flush=True)
-        disk_rows, _mode = bench_disk(args.disk_blocks, args.repeat, Path(tmp))
+        disk_rows, _mode = bench_disk(args.disk_blocks, args.repeat, tmp)
         rows += disk_rows
         print("keys ...", flush=True)
         rows += bench_keys(32 * 1024, args.repeat)

@@ -18,18 +18,16 @@ import argparse
 import gc
 import os
 import random
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 from kvstore.engine.loader import CheckpointError
 from kvstore.services.common.argtypes import positive
-from kvstore.tools.bench.harness import drop_page_cache, machine, start_service, write_section
+from kvstore.tools.bench.harness import drop_page_cache, machine, scratch_dir, start_service, write_section
 from kvstore.tools.bench.models import BenchModel, add_model_arguments
 
 BLOCK = 128  # vLLM's CPU block
@@ -266,13 +264,8 @@ def prepare(args: argparse.Namespace, command: str) -> bool:
 def run(args: argparse.Namespace) -> int:
     if not prepare(args, "kvstore bench vllm"):
         return 2
-    base = Path(args.dir) if args.dir else Path.cwd()
-    base.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix="kvstore-bench-vllm-", dir=base))
-    try:
+    with scratch_dir(args.dir, "vllm") as work:
         r = measure(args, work)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
     text = render(r, args)
     print(text)
     if not args.no_write:

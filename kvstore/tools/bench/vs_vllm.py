@@ -13,8 +13,6 @@ from __future__ import annotations
 import argparse
 import gc
 import itertools
-import shutil
-import tempfile
 import time
 from collections.abc import Callable
 from functools import partial
@@ -26,7 +24,7 @@ import torch
 from kvstore.engine.llm import LLMEngine
 from kvstore.engine.sampling import SamplingParams
 from kvstore.services.common.argtypes import positive
-from kvstore.tools.bench.harness import machine, ratio_text, write_section
+from kvstore.tools.bench.harness import machine, ratio_text, scratch_dir, write_section
 from kvstore.tools.bench.models import BenchModel, add_model_arguments
 from kvstore.tools.bench.vllm import BLOCK as VLLM_BLOCK
 from kvstore.tools.bench.vllm import Daemon, loaded_from, prepare, vllm_instance, vllm_ttft
@@ -355,14 +353,9 @@ def render(r: dict[str, Any], args: argparse.Namespace) -> str:
 def run(args: argparse.Namespace) -> int:
     if not prepare(args, "kvstore bench vs-vllm"):
         return 2
-    base = Path(args.dir) if args.dir else Path.cwd()
-    base.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix="kvstore-bench-vs-vllm-", dir=base))
-    try:
+    with scratch_dir(args.dir, "vs-vllm") as work:
         print(f"{args.bench_model.describe()}: the kvstore engine and vLLM, interleaved ...", flush=True)
         r = measure(args, work)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
     text = render(r, args)
     print(text)
     if not args.no_write:
