@@ -77,33 +77,45 @@ def test_full_cuda_graphs_are_turned_piecewise() -> None:
     assert KVStoreConnector.requires_piecewise_for_cudagraph({"store": "unix:///s"}) is True
 
 
-def test_a_save_buffer_is_reused_only_once_its_put_has_copied_it(tmp_path: Any) -> None:
+def guarded_store(layout: Any, request: pytest.FixtureRequest) -> Any:
+    """An embedded GuardedStore of this test's own (the model id is the test's name: embedded
+    stores are shared by model id, and a test that failed must not hand its blocks to the next),
+    closed when the test ends, passed or not."""
+    from kvstore.integrations.vllm.backend import GuardedStore
+    from kvstore.integrations.vllm.settings import ConnectorSettings
+
+    store = GuardedStore(ConnectorSettings(host_bytes="1MiB"), layout, request.node.name)
+    request.addfinalizer(store.close)
+    return store
+
+
+def test_a_save_buffer_is_reused_only_once_its_put_has_copied_it(request: pytest.FixtureRequest) -> None:
     """Saves gather into warm staging buffers: one still being put is never handed to the next
     step's save, and each request's blocks reach the store as vLLM held them."""
     import threading
 
     from kvstore import KVLayout
     from kvstore.integrations.vllm import flush
-    from kvstore.integrations.vllm.backend import GuardedStore
     from kvstore.integrations.vllm.metadata import KVStoreMetadata, SaveSpec
-    from kvstore.integrations.vllm.settings import ConnectorSettings
     from kvstore.integrations.vllm.worker import WorkerSide
 
     layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, block_size=8, dtype=torch.float32)
     gen = torch.Generator().manual_seed(3)
     kv = {name: torch.randn((10, 2, 8, 8), generator=gen) for name in LAYERS}  # like the CPU backend
-    store = GuardedStore(ConnectorSettings(host_bytes="1MiB"), layout, "m")
+    store = guarded_store(layout, request)
     worker = WorkerSide(store, LAYERS, 2 * 8 * 2 * 4 * 4)
     worker.register_kv_caches(kv)
     first_put_may_run = threading.Event()
-    real_put = store.put
+    held_back: list[str] = []
+    real_try_put = store.try_put
 
-    def put(keys: Any, blocks: torch.Tensor) -> bool:
+    def try_put(keys: Any, blocks: torch.Tensor) -> bool:  # the worker's one way into the store
         if keys == saved["a"][0]:  # the first save's put is still copying when the second gathers
+            held_back.append("a")
             assert first_put_may_run.wait(10)
-        return real_put(keys, blocks)
+        return real_try_put(keys, blocks)
 
-    store.put = put  # type: ignore[method-assign]
+    store.try_put = try_put  # type: ignore[method-assign]
     saved: dict[str, tuple[list[bytes], list[int]]] = {}
     buffers: dict[str, int] = {}
     for step, (req, block_ids) in enumerate((("a", [4, 1, 7]), ("b", [2, 9, 0]), ("c", [3, 5, 8]))):
@@ -118,6 +130,7 @@ def test_a_save_buffer_is_reused_only_once_its_put_has_copied_it(tmp_path: Any) 
         buffers[req] = worker._saves[0].buffer.data_ptr()
         worker.wait_for_save()
     assert flush(10)
+    assert held_back == ["a"], "the first save's put was not the one held back"
     assert buffers["b"] != buffers["a"], "a buffer still being put was handed to the next save"
     assert buffers["c"] in (buffers["a"], buffers["b"]), "a buffer whose put is done was not reused"
     for keys, block_ids in saved.values():
@@ -128,10 +141,9 @@ def test_a_save_buffer_is_reused_only_once_its_put_has_copied_it(tmp_path: Any) 
             for layer, name in enumerate(LAYERS):
                 assert torch.equal(parts[layer], kv[name][block].flatten())
     worker.shutdown()
-    store.close()
 
 
-def test_a_load_buffer_is_reused_only_once_its_fetch_and_the_step_are_done(tmp_path: Any) -> None:
+def test_a_load_buffer_is_reused_only_once_its_fetch_and_the_step_are_done(request: pytest.FixtureRequest) -> None:
     """A synchronous load's staging buffer goes back to the warm pool at ``wait_for_save``, after
     its fetch is settled: while the fetch may still write it, no save of the step gets it."""
     import threading
@@ -139,16 +151,14 @@ def test_a_load_buffer_is_reused_only_once_its_fetch_and_the_step_are_done(tmp_p
 
     from kvstore import KVLayout
     from kvstore.integrations.vllm import flush
-    from kvstore.integrations.vllm.backend import GuardedStore
     from kvstore.integrations.vllm.metadata import KVStoreMetadata, LoadSpec, SaveSpec
-    from kvstore.integrations.vllm.settings import ConnectorSettings
     from kvstore.integrations.vllm.worker import WorkerSide
     from kvstore.transfer import FetchHandle
 
     layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, block_size=8, dtype=torch.float32)
     gen = torch.Generator().manual_seed(4)
     kv = {name: torch.randn((10, 2, 8, 8), generator=gen) for name in LAYERS}
-    store = GuardedStore(ConnectorSettings(host_bytes="1MiB"), layout, "m")
+    store = guarded_store(layout, request)
     stored_keys = store.block_keys(list(range(24)), "")
     stored = torch.randn((3, *layout.block_shape), generator=gen)
     assert store.try_put(stored_keys, stored)
@@ -189,4 +199,3 @@ def test_a_load_buffer_is_reused_only_once_its_fetch_and_the_step_are_done(tmp_p
     assert {worker.paged.take_staging(3).data_ptr() for _ in range(2)} == {load_buffer, save_buffer}
     worker.shutdown()
     slow.shutdown()
-    store.close()
