@@ -60,6 +60,10 @@ class EngineConfig:
         max_num_seqs: most sequences running at once.
         max_model_len: context limit; None: the model's max_position_embeddings.
         enable_prefix_caching: look up and share cached prefix blocks (False: compute everything).
+        prepack_weights: on the CPU, reorder the weights once at load into oneDNN's blocked
+            layout (float32, or bfloat16 on CPUs with native bf16; ignored elsewhere): decode
+            steps run 1.4-1.7x faster products (docs/engine.md). A tied output projection then
+            gets a packed copy of its own (vocab x hidden more memory). False: plain torch products.
         model_id: names the model in the key namespace; None derives one from the checkpoint.
         random_model: overrides of the random model's config (only with ``model=None``).
         seed: seed of the random model's weights.
@@ -83,6 +87,7 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
+    prepack_weights: bool = True
     model_id: str | None = None
     random_model: dict[str, Any] | None = None
     seed: int = 0

@@ -58,7 +58,7 @@ class LLMEngine:
         self.model_config = mc = ckpt.config
         self.tokenizer = ckpt.tokenizer
         self.device = torch.device(c.device)
-        self.model = LlamaModel(mc, ckpt.weights, self.device, c.dtype)
+        self.model = LlamaModel(mc, ckpt.weights, self.device, c.dtype, prepack=c.prepack_weights)
         self.max_model_len = c.max_model_len or mc.max_position_embeddings
         # the pool's blocks, as the store keeps them: values, or quantized pages (codes + scales)
         pool_dtype, self.kv_codes = pool_format(c)

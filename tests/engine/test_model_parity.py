@@ -1,7 +1,8 @@
 """Greedy output and prompt logits equal Hugging Face transformers' (fp32, eager attention).
 
 Tolerance: prompt logits within atol 1e-4 / rtol 1e-4 (fp32; the engine fuses q/k/v and
-gate/up projections and attends through the paged reference kernels, so sums differ in order).
+gate/up projections and attends through the paged reference kernels, so sums differ in order),
+with the weights prepacked for oneDNN (the default on the CPU) and without.
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ def check_parity(hf: tuple[Any, Path], **engine_kwargs: Any) -> None:
     model, path = hf
     llm = make_engine(path, **engine_kwargs)
     try:
+        if engine_kwargs.get("prepack_weights"):  # oneDNN's blocked weights really serve the products
+            assert llm.model.prepacked and llm.model.layers[0].qkv.packed is not None
+            assert llm.model.lm_head is not None and llm.model.lm_head.packed is not None
         outs = llm.generate(PROMPTS, WITH_LOGITS)
         for prompt, out in zip(PROMPTS, outs, strict=True):
             assert len(out.token_ids) == 5
@@ -36,13 +40,15 @@ def check_parity(hf: tuple[Any, Path], **engine_kwargs: Any) -> None:
         llm.close()
 
 
-def test_llama_llama3_rope_matches_transformers(hf_llama: tuple[Any, Path]) -> None:
-    check_parity(hf_llama)
+@pytest.mark.parametrize("prepack", [True, False], ids=["prepacked", "plain"])
+def test_llama_llama3_rope_matches_transformers(hf_llama: tuple[Any, Path], prepack: bool) -> None:
+    check_parity(hf_llama, prepack_weights=prepack)
 
 
-def test_qwen2_bias_and_tied_embeddings_match_transformers(hf_qwen2: tuple[Any, Path]) -> None:
+@pytest.mark.parametrize("prepack", [True, False], ids=["prepacked", "plain"])
+def test_qwen2_bias_and_tied_embeddings_match_transformers(hf_qwen2: tuple[Any, Path], prepack: bool) -> None:
     assert "lm_head.weight" not in load_checkpoint(hf_qwen2[1]).weights  # really tied
-    check_parity(hf_qwen2)
+    check_parity(hf_qwen2, prepack_weights=prepack)
 
 
 def test_sharded_checkpoint_and_chunked_prefill(hf_llama: tuple[Any, Path], tmp_path: Path) -> None:

@@ -1,7 +1,8 @@
-"""On the CPU, steps of one sequence and at most ONE_THREAD_ROWS rows run on the engine's
-one-thread worker (kvstore/engine/threads.py): its torch ops use one thread, every other step runs on
-the caller with the caller's count, and no other thread's count changes, also for threads
-started after the engine."""
+"""On the CPU with plain (MKL) products, steps of one sequence and at most ONE_THREAD_ROWS rows
+run on the engine's one-thread worker (kvstore/engine/threads.py): its torch ops use one thread,
+every other step runs on the caller with the caller's count, and no other thread's count
+changes, also for threads started after the engine. With prepacked weights (oneDNN's products
+use both threads well at one row) every step runs on the caller."""
 
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ def _count_in_new_thread() -> int:
 def test_steps_of_one_short_sequence_run_on_the_worker_with_one_thread(hf_llama: tuple[Any, Path],
                                                                      two_threads: None) -> None:
     model, path = hf_llama
-    llm = make_engine(path)
+    llm = make_engine(path, prepack_weights=False)
     assert torch.get_num_threads() == 2 and _count_in_new_thread() == 2  # the engine's start changed neither
     seen: list[tuple[int, str, int]] = []  # (rows, thread, torch threads) per forward
     forward = llm.model.forward
@@ -71,6 +72,29 @@ def test_steps_of_one_short_sequence_run_on_the_worker_with_one_thread(hf_llama:
         hf_greedy_check(model, prompt, out.token_ids)
     assert torch.get_num_threads() == 2 and _count_in_new_thread() == 2
     assert not any(t.name.startswith("engine-one-thread") for t in threading.enumerate())  # closed
+
+
+def test_prepacked_weights_run_every_step_on_the_caller(hf_llama: tuple[Any, Path], two_threads: None) -> None:
+    model, path = hf_llama
+    llm = make_engine(path)  # prepack_weights=True, the default
+    assert llm.model.prepacked
+    seen: list[tuple[int, str, int]] = []
+    forward = llm.model.forward
+
+    def spy(input_ids: torch.Tensor, *args: Any) -> torch.Tensor:
+        seen.append((input_ids.shape[0], threading.current_thread().name, torch.get_num_threads()))
+        return forward(input_ids, *args)
+
+    llm.model.forward = spy  # type: ignore[method-assign]
+    prompt = list(range(10, 10 + ONE_THREAD_ROWS))
+    try:
+        out = llm.generate([prompt], GREEDY)[0]
+    finally:
+        llm.close()
+    me = threading.current_thread().name
+    assert seen == [(ONE_THREAD_ROWS, me, 2)] + [(1, me, 2)] * 5
+    hf_greedy_check(model, prompt, out.token_ids)
+    assert not any(t.name.startswith("engine-one-thread") for t in threading.enumerate())
 
 
 def test_the_worker_returns_results_and_raises_errors(two_threads: None) -> None:

@@ -10,6 +10,7 @@ import argparse
 import json
 import sys
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from kvstore import env
 from kvstore.errors import ConfigError, DaemonUnreachableError
@@ -20,6 +21,9 @@ from kvstore.services.common.store_args import (
     store_settings_from_args,
 )
 from kvstore.settings import StoreSettings
+
+if TYPE_CHECKING:
+    from kvstore.services.engine_server.config import ServeConfig
 
 # The embedded store's defaults: StoreSettings', and a 10 GiB disk tier once --disk-path names one.
 ENGINE_STORE = StoreSettings(disk_bytes=10 << 30)
@@ -39,33 +43,39 @@ def engine_store_settings(args: argparse.Namespace) -> StoreSettings:
     return replace(settings, disk_bytes=0)
 
 
-def run_engine(args: argparse.Namespace) -> int:
+def serve_config(args: argparse.Namespace) -> ServeConfig:
+    """The ServeConfig of ``kvstore engine``'s arguments (ConfigError, CheckpointError or
+    json.JSONDecodeError when they do not make one)."""
     from kvstore.engine.bundled import default_model
-    from kvstore.engine.loader import CheckpointError
     from kvstore.layout import DTYPES_BY_NAME
     from kvstore.services.common.sizes import parse_size
     from kvstore.services.engine_server.config import ServeConfig
+
+    random_config = json.loads(args.random_config) if args.random_config else None
+    if random_config is not None and not isinstance(random_config, dict):
+        raise ConfigError("--random-config must be a JSON object")
+    model = None if args.random_model else args.model or str(default_model())
+    return ServeConfig(
+        model=model, random_config=random_config, host=args.host,
+        port=args.port, served_model_name=args.served_model_name, store=args.store,
+        store_token=(args.store_token or env.token()) if args.store else None,
+        store_settings=engine_store_settings(args), tokens_file=args.tokens,
+        router_token=args.router_token or env.router_token(),
+        kv_events=args.kv_events, kv_events_replay=args.kv_events_replay,
+        drain_s=args.drain_s, device=args.device,
+        dtype=DTYPES_BY_NAME[args.dtype], kv_cache_bytes=parse_size(args.kv_cache),
+        kv_cache_dtype=args.kv_cache_dtype, block_size=args.block_size,
+        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, device_write_policy=args.device_write_policy,
+        prepack_weights=not args.no_prepack_weights, seed=args.seed)
+
+
+def run_engine(args: argparse.Namespace) -> int:
+    from kvstore.engine.loader import CheckpointError
     from kvstore.services.engine_server.server import serve
 
     try:
-        random_config = json.loads(args.random_config) if args.random_config else None
-        if random_config is not None and not isinstance(random_config, dict):
-            raise ConfigError("--random-config must be a JSON object")
-        model = None if args.random_model else args.model or str(default_model())
-        config = ServeConfig(
-            model=model, random_config=random_config, host=args.host,
-            port=args.port, served_model_name=args.served_model_name, store=args.store,
-            store_token=(args.store_token or env.token()) if args.store else None,
-            store_settings=engine_store_settings(args), tokens_file=args.tokens,
-            router_token=args.router_token or env.router_token(),
-            kv_events=args.kv_events, kv_events_replay=args.kv_events_replay,
-            drain_s=args.drain_s, device=args.device,
-            dtype=DTYPES_BY_NAME[args.dtype], kv_cache_bytes=parse_size(args.kv_cache),
-            kv_cache_dtype=args.kv_cache_dtype, block_size=args.block_size,
-            max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens, device_write_policy=args.device_write_policy,
-            seed=args.seed)
-        return serve(config)
+        return serve(serve_config(args))
     except (ConfigError, CheckpointError, json.JSONDecodeError, DaemonUnreachableError) as exc:
         print(f"kvstore engine: {exc}", file=sys.stderr)
         return 2
@@ -121,6 +131,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="when a device block goes to the store: write_through (default: once the step that "
                    "filled it ends; other engines on the same store see it at once, evicting it is free) or "
                    "write_back (when evicted)")
+    p.add_argument("--no-prepack-weights", action="store_true",
+                   help="on the CPU, keep the weights as loaded and run torch's plain products instead of "
+                   "reordering them once at start for oneDNN (the default: decode 1.1-1.6x faster; docs/engine.md)")
     p.add_argument("--drain-s", type=float, default=10.0, help="SIGTERM waits this long for requests (default 10)")
     add_store_arguments(
         p, defaults=ENGINE_STORE, shown={"host_bytes": "1GiB; 0: no store below the device pool",
