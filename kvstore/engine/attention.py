@@ -8,6 +8,13 @@ once per step, and each layer is then an ``index_copy_`` (new K/V into the pool)
 ``index_select`` (the sequences' rows out of it) and ``scaled_dot_product_attention``.
 ``tests/engine/test_model_parity.py`` holds the result to transformers.
 
+Decoding sequences that share a cached prefix (a system prompt, a conversation's history, a
+document several questions ask about) form groups (``shared_prefixes``): a group's shared rows
+are read once per layer and attended by all of its queries in one call, each sequence's own
+rows in another, and the two parts merge by the CPU flash kernel's log-sum-exps. Without that
+each sequence copied the whole prefix out of the pool: 32 sequences over a 1,024-token prefix
+took 830 ms a step on SmolLM2, two thirds of it in ``index_select``; grouped, 96 ms.
+
 Rows: a layer's K view ``pool[:, layer, 0]`` is ``[num_blocks, block_size, kv_heads, head_dim]``
 with block stride ``pool.stride(0)``; seen as one row per token slot (``row_view``), slot
 ``b * block_size + o`` is row ``b * rows_per_block + o``, the same row id in every layer.
@@ -22,6 +29,8 @@ dtype), as the kernels do, which read every key through the block table.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +51,35 @@ def row_view(cache: torch.Tensor) -> torch.Tensor:
     row = cache.stride(1)
     assert cache.stride(2) == dim and cache.stride(3) == 1 and cache.stride(0) % row == 0
     return cache.as_strided(((num_blocks - 1) * (cache.stride(0) // row) + block_size, heads, dim), (row, dim, 1))
+
+
+GROUP_MIN_ROWS = 256  # a group's shared rows are read once when that saves at least this many row reads
+
+
+def shared_prefixes(tables: list[list[int]], lens: list[int], block_size: int) -> list[tuple[list[int], list[int]]]:
+    """Groups of decoding sequences whose block tables start alike: ``(members, shared blocks)``.
+
+    Sequences are grouped by their first block; a group shares the blocks its members' tables
+    all begin with, short of each member's last token (every member keeps a row of its own to
+    attend to). Only groups whose shared rows, read once instead of once per member, save at
+    least GROUP_MIN_ROWS row reads are returned.
+    """
+    by_first: dict[int, list[int]] = {}
+    for i, table in enumerate(tables):
+        if table:
+            by_first.setdefault(table[0], []).append(i)
+    groups = []
+    for members in by_first.values():
+        if len(members) < 2:
+            continue
+        limit = min((lens[i] - 1) // block_size for i in members)
+        first = tables[members[0]]
+        shared = 0
+        while shared < limit and all(tables[i][shared] == first[shared] for i in members):
+            shared += 1
+        if shared * block_size * (len(members) - 1) >= GROUP_MIN_ROWS:
+            groups.append((members, first[:shared]))
+    return groups
 
 
 class StepPlan:
@@ -69,20 +107,32 @@ class StepPlan:
             self.store_sel = keep.nonzero().flatten().to(device)
             self.store_rows = self._rows(slots[keep]).to(device)
         self.num_decode = len(decode_lens)
-        self.decode_len = max(decode_lens, default=0)
+        # decoding sequences that share a prefix: (their indices, the shared rows), each group's
+        # shared rows read once for all of them; each sequence's own rows start after them
+        self.decode_groups: list[tuple[torch.Tensor, torch.Tensor]] = []
+        starts = [0] * self.num_decode
+        if device.type == "cpu":  # the merge needs the CPU flash kernel's log-sum-exp
+            for members, shared in shared_prefixes(decode_tables, decode_lens, block_size):
+                rows = (torch.tensor(shared, dtype=torch.long)[:, None] * rows_per_block
+                        + torch.arange(block_size)).flatten()
+                self.decode_groups.append((torch.tensor(members), rows.to(device)))
+                for i in members:
+                    starts[i] = len(shared) * block_size
+        own = [n - s for n, s in zip(decode_lens, starts, strict=True)]
+        self.decode_len = max(own, default=0)  # the most rows a sequence reads besides its group's
         self.decode_rows: torch.Tensor | None = None
         self.decode_mask: torch.Tensor | None = None
         if decode_lens:
-            lens = torch.tensor(decode_lens)
+            own_t, start_t = torch.tensor(own), torch.tensor(starts)
             pos = torch.arange(self.decode_len)
             # Padding positions read the sequence's row 0 (always written, so finite) and are masked.
-            pos = torch.where(pos[None, :] < lens[:, None], pos[None, :], 0)
+            pos = torch.where(pos[None, :] < own_t[:, None], start_t[:, None] + pos[None, :], 0)
             width = max(len(t) for t in decode_tables)
             tables = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables], dtype=torch.long)
             slots_2d = tables.gather(1, pos // block_size) * block_size + pos % block_size
             self.decode_rows = self._rows(slots_2d.flatten()).to(device)
-            if min(decode_lens) != self.decode_len:
-                visible = torch.arange(self.decode_len)[None, :] < lens[:, None]
+            if min(own) != self.decode_len:
+                visible = torch.arange(self.decode_len)[None, :] < own_t[:, None]
                 self.decode_mask = visible[:, None, None, :].to(device)
         # per prefill chunk: (rows of its whole sequence or None, causal mask or None, num_new)
         self.prefill: list[tuple[torch.Tensor | None, torch.Tensor | None, int]] = []
@@ -98,6 +148,7 @@ class StepPlan:
             bias = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf"))
             self.prefill.append((self._rows(slots_1d).to(device), bias.to(device), num_new))
         self._grouped: dict[tuple[int, int], torch.Tensor] = {}  # (chunk, group) -> mask repeated
+        self._decode_bias: dict[torch.dtype, torch.Tensor] = {}  # decode_mask, additive, by dtype
 
     def _rows(self, slots: torch.Tensor) -> torch.Tensor:
         return (slots // self.block_size) * self.rows_per_block + slots % self.block_size
@@ -142,8 +193,12 @@ class StepPlan:
             queries = q[:d].reshape(d, num_kv_heads, group, head_dim)
             if up:
                 queries, keys, values = queries.float(), keys.float(), values.float()
-            attn = F.scaled_dot_product_attention(queries, keys.transpose(1, 2), values.transpose(1, 2),
-                                                  attn_mask=self.decode_mask, scale=scale)
+            if self.decode_groups:
+                attn = self._decode_in_groups(queries, keys, values, lambda ids: read(k_rows, ids),
+                                              lambda ids: read(v_rows, ids), scale)
+            else:
+                attn = F.scaled_dot_product_attention(queries, keys.transpose(1, 2), values.transpose(1, 2),
+                                                      attn_mask=self.decode_mask, scale=scale)
             out[:d] = attn.reshape(d, num_heads, head_dim)
         start = d
         for i, (rows, mask, num_new) in enumerate(self.prefill):
@@ -177,6 +232,37 @@ class StepPlan:
                     num_new, num_heads, head_dim)
             start = end
         return out
+
+    def _decode_in_groups(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                          read_k: Callable[[torch.Tensor], torch.Tensor],
+                          read_v: Callable[[torch.Tensor], torch.Tensor], scale: float) -> torch.Tensor:
+        """Decode attention ``[d, kv_heads, group, head_dim]`` over each sequence's own rows
+        (``keys``/``values``), then over each group's shared rows, read once and attended by
+        all of the group's queries in one call; the parts merge by their log-sum-exps."""
+        flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        num_kv_heads, group, head_dim = queries.shape[1:]
+        bias = None  # the flash kernel takes an additive mask of the queries' dtype (built once per step)
+        if self.decode_mask is not None:
+            bias = self._decode_bias.get(queries.dtype)
+            if bias is None:
+                bias = torch.zeros(self.decode_mask.shape, dtype=queries.dtype, device=queries.device)
+                self._decode_bias[queries.dtype] = bias.masked_fill_(~self.decode_mask, float("-inf"))
+        attn, lse = flash(queries, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=bias, scale=scale)
+        attn = attn.contiguous()
+        for members, rows in self.decode_groups:
+            n = members.numel()
+            shared_k, shared_v = read_k(rows).to(queries.dtype), read_v(rows).to(queries.dtype)
+            # the group's queries as rows of one batch: [1, kv_heads, n * group, head_dim]
+            grouped = queries.index_select(0, members).transpose(0, 1).reshape(1, num_kv_heads, n * group, head_dim)
+            part, part_lse = flash(grouped, shared_k.transpose(0, 1)[None], shared_v.transpose(0, 1)[None],
+                                   scale=scale)
+            part = part[0].reshape(num_kv_heads, n, group, head_dim).transpose(0, 1)
+            part_lse = part_lse[0].reshape(num_kv_heads, n, group).transpose(0, 1)
+            own, own_lse = attn.index_select(0, members), lse.index_select(0, members)
+            total = torch.logaddexp(own_lse, part_lse)
+            merged = own * torch.exp(own_lse - total)[..., None] + part * torch.exp(part_lse - total)[..., None]
+            attn.index_copy_(0, members, merged)
+        return attn
 
     def _grouped_mask(self, chunk: int, group: int) -> torch.Tensor:
         """Prefill chunk ``chunk``'s additive mask, repeated for ``group`` query heads per KV head

@@ -1,0 +1,92 @@
+"""Decoding sequences that share a cached prefix read its K/V once per step (kvstore/engine/attention.py,
+``shared_prefixes``): attention over the shared rows and over each sequence's own rows, merged by
+their log-sum-exps, equals attention over each sequence's whole context."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import kvstore.engine.attention as attention
+from kvstore.engine.attention import GROUP_MIN_ROWS, StepPlan, row_view, shared_prefixes
+from tests.engine.conftest import GREEDY, hf_greedy_check, make_engine
+
+
+def test_groups_are_sequences_whose_tables_start_alike() -> None:
+    bs = 16
+    long = GROUP_MIN_ROWS // bs + 1  # a shared prefix of this many blocks pays between two sequences
+    prefix = list(range(100, 100 + long))
+    tables = [[*prefix, 1, 2], [*prefix, 3], [*prefix[:-1], 4, 5], [7, 8], [9, *prefix]]
+    lens = [(long + 2) * bs, long * bs + 1, (long + 1) * bs, 2 * bs, (long + 1) * bs]
+    # 0, 1 and 2 begin with the same blocks; 2 leaves the others at the prefix's last block
+    assert shared_prefixes(tables, lens, bs) == [([0, 1, 2], prefix[:-1])]
+    # each member keeps a row of its own: a member whose last token ends the prefix stops it a block early
+    assert shared_prefixes([prefix, [*prefix, 1]], [long * bs, long * bs + 1], bs) == [([0, 1], prefix[:-1])]
+    # too few rows saved: no group
+    assert shared_prefixes([[1, 2], [1, 3]], [2 * bs, 2 * bs], bs) == []
+    assert shared_prefixes([[*prefix, 1]], [(long + 1) * bs], bs) == []  # one sequence alone
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_in_groups_equals_attention_over_each_whole_context(dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(0)
+    bs, kv_heads, group, dim, num_blocks = 4, 2, 3, 8, 120
+    pool = torch.randn((num_blocks, 1, 2, bs, kv_heads, dim), generator=g).to(dtype)
+    shared = list(range(10, 10 + GROUP_MIN_ROWS // bs))  # one group of 3, with one sequence apart
+    tables = [[*shared, 90, 91], [*shared, 92], [*shared, 93, 94, 95], [96, 97, 98]]
+    lens = [len(shared) * bs + 6, len(shared) * bs + 1, len(shared) * bs + 9, 10]
+    d = len(lens)
+    q = torch.randn((d, kv_heads * group, dim), generator=g).to(dtype)
+    k_new = torch.randn((d, kv_heads, dim), generator=g).to(dtype)
+    v_new = torch.randn((d, kv_heads, dim), generator=g).to(dtype)
+    slots = torch.tensor([t[(n - 1) // bs] * bs + (n - 1) % bs for t, n in zip(tables, lens, strict=True)])
+    plan = StepPlan(slots, tables, lens, [], bs, pool.stride(0) // pool.stride(3), torch.device("cpu"))
+    assert [(m.tolist(), r.numel()) for m, r in plan.decode_groups] == [([0, 1, 2], len(shared) * bs)]
+    k_rows, v_rows = row_view(pool[:, 0, 0]), row_view(pool[:, 0, 1])
+    out = plan.attend(q, k_new, v_new, k_rows, v_rows, scale=dim ** -0.5)
+    for i, (table, n) in enumerate(zip(tables, lens, strict=True)):  # float64, each context whole
+        pos = torch.arange(n)
+        blocks = torch.tensor(table)[pos // bs]
+        keys = pool[blocks, 0, 0, pos % bs].double()  # [n, kv_heads, dim], the new row written
+        values = pool[blocks, 0, 1, pos % bs].double()
+        torch.testing.assert_close(keys[-1], k_new[i].double())
+        queries = q[i].double().view(kv_heads, group, dim)
+        weights = torch.softmax(torch.einsum("hgd,nhd->hgn", queries, keys) * dim ** -0.5, dim=-1)
+        want = torch.einsum("hgn,nhd->hgd", weights, values).reshape(kv_heads * group, dim)
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(out[i].double(), want, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_a_batch_over_one_cached_prefix_decodes_as_each_sequence_alone(hf_llama: tuple[Any, Path],
+                                                                       kv_cache_dtype: str,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    model, path = hf_llama
+    prefix = [(7 * i) % 120 + 3 for i in range(100)]  # 25 blocks of 4, read by 4 sequences
+    prompts = [[*prefix, 10 + i, 20 + i, 30 + i] for i in range(4)]
+    formed: list[int] = []
+    real = attention.shared_prefixes
+
+    def spy(*args: Any) -> Any:
+        groups = real(*args)
+        formed.extend(len(members) for members, _ in groups)
+        return groups
+
+    monkeypatch.setattr(attention, "shared_prefixes", spy)
+    llm = make_engine(path, kv_cache_dtype=kv_cache_dtype)
+    try:
+        llm.generate([prefix], GREEDY)  # the prefix cached, so the batch's prompts share its blocks
+        together = llm.generate(prompts, GREEDY)
+        assert formed and max(formed) == 4, "the batch's decode steps never read the prefix as one group"
+        monkeypatch.setattr(attention, "GROUP_MIN_ROWS", 1 << 30)  # no groups: each sequence reads it all
+        apart = llm.generate(prompts, GREEDY)
+        llm.check_integrity()
+    finally:
+        llm.close()
+    for prompt, a, b in zip(prompts, together, apart, strict=True):
+        assert a.token_ids == b.token_ids
+        if kv_cache_dtype == "auto":
+            hf_greedy_check(model, prompt, a.token_ids)
