@@ -7,8 +7,8 @@ import argparse
 import importlib
 
 # One module per target, in the order ``kvstore bench --help`` lists them.
-TARGET_MODULES = ("tiers", "engine", "daemon", "remote", "vllm", "vs_vllm", "route", "codecs", "quality", "pool", "events", "route_live",
-                  "tenants")
+TARGET_MODULES = ("tiers", "engine", "daemon", "remote", "vllm", "vs_vllm", "serving", "route", "codecs", "quality",
+                  "pool", "events", "route_live", "tenants")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
