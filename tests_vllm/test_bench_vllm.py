@@ -129,3 +129,34 @@ def test_bench_vs_vllm_on_the_random_model(tmp_path: Path) -> None:
         for side in ("kvstore engine", "vLLM")]
     for line in profiles:  # each profile found the products of the model's layers, on whatever thread ran them
         assert re.search(r"`(aten::mm|aten::addmm|_C::onednn_mm)` [0-9.]+", line), line
+
+
+def test_bench_serving_drives_both_servers_with_vllms_client(tmp_path: Path) -> None:
+    """Both servers start, serve every request of each workload through vLLM's client, and stop;
+    each row's ratio is the quotient of its two figures (TTFT and TPOT: lower is better)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = run_bench("serving", tmp_path, "--enforce-eager", "--prefix-tokens", "64", "--suffix-tokens", "8",
+                    "--output-tokens", "4", "--rate", "8", "--rate-requests", "4", "--concurrency", "2",
+                    "--rounds", "1", "--port", str(port))
+    assert RANDOM_MODEL in out
+    rows = {(cells[0].strip(), cells[1].strip()): [c.strip() for c in cells[2:]]
+            for cells in (line.split("|")[1:-1] for line in out.splitlines()
+                          if line.startswith("| ") and "---" not in line and not line.startswith("| workload"))}
+    workloads = ("4 requests at 8/s, 2 prefixes", "concurrency 2, 4 requests, 4 prefixes")
+    measurements = ("mean TTFT", "median TTFT", "mean TPOT", "output throughput")
+    assert set(rows) == {(w, m) for w in workloads for m in measurements}
+    for (workload, measurement), (ours, theirs, ratio, target, met, _spread) in rows.items():
+        a, b = number(ours, r"([0-9.]+) (?:ms|tok/s)"), number(theirs, r"([0-9.]+) (?:ms|tok/s)")
+        assert a[0] > 0 and b[0] > 0, (workload, measurement)
+        if measurement == "output throughput":
+            assert_quotient(ratio, a, b)
+        else:
+            assert_quotient(ratio, b, a)  # a speed: vLLM's time over kvstore's
+        judged = (measurement == "mean TTFT" and workload.startswith("4 requests")) or (
+            measurement in ("mean TPOT", "output throughput") and workload.startswith("concurrency"))
+        assert (met in ("yes", "NO")) == judged and (target != "(for reference)") == judged
+    assert ("Every target met." in out) != ("Missed:" in out)

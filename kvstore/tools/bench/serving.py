@@ -52,7 +52,8 @@ class Workload:
                  "--prefix-repetition-suffix-len", str(args.suffix_tokens),
                  "--prefix-repetition-num-prefixes", str(self.prefixes),
                  "--prefix-repetition-output-len", str(args.output_tokens),
-                 "--num-prompts", str(self.requests), "--ignore-eos", "--disable-tqdm", "--seed", "0",
+                 "--num-prompts", str(self.requests), "--ignore-eos", "--temperature", "0", "--disable-tqdm",
+                 "--seed", "0",
                  "--num-warmups", "1"]
         if self.rate is not None:
             flags += ["--request-rate", str(self.rate)]
@@ -69,7 +70,7 @@ def workloads(args: argparse.Namespace) -> list[Workload]:
     return [paced, *loaded]
 
 
-def _wait_for_http(url: str, proc: subprocess.Popen[bytes], log: Path) -> None:
+def _wait_for_http(url: str, proc: subprocess.Popen[Any], log: Path) -> None:
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -88,6 +89,7 @@ class Server:
     def __init__(self, which: str, args: argparse.Namespace, work: Path, port: int) -> None:
         model = args.bench_model
         self.which, self.base_url = which, f"http://127.0.0.1:{port}"
+        self.proc: subprocess.Popen[Any]
         kv_cache = f"{args.kv_cache_gib}GiB"
         if which == "kvstore":
             # the random model as saved for vLLM: then both servers and the client share its tokenizer
@@ -167,7 +169,7 @@ def render(results: dict[tuple[str, str], list[dict[str, float]]], args: argpars
         f"{', --enforce-eager' if args.enforce_eager else ''}), "
         "each driven over HTTP by vLLM's own client (`vllm.benchmarks.serve`, `/v1/completions`, one warm-up "
         f"request): its prefix_repetition dataset, prefixes of {args.prefix_tokens} tokens, "
-        f"{args.suffix_tokens}-token suffixes, {args.output_tokens} output tokens, ignore_eos. "
+        f"{args.suffix_tokens}-token suffixes, {args.output_tokens} output tokens, greedy, ignore_eos. "
         f"{args.rounds} rounds, the first server alternating; each figure is the mean over the rounds, "
         "spread = (worst - best) / best. Ratios: kvstore over vLLM as speed (above 1: kvstore ahead).",
         "",
