@@ -1,5 +1,7 @@
 """A worker thread whose torch ops run on one thread: where the engine runs its steps of one
-sequence and a few rows (kvstore/engine/runner.py, ``ONE_THREAD_ROWS``).
+sequence and a few rows (kvstore/engine/runner.py, ``ONE_THREAD_ROWS``) when its weights are
+not prepacked. Prepacked (the default on the CPU), oneDNN's products use a second thread well
+even at one row, and every step runs on the caller (docs/engine.md, Threads).
 
 A step of one row (a decode step of one sequence, the last token of a prompt found whole) is
 a chain of small ops, ~40 a layer besides the products, each too small to gain from a second
