@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import kvstore.engine.attention as attention
-from kvstore.engine.attention import GROUP_MIN_ROWS, StepPlan, row_view, shared_prefixes
+from kvstore.engine.attention import GROUP_MIN_ROWS, StepPlan, by_length, row_view, shared_prefixes
 from tests.engine.conftest import GREEDY, hf_greedy_check, make_engine
 
 
@@ -30,6 +30,12 @@ def test_groups_are_sequences_whose_tables_start_alike() -> None:
     assert shared_prefixes([[*prefix, 1]], [(long + 1) * bs], bs) == []  # one sequence alone
 
 
+def test_sequences_of_very_different_lengths_attend_in_separate_parts() -> None:
+    assert by_length([10, 9, 6, 5]) == [[0, 1, 2, 3]]  # within 2x: one part, in order
+    assert by_length([1000, 40, 35, 900, 1]) == [[0, 3], [1, 2], [4]]
+    assert by_length([]) == []
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_attention_in_groups_equals_attention_over_each_whole_context(dtype: torch.dtype) -> None:
     g = torch.Generator().manual_seed(0)
@@ -45,6 +51,8 @@ def test_attention_in_groups_equals_attention_over_each_whole_context(dtype: tor
     slots = torch.tensor([t[(n - 1) // bs] * bs + (n - 1) % bs for t, n in zip(tables, lens, strict=True)])
     plan = StepPlan(slots, tables, lens, [], bs, pool.stride(0) // pool.stride(3), torch.device("cpu"))
     assert [(m.tolist(), r.numel()) for m, r in plan.decode_groups] == [([0, 1, 2], len(shared) * bs)]
+    # own rows 6, 1, 9 and 10: the one-row sequence apart from the others
+    assert [None if p.index is None else p.index.tolist() for p in plan.decode_parts] == [[0, 2, 3], [1]]
     k_rows, v_rows = row_view(pool[:, 0, 0]), row_view(pool[:, 0, 1])
     out = plan.attend(q, k_new, v_new, k_rows, v_rows, scale=dim ** -0.5)
     for i, (table, n) in enumerate(zip(tables, lens, strict=True)):  # float64, each context whole

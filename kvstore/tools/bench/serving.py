@@ -12,7 +12,9 @@ only when the benchmark runs; run it from a venv with vLLM (that of ``make test-
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -25,7 +27,7 @@ from typing import Any
 from kvstore.services.common.argtypes import positive
 from kvstore.tools.bench.harness import machine, ratio_text, scratch_dir, start_service, write_section
 from kvstore.tools.bench.models import add_model_arguments
-from kvstore.tools.bench.vllm import loaded_from, prepare
+from kvstore.tools.bench.vllm import Daemon, loaded_from, prepare
 
 SERVED = "bench"  # the model name both servers answer to
 SERVERS = ("kvstore", "vllm")
@@ -84,28 +86,41 @@ def _wait_for_http(url: str, proc: subprocess.Popen[Any], log: Path) -> None:
 
 
 class Server:
-    """One server process, up for a round of workloads."""
+    """One server process, up for a round of workloads: ``kvstore`` (``kvstore engine``),
+    ``vllm`` (vLLM's OpenAI server) or ``vllm+kvstore`` (the same with kvstore's connector on the
+    daemon at ``store``). ``kv_bytes``: the device KV pool (None: ``--kv-cache-gib``)."""
 
-    def __init__(self, which: str, args: argparse.Namespace, work: Path, port: int) -> None:
+    def __init__(self, which: str, args: argparse.Namespace, work: Path, port: int, kv_bytes: int | None = None,
+                 store: str | None = None) -> None:
         model = args.bench_model
         self.which, self.base_url = which, f"http://127.0.0.1:{port}"
         self.proc: subprocess.Popen[Any]
-        kv_cache = f"{args.kv_cache_gib}GiB"
+        kv_cache = str(kv_bytes) if kv_bytes is not None else f"{args.kv_cache_gib}GiB"
         if which == "kvstore":
             # the random model as saved for vLLM: then both servers and the client share its tokenizer
             served = model.server_args() if model.path else ["--model", str(model.hf_dir(work))]
             cmd = [sys.executable, "-m", "kvstore.cli", "engine", *served, "--port", str(port),
-                   "--served-model-name", SERVED, "--kv-cache", kv_cache]
+                   "--served-model-name", SERVED, "--kv-cache", kv_cache, "--host-mem", f"{args.host_gib}GiB"]
             self.proc, _ = start_service(cmd, "kvstore engine")
             return
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model.hf_dir(work)),
                "--port", str(port), "--host", "127.0.0.1", "--served-model-name", SERVED, "--dtype", "float32",
                "--uvicorn-log-level", "warning"]
+        env = dict(os.environ)
+        env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the server runs its engine core as vLLM ships it
+        if kv_bytes is None:
+            env["VLLM_CPU_KVCACHE_SPACE"] = str(args.kv_cache_gib)
+        else:
+            cmd += ["--kv-cache-memory-bytes", str(kv_bytes)]
         if args.enforce_eager:
             cmd.append("--enforce-eager")
-        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(args.kv_cache_gib))
-        env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the server runs its engine core as vLLM ships it
-        log = work / f"vllm-server-{port}.log"
+        if which == "vllm+kvstore":
+            assert store is not None
+            connector = {"kv_connector": "KVStoreConnector", "kv_connector_module_path": "kvstore.integrations.vllm",
+                         "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+                         "kv_connector_extra_config": {"store": store}}
+            cmd += ["--distributed-executor-backend", "uni", "--kv-transfer-config", json.dumps(connector)]
+        log = work / f"{which}-server-{port}.log"
         with log.open("wb") as out:
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
         _wait_for_http(f"{self.base_url}/v1/models", self.proc, log)
@@ -151,6 +166,103 @@ def measure(args: argparse.Namespace, work: Path) -> dict[tuple[str, str], list[
             finally:
                 server.stop()
     return results
+
+
+OVERFLOW_SERVERS = ("kvstore", "vllm", "vllm+kvstore")
+OVERFLOW_TARGET = 2.0  # kvstore's mean TTFT of returning users at least this many times lower than vLLM's
+TURN_TOKENS = 32  # the new turn a returning user adds to their history
+
+
+def overflow_files(args: argparse.Namespace, work: Path) -> tuple[Path, Path]:
+    """Two JSONL files of vLLM's ``custom`` dataset: each user's history, then the same history
+    with a new turn (random token ids as text, the tokenizer's own words)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(args.bench_model.hf_dir(work))
+    rng = random.Random(0)
+    low = min(256, tokenizer.vocab_size // 2)  # clear of the special tokens at the vocabulary's start
+
+    def text(n: int) -> str:
+        return str(tokenizer.decode([rng.randrange(low, tokenizer.vocab_size) for _ in range(n)]))
+
+    histories = [text(args.history_tokens) for _ in range(args.users)]
+    files = (work / "histories.jsonl", work / "returns.jsonl")
+    for path, prompts in zip(files, (histories, [h + text(TURN_TOKENS) for h in histories]), strict=True):
+        path.write_text("".join(json.dumps({"prompt": p, "output_tokens": args.output_tokens}) + "\n"
+                                for p in prompts))
+    return files
+
+
+def overflow_pool_bytes(args: argparse.Namespace) -> int:
+    """A device pool that holds ``--pool-users`` users' conversations (with room to spare for
+    tokenization's drift and the block rounding), in bytes of fp32 KV."""
+    c = args.bench_model.config
+    per_token = c.num_layers * 2 * c.num_kv_heads * c.head_dim * 4
+    tokens = args.history_tokens + TURN_TOKENS + args.output_tokens + 160
+    return args.pool_users * tokens * per_token
+
+
+def measure_overflow(args: argparse.Namespace, work: Path) -> dict[str, dict[str, float]]:
+    """Per server: the client's figures for the returning users (the second pass)."""
+    histories, returns = overflow_files(args, work)
+    tokenizer = args.bench_model.hf_dir(work)
+    kv_bytes = overflow_pool_bytes(args)
+    results: dict[str, dict[str, float]] = {}
+    for which in OVERFLOW_SERVERS:
+        daemon = None
+        if which == "vllm+kvstore":
+            daemon = Daemon(work / "daemon", host_mem=f"{args.host_gib}GiB")
+            daemon.start()
+        print(f"overflow: starting {which}'s server", flush=True)
+        server = Server(which, args, work, args.port, kv_bytes=kv_bytes, store=daemon.url if daemon else None)
+        try:
+            for path, concurrency in ((histories, 4), (returns, 1)):
+                flags = ["--backend", "openai", "--base-url", server.base_url, "--endpoint", "/v1/completions",
+                         "--model", SERVED, "--tokenizer", str(tokenizer), "--dataset-name", "custom",
+                         "--dataset-path", str(path), "--custom-skip-chat-template", "--disable-shuffle",
+                         "--num-prompts", str(args.users), "--max-concurrency", str(concurrency), "--ignore-eos",
+                         "--temperature", "0", "--disable-tqdm", "--seed", "0"]
+                r = run_client(flags)
+                if r["completed"] != args.users or r.get("failed", 0):
+                    raise RuntimeError(f"{which}: {r['completed']} of {args.users} requests served")
+            results[which] = {k: float(r[k]) for k in ("mean_ttft_ms", "median_ttft_ms", "mean_tpot_ms")}
+            print(f"  {which}: returning users: " + ", ".join(f"{k} {v:.1f}" for k, v in results[which].items()),
+                  flush=True)
+        finally:
+            server.stop()
+            if daemon is not None:
+                daemon.stop()
+    return results
+
+
+def render_overflow(results: dict[str, dict[str, float]], args: argparse.Namespace) -> str:
+    ours = results["kvstore"]["mean_ttft_ms"]
+    lines = [
+        "### Conversations that overflow the device pool (`kvstore bench serving --overflow`)",
+        "",
+        f"{args.users} users, each with a {args.history_tokens}-token history, come back once each, in the "
+        f"order they first came, with a {TURN_TOKENS}-token turn ({args.output_tokens} output tokens). Every "
+        f"server's device KV pool holds {args.pool_users} conversations ({overflow_pool_bytes(args) / 2**20:.0f} "
+        "MiB), so by the time a user returns their history has left it. Lower tiers: the engine's host tier and, for "
+        f"vLLM with kvstore's connector, a `kvstore serve` daemon's host tier ({args.host_gib} GiB each). vLLM's "
+        "client sends the histories 4 at a time, then the returns one at a time (the TTFT below is theirs), vLLM's "
+        "`custom` dataset in its file's order. One run of each server.",
+        "",
+        "| server | mean TTFT, returning users | median TTFT | mean TPOT | kvstore's mean TTFT lower by | target | met |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for which, label, want in (("kvstore", "kvstore engine", None), ("vllm", "vLLM, no connector", OVERFLOW_TARGET),
+                               ("vllm+kvstore", "vLLM + kvstore's connector", 1.0)):
+        r = results[which]
+        if want is None:
+            ratio, target, met = "-", "-", "-"
+        else:
+            speed = r["mean_ttft_ms"] / ours
+            ratio, target = f"{ratio_text(speed, want)}x", f">= {want:g}x"
+            met = "yes" if speed >= want else "NO"
+        lines.append(f"| {label} | {r['mean_ttft_ms']:.1f} ms | {r['median_ttft_ms']:.1f} ms | {r['mean_tpot_ms']:.1f} ms "
+                     f"| {ratio} | {target} | {met} |")
+    return "\n".join(lines)
 
 
 def _spread(values: list[float]) -> str:
@@ -208,11 +320,13 @@ def run(args: argparse.Namespace) -> int:
     if not prepare(args, "kvstore bench serving"):
         return 2
     with scratch_dir(args.dir, "serving") as work:
-        results = measure(args, work)
-    text = render(results, args)
+        if args.overflow:
+            name, text = "serving-overflow", render_overflow(measure_overflow(args, work), args)
+        else:
+            name, text = "serving", render(measure(args, work), args)
     print(text)
     if not args.no_write:
-        write_section("serving", text)
+        write_section(name, text)
     return 0
 
 
@@ -241,7 +355,17 @@ def register_target(targets: argparse._SubParsersAction) -> None:
     p.add_argument("--rounds", type=positive(int), default=2, help="rounds over both servers (default 2)")
     p.add_argument("--kv-cache-gib", type=positive(int), default=1, help="each server's KV cache (default 1 GiB)")
     p.add_argument("--port", type=positive(int), default=8711, help="the servers' port, one at a time (default 8711)")
+    p.add_argument("--host-gib", type=positive(int), default=4,
+                   help="host RAM of the engine's store and of the connector's daemon (default 4 GiB)")
     p.add_argument("--enforce-eager", action="store_true", help="vLLM without torch.compile (quick runs, tests)")
+    over = p.add_argument_group("the pool-overflow workload (--overflow: instead of the workloads above)")
+    over.add_argument("--overflow", action="store_true",
+                      help="users whose conversations together overflow the device pool come back: kvstore engine, "
+                      "vLLM, and vLLM with kvstore's connector (its own section of docs/benchmarks.md)")
+    over.add_argument("--users", type=positive(int), default=32, help="conversations (default 32)")
+    over.add_argument("--history-tokens", type=positive(int), default=1024, help="tokens of each history (default 1024)")
+    over.add_argument("--pool-users", type=positive(int), default=8,
+                      help="conversations the device pool holds (default 8)")
     p.add_argument("--dir", help="where the scratch files go (default: current directory)")
     p.add_argument("--no-write", action="store_true", help="print only; leave docs/ untouched")
     p.set_defaults(func=run)

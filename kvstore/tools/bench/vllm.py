@@ -36,15 +36,16 @@ BLOCK = 128  # vLLM's CPU block
 class Daemon:
     """``kvstore serve`` on a scratch data directory, restartable on the same directory."""
 
-    def __init__(self, root: Path, max_namespaces: int = 1) -> None:
+    def __init__(self, root: Path, max_namespaces: int = 1, host_mem: str = "512MiB") -> None:
         self.root = root
+        self.host_mem = host_mem
         self.url = f"unix://{root / 'kv.sock'}"
         self.max_namespaces = max_namespaces
         self.proc: subprocess.Popen[str] | None = None
 
     def start(self) -> None:
         cmd = [sys.executable, "-m", "kvstore.services.daemon", "serve", "--data-dir", str(self.root / "data"),
-               "--host-mem", "512MiB", "--disk-size", "1GiB", "--max-namespaces", str(self.max_namespaces),
+               "--host-mem", self.host_mem, "--disk-size", "1GiB", "--max-namespaces", str(self.max_namespaces),
                "--socket", str(self.root / "kv.sock"), "--listen", "", "--http", ""]
         self.proc, _ = start_service(cmd, "the daemon")
 
