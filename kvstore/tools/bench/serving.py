@@ -219,7 +219,7 @@ def measure_overflow(args: argparse.Namespace, work: Path) -> dict[str, dict[str
             for path, concurrency in ((histories, 4), (returns, 1)):
                 flags = ["--backend", "openai", "--base-url", server.base_url, "--endpoint", "/v1/completions",
                          "--model", SERVED, "--tokenizer", str(tokenizer), "--dataset-name", "custom",
-                         "--dataset-path", str(path), "--custom-skip-chat-template", "--disable-shuffle",
+                         "--dataset-path", str(path), "--skip-chat-template", "--disable-shuffle",
                          "--num-prompts", str(args.users), "--max-concurrency", str(concurrency), "--ignore-eos",
                          "--temperature", "0", "--disable-tqdm", "--seed", "0"]
                 r = run_client(flags)
