@@ -72,17 +72,24 @@ def workloads(args: argparse.Namespace) -> list[Workload]:
     return [paced, *loaded]
 
 
+def _errors(log: Path) -> str:
+    """The lines of a server's log that name an error (its root cause among them), else its end."""
+    lines = log.read_text(errors="replace").splitlines()
+    named = [line for line in lines if "Error" in line or "error:" in line]
+    return "\n".join(named[-6:]) if named else "\n".join(lines[-20:])
+
+
 def _wait_for_http(url: str, proc: subprocess.Popen[Any], log: Path) -> None:
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"vLLM's server exited ({proc.returncode}): {log.read_text()[-2000:]}")
+            raise RuntimeError(f"vLLM's server exited ({proc.returncode}):\n{_errors(log)}")
         try:
             with urllib.request.urlopen(url, timeout=2):
                 return
         except OSError:
             time.sleep(1.0)
-    raise RuntimeError(f"vLLM's server did not answer {url} in {START_TIMEOUT_S:.0f} s: {log.read_text()[-2000:]}")
+    raise RuntimeError(f"vLLM's server did not answer {url} in {START_TIMEOUT_S:.0f} s:\n{_errors(log)}")
 
 
 class Server:
@@ -91,7 +98,7 @@ class Server:
     daemon at ``store``). ``kv_bytes``: the device KV pool (None: ``--kv-cache-gib``)."""
 
     def __init__(self, which: str, args: argparse.Namespace, work: Path, port: int, kv_bytes: int | None = None,
-                 store: str | None = None) -> None:
+                 store: str | None = None, max_model_len: int | None = None) -> None:
         model = args.bench_model
         self.which, self.base_url = which, f"http://127.0.0.1:{port}"
         self.proc: subprocess.Popen[Any]
@@ -112,6 +119,8 @@ class Server:
             env["VLLM_CPU_KVCACHE_SPACE"] = str(args.kv_cache_gib)
         else:
             cmd += ["--kv-cache-memory-bytes", str(kv_bytes)]
+        if max_model_len is not None:  # vLLM refuses a KV cache smaller than one sequence of the model's length
+            cmd += ["--max-model-len", str(max_model_len)]
         if args.enforce_eager:
             cmd.append("--enforce-eager")
         if which == "vllm+kvstore":
@@ -173,9 +182,15 @@ OVERFLOW_TARGET = 2.0  # kvstore's mean TTFT of returning users at least this ma
 TURN_TOKENS = 32  # the new turn a returning user adds to their history
 
 
+SHAREGPT_MAX_PROMPT = 1024  # vLLM's client drops ShareGPT prompts longer than this (its tokenizer's count)
+
+
 def overflow_files(args: argparse.Namespace, work: Path) -> tuple[Path, Path]:
-    """Two JSONL files of vLLM's ``custom`` dataset: each user's history, then the same history
-    with a new turn (random token ids as text, the tokenizer's own words)."""
+    """Two files of vLLM's ``sharegpt`` dataset (its JSON loader; the ``custom`` one needs
+    pandas): each user's history, then the same history with a new turn. The text is random
+    token ids decoded by the model's tokenizer; each return stays within the prompt length the
+    client keeps (``run`` checks that ``--history-tokens`` leaves room for the turn).
+    """
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(args.bench_model.hf_dir(work))
@@ -185,11 +200,20 @@ def overflow_files(args: argparse.Namespace, work: Path) -> tuple[Path, Path]:
     def text(n: int) -> str:
         return str(tokenizer.decode([rng.randrange(low, tokenizer.vocab_size) for _ in range(n)]))
 
-    histories = [text(args.history_tokens) for _ in range(args.users)]
-    files = (work / "histories.jsonl", work / "returns.jsonl")
-    for path, prompts in zip(files, (histories, [h + text(TURN_TOKENS) for h in histories]), strict=True):
-        path.write_text("".join(json.dumps({"prompt": p, "output_tokens": args.output_tokens}) + "\n"
-                                for p in prompts))
+    def count(prompt: str) -> int:
+        return len(tokenizer(prompt).input_ids)
+
+    histories, returns = [], []
+    for _ in range(args.users):
+        history, turn = text(args.history_tokens), text(TURN_TOKENS)
+        while count(history + turn) > SHAREGPT_MAX_PROMPT - 8:  # decoding and encoding again may merge or split
+            history = history[: int(len(history) * 0.95)]
+        histories.append(history)
+        returns.append(history + turn)
+    files = (work / "histories.json", work / "returns.json")
+    for path, prompts in zip(files, (histories, returns), strict=True):
+        path.write_text(json.dumps([{"conversations": [{"from": "human", "value": p}, {"from": "gpt", "value": "."}]}
+                                    for p in prompts]))
     return files
 
 
@@ -199,7 +223,9 @@ def overflow_pool_bytes(args: argparse.Namespace) -> int:
     c = args.bench_model.config
     per_token = c.num_layers * 2 * c.num_kv_heads * c.head_dim * 4
     tokens = args.history_tokens + TURN_TOKENS + args.output_tokens + 160
-    return args.pool_users * tokens * per_token
+    # at least two sequences of the longest prompt vLLM's client sends: vLLM refuses a cache short of one,
+    # counted in its blocks of 128 tokens and with some margin of its own
+    return max(args.pool_users * tokens, 2 * (SHAREGPT_MAX_PROMPT + args.output_tokens)) * per_token
 
 
 def measure_overflow(args: argparse.Namespace, work: Path) -> dict[str, dict[str, float]]:
@@ -214,12 +240,14 @@ def measure_overflow(args: argparse.Namespace, work: Path) -> dict[str, dict[str
             daemon = Daemon(work / "daemon", host_mem=f"{args.host_gib}GiB")
             daemon.start()
         print(f"overflow: starting {which}'s server", flush=True)
-        server = Server(which, args, work, args.port, kv_bytes=kv_bytes, store=daemon.url if daemon else None)
+        server = Server(which, args, work, args.port, kv_bytes=kv_bytes, store=daemon.url if daemon else None,
+                        max_model_len=SHAREGPT_MAX_PROMPT + args.output_tokens)
         try:
             for path, concurrency in ((histories, 4), (returns, 1)):
                 flags = ["--backend", "openai", "--base-url", server.base_url, "--endpoint", "/v1/completions",
-                         "--model", SERVED, "--tokenizer", str(tokenizer), "--dataset-name", "custom",
-                         "--dataset-path", str(path), "--skip-chat-template", "--disable-shuffle",
+                         "--model", SERVED, "--tokenizer", str(tokenizer), "--dataset-name", "sharegpt",
+                         "--dataset-path", str(path), "--sharegpt-output-len", str(args.output_tokens),
+                         "--disable-shuffle",
                          "--num-prompts", str(args.users), "--max-concurrency", str(concurrency), "--ignore-eos",
                          "--temperature", "0", "--disable-tqdm", "--seed", "0"]
                 r = run_client(flags)
@@ -246,7 +274,7 @@ def render_overflow(results: dict[str, dict[str, float]], args: argparse.Namespa
         "MiB), so by the time a user returns their history has left it. Lower tiers: the engine's host tier and, for "
         f"vLLM with kvstore's connector, a `kvstore serve` daemon's host tier ({args.host_gib} GiB each). vLLM's "
         "client sends the histories 4 at a time, then the returns one at a time (the TTFT below is theirs), vLLM's "
-        "`custom` dataset in its file's order. One run of each server.",
+        "`sharegpt` dataset loader in its file's order. One run of each server.",
         "",
         "| server | mean TTFT, returning users | median TTFT | mean TPOT | kvstore's mean TTFT lower by | target | met |",
         "|---|---|---|---|---|---|---|",
@@ -317,6 +345,11 @@ def render(results: dict[tuple[str, str], list[dict[str, float]]], args: argpars
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.overflow and args.history_tokens + TURN_TOKENS + 16 > SHAREGPT_MAX_PROMPT:
+        print(f"kvstore bench serving: --history-tokens {args.history_tokens} leaves no room for a {TURN_TOKENS}-token "
+              f"turn: a returning user's prompt must stay within {SHAREGPT_MAX_PROMPT} tokens (vLLM's client drops "
+              "longer ShareGPT prompts)", file=sys.stderr)
+        return 2
     if not prepare(args, "kvstore bench serving"):
         return 2
     with scratch_dir(args.dir, "serving") as work:
@@ -363,7 +396,8 @@ def register_target(targets: argparse._SubParsersAction) -> None:
                       help="users whose conversations together overflow the device pool come back: kvstore engine, "
                       "vLLM, and vLLM with kvstore's connector (its own section of docs/benchmarks.md)")
     over.add_argument("--users", type=positive(int), default=32, help="conversations (default 32)")
-    over.add_argument("--history-tokens", type=positive(int), default=1024, help="tokens of each history (default 1024)")
+    over.add_argument("--history-tokens", type=positive(int), default=960,
+                      help="tokens of each history (default 960; with the turn within vLLM's client's 1,024)")
     over.add_argument("--pool-users", type=positive(int), default=8,
                       help="conversations the device pool holds (default 8)")
     p.add_argument("--dir", help="where the scratch files go (default: current directory)")
