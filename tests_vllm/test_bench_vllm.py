@@ -160,3 +160,32 @@ def test_bench_serving_drives_both_servers_with_vllms_client(tmp_path: Path) -> 
             measurement in ("mean TPOT", "output throughput") and workload.startswith("concurrency"))
         assert (met in ("yes", "NO")) == judged and (target != "(for reference)") == judged
     assert ("Every target met." in out) != ("Missed:" in out)
+
+
+def test_bench_serving_overflow_brings_users_back_to_all_three_servers(tmp_path: Path) -> None:
+    """Users whose histories overflow every device pool come back: the engine, vLLM, and vLLM
+    with kvstore's connector on a daemon each serve all of them, and both ratios are quotients of
+    the TTFTs printed."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = run_bench("serving", tmp_path, "--overflow", "--enforce-eager", "--users", "6", "--pool-users", "2",
+                    "--history-tokens", "400", "--output-tokens", "4", "--host-gib", "1", "--port", str(port))
+    rows = table(out)
+    assert set(rows) == {"kvstore engine", "vLLM, no connector", "vLLM + kvstore's connector"}
+    ours = number(rows["kvstore engine"][0], r"([0-9.]+) ms")
+    for name, want in (("vLLM, no connector", ">= 2x"), ("vLLM + kvstore's connector", ">= 1x")):
+        theirs, ratio, target, met = rows[name][0], rows[name][3], rows[name][4], rows[name][5]
+        assert target == want and met in ("yes", "NO")
+        assert_quotient(ratio, number(theirs, r"([0-9.]+) ms"), ours)
+    assert "6 users, each with a 400-token history" in out
+
+
+def test_bench_serving_refuses_a_history_too_long_for_the_client(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "kvstore.cli", "bench", "serving", "--overflow", "--random-model",
+                           "--history-tokens", "1000", "--no-write", "--dir", str(tmp_path)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "--history-tokens 1000 leaves no room" in proc.stderr and "Traceback" not in proc.stderr
