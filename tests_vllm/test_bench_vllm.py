@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -29,6 +30,13 @@ def run_bench(target: str, tmp_path: Path, *flags: str) -> str:
     assert hashlib.sha256(docs.read_bytes()).hexdigest() == before  # --no-write
     assert not list(tmp_path.glob("kvstore-bench-*")), "the scratch directory was left behind"
     return proc.stdout
+
+
+def free_port() -> int:
+    """A loopback port free now (the bench's servers take it one at a time)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def table(text: str) -> dict[str, list[str]]:
@@ -134,11 +142,7 @@ def test_bench_vs_vllm_on_the_random_model(tmp_path: Path) -> None:
 def test_bench_serving_drives_both_servers_with_vllms_client(tmp_path: Path) -> None:
     """Both servers start, serve every request of each workload through vLLM's client, and stop;
     each row's ratio is the quotient of its two figures (TTFT and TPOT: lower is better)."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     out = run_bench("serving", tmp_path, "--enforce-eager", "--prefix-tokens", "64", "--suffix-tokens", "8",
                     "--output-tokens", "4", "--rate", "8", "--rate-requests", "4", "--concurrency", "2",
                     "--rounds", "1", "--port", str(port))
@@ -166,11 +170,7 @@ def test_bench_serving_overflow_brings_users_back_to_all_three_servers(tmp_path:
     """Users whose histories overflow every device pool come back: the engine, vLLM, and vLLM
     with kvstore's connector on a daemon each serve all of them, and both ratios are quotients of
     the TTFTs printed."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     out = run_bench("serving", tmp_path, "--overflow", "--enforce-eager", "--users", "6", "--pool-users", "2",
                     "--history-tokens", "400", "--output-tokens", "4", "--host-gib", "1", "--port", str(port))
     rows = table(out)
