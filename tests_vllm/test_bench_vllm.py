@@ -136,7 +136,7 @@ def test_bench_vs_vllm_on_the_random_model(tmp_path: Path) -> None:
         f"- {what}, {side}" for what in ("prefill", "decode step, batch 1", "decode step, batch 16")
         for side in ("kvstore engine", "vLLM")]
     for line in profiles:  # each profile found the products of the model's layers, on whatever thread ran them
-        assert re.search(r"`(aten::mm|aten::addmm|_C::onednn_mm)` [0-9.]+", line), line
+        assert re.search(r"`(aten::mm|aten::addmm|mkldnn::_linear_pointwise|_C::onednn_mm)` [0-9.]+", line), line
 
 
 def test_bench_serving_drives_both_servers_with_vllms_client(tmp_path: Path) -> None:

@@ -15,9 +15,11 @@ import argparse
 import json
 import os
 import random
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass
@@ -235,14 +237,15 @@ def measure_overflow(args: argparse.Namespace, work: Path) -> dict[str, dict[str
     kv_bytes = overflow_pool_bytes(args)
     results: dict[str, dict[str, float]] = {}
     for which in OVERFLOW_SERVERS:
-        daemon = None
-        if which == "vllm+kvstore":
-            daemon = Daemon(work / "daemon", host_mem=f"{args.host_gib}GiB")
-            daemon.start()
-        print(f"overflow: starting {which}'s server", flush=True)
-        server = Server(which, args, work, args.port, kv_bytes=kv_bytes, store=daemon.url if daemon else None,
-                        max_model_len=SHAREGPT_MAX_PROMPT + args.output_tokens)
+        daemon, server, sockets = None, None, None
         try:
+            if which == "vllm+kvstore":  # the socket in a short directory of its own: the scratch one may be deep
+                sockets = Path(tempfile.mkdtemp(prefix="kvstore-bench-"))
+                daemon = Daemon(work / "daemon", host_mem=f"{args.host_gib}GiB", socket=sockets / "kv.sock")
+                daemon.start()
+            print(f"overflow: starting {which}'s server", flush=True)
+            server = Server(which, args, work, args.port, kv_bytes=kv_bytes, store=daemon.url if daemon else None,
+                            max_model_len=SHAREGPT_MAX_PROMPT + args.output_tokens)
             for path, concurrency in ((histories, 4), (returns, 1)):
                 flags = ["--backend", "openai", "--base-url", server.base_url, "--endpoint", "/v1/completions",
                          "--model", SERVED, "--tokenizer", str(tokenizer), "--dataset-name", "sharegpt",
@@ -257,9 +260,12 @@ def measure_overflow(args: argparse.Namespace, work: Path) -> dict[str, dict[str
             print(f"  {which}: returning users: " + ", ".join(f"{k} {v:.1f}" for k, v in results[which].items()),
                   flush=True)
         finally:
-            server.stop()
+            if server is not None:
+                server.stop()
             if daemon is not None:
                 daemon.stop()
+            if sockets is not None:
+                shutil.rmtree(sockets, ignore_errors=True)
     return results
 
 

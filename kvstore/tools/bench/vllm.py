@@ -36,17 +36,18 @@ BLOCK = 128  # vLLM's CPU block
 class Daemon:
     """``kvstore serve`` on a scratch data directory, restartable on the same directory."""
 
-    def __init__(self, root: Path, max_namespaces: int = 1, host_mem: str = "512MiB") -> None:
+    def __init__(self, root: Path, max_namespaces: int = 1, host_mem: str = "512MiB", socket: Path | None = None) -> None:
         self.root = root
         self.host_mem = host_mem
-        self.url = f"unix://{root / 'kv.sock'}"
+        self.socket = socket or root / "kv.sock"  # a Unix socket's path has at most 107 bytes
+        self.url = f"unix://{self.socket}"
         self.max_namespaces = max_namespaces
         self.proc: subprocess.Popen[str] | None = None
 
     def start(self) -> None:
         cmd = [sys.executable, "-m", "kvstore.services.daemon", "serve", "--data-dir", str(self.root / "data"),
                "--host-mem", self.host_mem, "--disk-size", "1GiB", "--max-namespaces", str(self.max_namespaces),
-               "--socket", str(self.root / "kv.sock"), "--listen", "", "--http", ""]
+               "--socket", str(self.socket), "--listen", "", "--http", ""]
         self.proc, _ = start_service(cmd, "the daemon")
 
     def stop(self) -> None:
