@@ -147,7 +147,8 @@ class StepPlan:
         # shared rows read once for all of them; each sequence's own rows start after them
         self.decode_groups: list[tuple[torch.Tensor, torch.Tensor]] = []
         starts = [0] * self.num_decode
-        if device.type == "cpu":  # the merge needs the CPU flash kernel's log-sum-exp
+        merge = device.type == "cpu"  # merging parts needs the CPU flash kernel's log-sum-exp
+        if merge:
             for members, shared in shared_prefixes(decode_tables, decode_lens, block_size):
                 rows = (torch.tensor(shared, dtype=torch.long)[:, None] * rows_per_block
                         + torch.arange(block_size)).flatten()
@@ -158,7 +159,7 @@ class StepPlan:
         # Sequences whose own rows differ by more than 2x attend in separate parts (each padded
         # to its longest): a sequence outside any group would otherwise pad every other one to
         # its whole context. Where the merge is not available (CUDA), one part.
-        parts = by_length(own) if device.type == "cpu" else [list(range(self.num_decode))]
+        parts = by_length(own) if merge else [list(range(self.num_decode))]
         self.decode_parts: list[DecodePart] = []
         for part in parts if decode_lens else []:
             part_own = [own[i] for i in part]

@@ -97,14 +97,14 @@ def _wait_for_http(url: str, proc: subprocess.Popen[Any], log: Path) -> None:
 class Server:
     """One server process, up for a round of workloads: ``kvstore`` (``kvstore engine``),
     ``vllm`` (vLLM's OpenAI server) or ``vllm+kvstore`` (the same with kvstore's connector on the
-    daemon at ``store``). ``kv_bytes``: the device KV pool (None: ``--kv-cache-gib``)."""
+    daemon at ``store``). ``kv_bytes``: the device KV pool of either server (None: ``--kv-cache-gib``)."""
 
     def __init__(self, which: str, args: argparse.Namespace, work: Path, port: int, kv_bytes: int | None = None,
                  store: str | None = None, max_model_len: int | None = None) -> None:
         model = args.bench_model
-        self.which, self.base_url = which, f"http://127.0.0.1:{port}"
+        self.base_url = f"http://127.0.0.1:{port}"
         self.proc: subprocess.Popen[Any]
-        kv_cache = str(kv_bytes) if kv_bytes is not None else f"{args.kv_cache_gib}GiB"
+        kv_cache = str(kv_bytes if kv_bytes is not None else args.kv_cache_gib << 30)
         if which == "kvstore":
             # the random model as saved for vLLM: then both servers and the client share its tokenizer
             served = model.server_args() if model.path else ["--model", str(model.hf_dir(work))]
@@ -115,12 +115,9 @@ class Server:
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model.hf_dir(work)),
                "--port", str(port), "--host", "127.0.0.1", "--served-model-name", SERVED, "--dtype", "float32",
                "--uvicorn-log-level", "warning"]
+        cmd += ["--kv-cache-memory-bytes", kv_cache]
         env = dict(os.environ)
         env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the server runs its engine core as vLLM ships it
-        if kv_bytes is None:
-            env["VLLM_CPU_KVCACHE_SPACE"] = str(args.kv_cache_gib)
-        else:
-            cmd += ["--kv-cache-memory-bytes", str(kv_bytes)]
         if max_model_len is not None:  # vLLM refuses a KV cache smaller than one sequence of the model's length
             cmd += ["--max-model-len", str(max_model_len)]
         if args.enforce_eager:
@@ -310,7 +307,8 @@ def render(results: dict[tuple[str, str], list[dict[str, float]]], args: argpars
         "",
         f"Machine: {machine()}. Model: {model.describe()}, fp32 on both sides, {loaded_from(model)}. "
         f"Both servers as their users start them, one at a time: `kvstore engine` (block 16, "
-        f"{args.kv_cache_gib} GiB device pool) and vLLM's `vllm.entrypoints.openai.api_server` "
+        f"{args.kv_cache_gib} GiB device pool, {args.host_gib} GiB host tier) and vLLM's "
+        "`vllm.entrypoints.openai.api_server` "
         f"({args.kv_cache_gib} GiB of KV cache, its default prefix cache and torch.compile"
         f"{', --enforce-eager' if args.enforce_eager else ''}), "
         "each driven over HTTP by vLLM's own client (`vllm.benchmarks.serve`, `/v1/completions`, one warm-up "
