@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from kvstore import kernels
-from kvstore.kernels import pack_rows, unpack_rows
+from kvstore.kernels import cpu_rows, pack_rows, unpack_rows
 
 
 def use_torch_path(device: torch.device) -> bool:
@@ -89,6 +89,8 @@ def by_length(lengths: list[int]) -> list[list[int]]:
     return [sorted(p) for p in parts]
 
 
+# cpu_rows.row_attention's index tensors: own rows and lengths, members and counts, shared rows and lengths
+RowIndex = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 GROUP_MIN_ROWS = 256  # a group's shared rows are read once when that saves at least this many row reads
 
 
@@ -118,6 +120,29 @@ def shared_prefixes(tables: list[list[int]], lens: list[int], block_size: int) -
     return groups
 
 
+def _grouped(queries: torch.Tensor, members: torch.Tensor) -> torch.Tensor:
+    """A group's queries ``[d, kv_heads, group, head_dim]`` as the rows of one batch item:
+    ``[1, kv_heads, members * group, head_dim]``."""
+    _, num_kv_heads, group, head_dim = queries.shape
+    n = members.numel()
+    return queries.index_select(0, members).transpose(0, 1).reshape(1, num_kv_heads, n * group, head_dim)
+
+
+def _merge(attn: torch.Tensor, lse: torch.Tensor, members: torch.Tensor, part_attn: torch.Tensor,
+           part_lse: torch.Tensor) -> None:
+    """Merge a group's attention over its shared rows (``_grouped``'s layout, with log-sum-exps)
+    into its members' attention over their own rows, in place, by the log-sum-exps."""
+    _, num_kv_heads, group, head_dim = attn.shape
+    n = members.numel()
+    part_attn = part_attn[0].reshape(num_kv_heads, n, group, head_dim).transpose(0, 1)
+    part_lse = part_lse[0].reshape(num_kv_heads, n, group).transpose(0, 1)
+    own, own_lse = attn.index_select(0, members), lse.index_select(0, members)
+    total = torch.logaddexp(own_lse, part_lse)
+    merged = own * torch.exp(own_lse - total)[..., None] + part_attn * torch.exp(part_lse - total)[..., None]
+    attn.index_copy_(0, members, merged)
+    lse.index_copy_(0, members, total)
+
+
 class StepPlan:
     """Row ids and masks of one step's packed batch (decode rows first, then prefill chunks).
 
@@ -128,11 +153,14 @@ class StepPlan:
             included).
         prefill: per prefill chunk ``(block_table, seq_len, num_new)``, in packing order.
         block_size, rows_per_block: the pool's geometry (``pool.stride(0) // row``).
+        row_kernel: decode attention through ``kvstore.kernels.cpu_rows`` (CPU, float32 pool
+            and queries): the rows are read in place, one call for every sequence's own rows
+            (variable lengths, no padding) and one per shared-prefix group.
     """
 
     def __init__(self, slots: torch.Tensor, decode_tables: list[list[int]], decode_lens: list[int],
                  prefill: list[tuple[list[int], int, int]], block_size: int, rows_per_block: int,
-                 device: torch.device) -> None:
+                 device: torch.device, row_kernel: bool = False) -> None:
         self.block_size, self.rows_per_block = block_size, rows_per_block
         keep = slots >= 0
         # store_rows: where the written rows go; store_sel: which rows of k/v are written (None: all)
@@ -156,12 +184,17 @@ class StepPlan:
                 for i in members:
                     starts[i] = len(shared) * block_size
         own = [n - s for n, s in zip(decode_lens, starts, strict=True)]  # rows besides the group's
+        # the row kernel's index tensors: each sequence's own rows; items (the groups, then each
+        # sequence in none alone) with their members and shared rows (kvstore.kernels.cpu_rows)
+        self.row_index: RowIndex | None = None
+        if row_kernel and decode_lens:
+            self.row_index = self._row_index(decode_tables, starts, own, block_size)
         # Sequences whose own rows differ by more than 2x attend in separate parts (each padded
         # to its longest): a sequence outside any group would otherwise pad every other one to
         # its whole context. Where the merge is not available (CUDA), one part.
         parts = by_length(own) if merge else [list(range(self.num_decode))]
         self.decode_parts: list[DecodePart] = []
-        for part in parts if decode_lens else []:
+        for part in parts if decode_lens and self.row_index is None else []:
             part_own = [own[i] for i in part]
             length = max(part_own)
             own_t, start_t = torch.tensor(part_own), torch.tensor([starts[i] for i in part])
@@ -191,6 +224,29 @@ class StepPlan:
             bias = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf"))
             self.prefill.append((self._rows(slots_1d).to(device), bias.to(device), num_new))
         self._grouped: dict[tuple[int, int], torch.Tensor] = {}  # (chunk, group) -> mask repeated
+
+    def _row_index(self, tables: list[list[int]], starts: list[int], own: list[int],
+                   block_size: int) -> RowIndex:
+        """``row_attention``'s index tensors: own rows and lengths, members and counts, shared
+        rows and lengths (the groups' from ``decode_groups``)."""
+        pos = torch.arange(max(own))
+        own_t, start_t = torch.tensor(own), torch.tensor(starts)
+        pos = torch.where(pos[None, :] < own_t[:, None], start_t[:, None] + pos[None, :], 0)
+        width = max(len(t) for t in tables)
+        padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
+        own_rows = self._rows(padded.gather(1, pos // block_size) * block_size + pos % block_size)
+        grouped = {int(i) for members, _ in self.decode_groups for i in members}
+        items: list[tuple[list[int], torch.Tensor | None]] = [(m.tolist(), r) for m, r in self.decode_groups]
+        items += [([i], None) for i in range(len(tables)) if i not in grouped]
+        counts = torch.tensor([len(m) for m, _ in items])
+        members = torch.zeros((len(items), int(counts.max())), dtype=torch.long)
+        shared_lens = torch.tensor([0 if r is None else r.numel() for _, r in items])
+        shared_rows = torch.zeros((len(items), max(1, int(shared_lens.max()))), dtype=torch.long)
+        for b, (m, r) in enumerate(items):
+            members[b, : len(m)] = torch.tensor(m)
+            if r is not None:
+                shared_rows[b, : r.numel()] = r
+        return own_rows.contiguous(), own_t, members, counts, shared_rows, shared_lens
 
     def _rows(self, slots: torch.Tensor) -> torch.Tensor:
         return (slots // self.block_size) * self.rows_per_block + slots % self.block_size
@@ -232,7 +288,9 @@ class StepPlan:
             queries = q[:d].reshape(d, num_kv_heads, group, head_dim)
             if up:
                 queries = queries.float()
-            if len(self.decode_parts) == 1 and not self.decode_groups:
+            if self.row_index is not None:
+                attn = cpu_rows.row_attention(queries.contiguous(), k_rows, v_rows, *self.row_index, scale)
+            elif len(self.decode_parts) == 1 and not self.decode_groups:
                 part = self.decode_parts[0]
                 keys = read(k_rows, part.rows).view(d, part.length, num_kv_heads, head_dim)
                 values = read(v_rows, part.rows).view(d, part.length, num_kv_heads, head_dim)
@@ -300,19 +358,10 @@ class StepPlan:
                 attn.index_copy_(0, part.index, part_attn)
                 lse.index_copy_(0, part.index, part_lse)
         for members, rows in self.decode_groups:
-            n = members.numel()
             shared_k, shared_v = read_k(rows).to(queries.dtype), read_v(rows).to(queries.dtype)
-            # the group's queries as rows of one batch: [1, kv_heads, n * group, head_dim]
-            grouped = queries.index_select(0, members).transpose(0, 1).reshape(1, num_kv_heads, n * group, head_dim)
-            part_attn, part_lse = flash(grouped, shared_k.transpose(0, 1)[None], shared_v.transpose(0, 1)[None],
-                                        scale=scale)
-            part_attn = part_attn[0].reshape(num_kv_heads, n, group, head_dim).transpose(0, 1)
-            part_lse = part_lse[0].reshape(num_kv_heads, n, group).transpose(0, 1)
-            own, own_lse = attn.index_select(0, members), lse.index_select(0, members)
-            total = torch.logaddexp(own_lse, part_lse)
-            merged = (own * torch.exp(own_lse - total)[..., None]
-                      + part_attn * torch.exp(part_lse - total)[..., None])
-            attn.index_copy_(0, members, merged)
+            part_attn, part_lse = flash(_grouped(queries, members), shared_k.transpose(0, 1)[None],
+                                        shared_v.transpose(0, 1)[None], scale=scale)
+            _merge(attn, lse, members, part_attn, part_lse)
         return attn
 
     def _grouped_mask(self, chunk: int, group: int) -> torch.Tensor:

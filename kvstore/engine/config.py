@@ -64,6 +64,11 @@ class EngineConfig:
             layout (float32, or bfloat16 on CPUs with native bf16; ignored elsewhere): decode
             steps run 1.4-1.7x faster products (docs/engine.md). A tied output projection then
             gets a packed copy of its own (vocab x hidden more memory). False: plain torch products.
+        cpu_decode_kernel: on the CPU with a float32 pool, decode attention reads the pool's rows
+            in place through a C++ kernel built at start (``kvstore.kernels.cpu_rows``; a C++
+            compiler and ninja, about 30 s the first time, cached after), instead of copying
+            them out for torch's flash kernel. Where it cannot be built the engine warns once
+            and keeps the torch path. False: always the torch path.
         model_id: names the model in the key namespace; None derives one from the checkpoint.
         random_model: overrides of the random model's config (only with ``model=None``).
         seed: seed of the random model's weights.
@@ -88,6 +93,7 @@ class EngineConfig:
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     prepack_weights: bool = True
+    cpu_decode_kernel: bool = True
     model_id: str | None = None
     random_model: dict[str, Any] | None = None
     seed: int = 0

@@ -100,7 +100,8 @@ class LLMEngine:
             keys_fn = lambda tokens, tenant, parent: hasher.block_keys(tokens, tenant, parent=parent)  # noqa: E731
         self.scheduler = Scheduler(self.block_manager, fetcher if c.enable_prefix_caching else None, keys_fn,
                                    c.max_num_batched_tokens, c.max_num_seqs)
-        self.runner = ModelRunner(self.model, self.pool.pool, c.block_size, self.kv_codes)
+        self.runner = ModelRunner(self.model, self.pool.pool, c.block_size, self.kv_codes,
+                                  cpu_decode_kernel=c.cpu_decode_kernel)  # builds the kernel now, if used
         self._requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._closed = False

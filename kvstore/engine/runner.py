@@ -5,7 +5,9 @@ prefill chunks one sequence after another (the prefill kernel). Only rows whose 
 needed (a chunk's last row when it reaches its sequence's end, or prompt rows that asked for
 ``prompt_logits``) go through the LM head. On the CPU a step of one sequence and a few rows
 (a decode step of one, a prompt's last partial block over its cached prefix) runs on a worker
-whose torch ops use one thread (kvstore/engine/threads.py).
+whose torch ops use one thread (kvstore/engine/threads.py). On the CPU with a float32 pool,
+decode attention reads the pool in place through ``kvstore.kernels.cpu_rows``, built here at
+start (``row_kernel``), so that no request ever waits for its build.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from kvstore.engine.sampling import sample
 from kvstore.engine.scheduler import Scheduled
 from kvstore.engine.sequence import Sequence
 from kvstore.engine.threads import OneThreadWorker
+from kvstore.kernels import cpu_rows
 
 # A CPU step of one sequence and at most this many rows runs on the one-thread worker
 # (kvstore/engine/threads.py): its ~40 small ops a layer gain less from a second thread than OpenMP's
@@ -34,7 +37,7 @@ def _table(seqs: list[Sequence]) -> torch.Tensor:
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, kv_pool: torch.Tensor, block_size: int,
-                 kv_codes: torch.dtype | None = None) -> None:
+                 kv_codes: torch.dtype | None = None, cpu_decode_kernel: bool = True) -> None:
         self.model = model
         self.kv_pool = kv_pool
         self.kv_codes = kv_codes  # quantized pages' code dtype (kvstore/kernels/pages.py), or None
@@ -45,6 +48,10 @@ class ModelRunner:
         # Over MKL's products, steps of one short sequence (ONE_THREAD_ROWS) run on a thread whose
         # torch ops use one thread. oneDNN's prepacked products use every thread well even at one
         # row: with them, such steps ran 1.14x faster on two threads than on one (docs/engine.md).
+        # decode attention over the pool's rows in place (a float32 pool on the torch path)
+        self.row_kernel = (cpu_decode_kernel and use_torch_path(self.device) and self.device.type == "cpu"
+                           and kv_codes is None and kv_pool.dtype == torch.float32 == model.dtype
+                           and cpu_rows.load() is not None)
         self._one_thread = (OneThreadWorker() if self.device.type == "cpu" and torch.get_num_threads() > 1
                             and not model.prepacked else None)
 
@@ -86,7 +93,7 @@ class ModelRunner:
             batch.plan = StepPlan(batch.slot_mapping, [it.seq.block_table for it in decodes],
                                   [it.start + 1 for it in decodes],
                                   [(it.seq.block_table, it.start + it.num_tokens, it.num_tokens) for it in prefills],
-                                  bs, self.rows_per_block, dev)
+                                  bs, self.rows_per_block, dev, row_kernel=self.row_kernel)
         max_pos = int(positions.max())
         return torch.tensor(ids, dtype=torch.long).to(dev), positions.to(dev), batch, max_pos
 

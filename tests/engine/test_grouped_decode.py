@@ -12,7 +12,9 @@ import torch
 
 import kvstore.engine.attention as attention
 from kvstore.engine.attention import GROUP_MIN_ROWS, StepPlan, by_length, row_view, shared_prefixes
+from kvstore.kernels import cpu_rows
 from tests.engine.conftest import GREEDY, hf_greedy_check, make_engine
+from tests.factories import require
 
 
 def test_groups_are_sequences_whose_tables_start_alike() -> None:
@@ -36,8 +38,11 @@ def test_sequences_of_very_different_lengths_attend_in_separate_parts() -> None:
     assert by_length([]) == []
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_attention_in_groups_equals_attention_over_each_whole_context(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("dtype,row_kernel", [(torch.float32, False), (torch.bfloat16, False), (torch.float32, True)],
+                         ids=["float32", "bfloat16", "float32-row-kernel"])
+def test_attention_in_groups_equals_attention_over_each_whole_context(dtype: torch.dtype, row_kernel: bool) -> None:
+    if row_kernel:
+        require(cpu_rows.load(), "the CPU decode kernel did not build")
     g = torch.Generator().manual_seed(0)
     bs, kv_heads, group, dim, num_blocks = 4, 2, 3, 8, 120
     pool = torch.randn((num_blocks, 1, 2, bs, kv_heads, dim), generator=g).to(dtype)
@@ -49,10 +54,19 @@ def test_attention_in_groups_equals_attention_over_each_whole_context(dtype: tor
     k_new = torch.randn((d, kv_heads, dim), generator=g).to(dtype)
     v_new = torch.randn((d, kv_heads, dim), generator=g).to(dtype)
     slots = torch.tensor([t[(n - 1) // bs] * bs + (n - 1) % bs for t, n in zip(tables, lens, strict=True)])
-    plan = StepPlan(slots, tables, lens, [], bs, pool.stride(0) // pool.stride(3), torch.device("cpu"))
+    plan = StepPlan(slots, tables, lens, [], bs, pool.stride(0) // pool.stride(3), torch.device("cpu"),
+                    row_kernel=row_kernel)
     assert [(m.tolist(), r.numel()) for m, r in plan.decode_groups] == [([0, 1, 2], len(shared) * bs)]
-    # own rows 6, 1, 9 and 10: the one-row sequence apart from the others
-    assert [None if p.index is None else p.index.tolist() for p in plan.decode_parts] == [[0, 2, 3], [1]]
+    if row_kernel:  # one kernel call: the group's items and the sequence alone, each its own lengths
+        assert plan.row_index is not None and not plan.decode_parts
+        own_rows, own_lens, members, counts, shared_rows, shared_lens = plan.row_index
+        assert own_lens.tolist() == [6, 1, 9, 10] and counts.tolist() == [3, 1]
+        assert members[0].tolist() == [0, 1, 2] and members[1, 0] == 3 and shared_lens.tolist() == [len(shared) * bs, 0]
+        assert torch.equal(shared_rows[0, : len(shared) * bs], plan.decode_groups[0][1])
+        # sequence 1's one own row is its last token's slot, past the shared blocks
+        assert own_rows[1, 0] == tables[1][len(shared)] * (pool.stride(0) // pool.stride(3))
+    else:  # own rows 6, 1, 9 and 10: the one-row sequence apart from the others
+        assert [None if p.index is None else p.index.tolist() for p in plan.decode_parts] == [[0, 2, 3], [1]]
     k_rows, v_rows = row_view(pool[:, 0, 0]), row_view(pool[:, 0, 1])
     out = plan.attend(q, k_new, v_new, k_rows, v_rows, scale=dim ** -0.5)
     for i, (table, n) in enumerate(zip(tables, lens, strict=True)):  # float64, each context whole
@@ -86,6 +100,8 @@ def test_a_batch_over_one_cached_prefix_decodes_as_each_sequence_alone(hf_llama:
     monkeypatch.setattr(attention, "shared_prefixes", spy)
     llm = make_engine(path, kv_cache_dtype=kv_cache_dtype)
     try:
+        # a float32 pool decodes through the CPU kernel (groups in the same call), int8 pages through torch
+        assert llm.runner.row_kernel == (kv_cache_dtype == "auto" and cpu_rows.load() is not None)
         llm.generate([prefix], GREEDY)  # the prefix cached, so the batch's prompts share its blocks
         together = llm.generate(prompts, GREEDY)
         assert formed and max(formed) == 4, "the batch's decode steps never read the prefix as one group"

@@ -2,7 +2,8 @@
 
 Tolerance: prompt logits within atol 1e-4 / rtol 1e-4 (fp32; the engine fuses q/k/v and
 gate/up projections and attends through the paged reference kernels, so sums differ in order),
-with the weights prepacked for oneDNN (the default on the CPU) and without.
+with the weights prepacked for oneDNN (the default on the CPU) and without, decode attention
+through the CPU kernel that reads the pool in place (the default) and through torch's.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ import torch
 
 from kvstore.engine import SamplingParams
 from kvstore.engine.loader import load_checkpoint
+from kvstore.kernels import cpu_rows
 from tests.engine.conftest import PROMPTS, hf_greedy_check, make_engine
+from tests.factories import require
 
 WITH_LOGITS = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, prompt_logits=True)
 
@@ -29,6 +32,9 @@ def check_parity(hf: tuple[Any, Path], **engine_kwargs: Any) -> None:
         if engine_kwargs.get("prepack_weights"):  # oneDNN's blocked weights really serve the products
             assert llm.model.prepacked and llm.model.layers[0].qkv.packed is not None
             assert llm.model.lm_head is not None and llm.model.lm_head.packed is not None
+        if "cpu_decode_kernel" in engine_kwargs:  # decode attention really takes the path asked for
+            require(not engine_kwargs["cpu_decode_kernel"] or cpu_rows.load(), "the CPU decode kernel did not build")
+            assert llm.runner.row_kernel == engine_kwargs["cpu_decode_kernel"]
         outs = llm.generate(PROMPTS, WITH_LOGITS)
         for prompt, out in zip(PROMPTS, outs, strict=True):
             assert len(out.token_ids) == 5
@@ -40,15 +46,21 @@ def check_parity(hf: tuple[Any, Path], **engine_kwargs: Any) -> None:
         llm.close()
 
 
-@pytest.mark.parametrize("prepack", [True, False], ids=["prepacked", "plain"])
-def test_llama_llama3_rope_matches_transformers(hf_llama: tuple[Any, Path], prepack: bool) -> None:
-    check_parity(hf_llama, prepack_weights=prepack)
+# (prepacked weights, the CPU decode kernel): the default, then each without
+VARIANTS = pytest.mark.parametrize("prepack,row_kernel", [(True, True), (False, True), (True, False)],
+                                   ids=["prepacked-row-kernel", "plain-row-kernel", "prepacked-torch-attention"])
 
 
-@pytest.mark.parametrize("prepack", [True, False], ids=["prepacked", "plain"])
-def test_qwen2_bias_and_tied_embeddings_match_transformers(hf_qwen2: tuple[Any, Path], prepack: bool) -> None:
+@VARIANTS
+def test_llama_llama3_rope_matches_transformers(hf_llama: tuple[Any, Path], prepack: bool, row_kernel: bool) -> None:
+    check_parity(hf_llama, prepack_weights=prepack, cpu_decode_kernel=row_kernel)
+
+
+@VARIANTS
+def test_qwen2_bias_and_tied_embeddings_match_transformers(hf_qwen2: tuple[Any, Path], prepack: bool,
+                                                           row_kernel: bool) -> None:
     assert "lm_head.weight" not in load_checkpoint(hf_qwen2[1]).weights  # really tied
-    check_parity(hf_qwen2, prepack_weights=prepack)
+    check_parity(hf_qwen2, prepack_weights=prepack, cpu_decode_kernel=row_kernel)
 
 
 def test_sharded_checkpoint_and_chunked_prefill(hf_llama: tuple[Any, Path], tmp_path: Path) -> None:

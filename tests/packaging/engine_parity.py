@@ -2,7 +2,8 @@
 equal the installed transformers' on two tiny checkpoints, one saved by transformers
 (``save_pretrained``, as tests/engine/conftest.py saves it) and one by kvstore
 (``kvstore.tools.testing.tiny_llama``, the vLLM tests' model) and loaded by transformers.
-Prints one JSON line: the files both came from, and the prompts checked."""
+Decode attention runs through the CPU kernel the installed package builds from its own source.
+Prints one JSON line: the files both came from, the prompts checked, and whether the kernel ran."""
 
 from __future__ import annotations
 
@@ -39,7 +40,8 @@ def transformers_greedy(model: Any, prompt: list[int], generated: list[int]) -> 
     return rows.argmax(-1).tolist()
 
 
-def check(model_dir: Path, prompts: list[list[int]]) -> None:
+def check(model_dir: Path, prompts: list[list[int]]) -> bool:
+    """True when decode attention ran through the CPU kernel the installed package built."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     llm = LLMEngine(str(model_dir), block_size=4, dtype=torch.float32, kv_cache_bytes=64 * 2048,
                     host_bytes=64 * 4096, fetch_policy="always")
@@ -50,6 +52,7 @@ def check(model_dir: Path, prompts: list[list[int]]) -> None:
             assert out.token_ids == expect, (f"{model_dir.name} {prompt[:8]}: engine {out.token_ids}, "
                                              f"transformers {expect}")
         llm.check_integrity()
+        return bool(llm.runner.row_kernel)
     finally:
         llm.close()
 
@@ -60,11 +63,11 @@ def main() -> int:
         saved_by_transformers = Path(tmp) / "transformers-llama"
         model = LlamaForCausalLM(LlamaConfig(**TINY, rope_parameters=ROPE)).eval()
         model.save_pretrained(saved_by_transformers)
-        check(saved_by_transformers, PROMPTS)
+        kernel = check(saved_by_transformers, PROMPTS)
         saved_by_kvstore = save_tiny_llama(Path(tmp) / "tiny-llama")
-        check(saved_by_kvstore, [[t + 100 for t in p] for p in PROMPTS])
+        kernel &= check(saved_by_kvstore, [[t + 100 for t in p] for p in PROMPTS])
     print(json.dumps({"kvstore": kvstore.__file__, "transformers": transformers.__file__,
-                      "prompts": len(PROMPTS)}))
+                      "prompts": len(PROMPTS), "row_kernel": kernel}))
     return 0
 
 

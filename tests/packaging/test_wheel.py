@@ -20,6 +20,7 @@ def test_the_wheel_holds_the_kvstore_package_alone(installed: InstalledWheel) ->
     strays = [n for n in names if not (n.startswith("kvstore/") or re.match(r"kvstore-[^/]+\.dist-info/", n))]
     assert not strays, f"the wheel installs more than kvstore: {strays[:20]}"
     for part in ("kvstore/engine/llm.py", "kvstore/kernels/reference.py", "kvstore/tiers/disk.py",
+                 "kvstore/kernels/csrc/row_attention.cpp",
                  "kvstore/services/daemon/static/dashboard.html",
                  "kvstore/services/router/static/router.html"):
         assert part in names
@@ -69,3 +70,4 @@ def test_the_installed_engine_gives_transformers_greedy_output(installed: Instal
     result = json.loads(out.splitlines()[-1])
     assert result["kvstore"].startswith(str(installed.site_packages()))
     assert result["prompts"] == 5
+    assert result["row_kernel"], "the installed engine did not build its CPU decode kernel from the wheel's source"

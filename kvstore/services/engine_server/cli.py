@@ -67,7 +67,8 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         kv_cache_dtype=args.kv_cache_dtype, block_size=args.block_size,
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, device_write_policy=args.device_write_policy,
-        prepack_weights=not args.no_prepack_weights, seed=args.seed)
+        prepack_weights=not args.no_prepack_weights, cpu_decode_kernel=not args.no_cpu_decode_kernel,
+        seed=args.seed)
 
 
 def run_engine(args: argparse.Namespace) -> int:
@@ -134,6 +135,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--no-prepack-weights", action="store_true",
                    help="on the CPU, keep the weights as loaded and run torch's plain products instead of "
                    "reordering them once at start for oneDNN (the default: decode 1.1-1.6x faster; docs/engine.md)")
+    p.add_argument("--no-cpu-decode-kernel", action="store_true",
+                   help="on the CPU, copy the decoding sequences' K/V rows out of the pool for torch's flash kernel "
+                   "instead of reading them in place with kvstore's C++ kernel (the default with a float32 pool: "
+                   "built at start, about 30 s the first time and cached after; needs a C++ compiler and ninja, "
+                   "else the engine warns and takes this path anyway; docs/engine.md)")
     p.add_argument("--drain-s", type=float, default=10.0, help="SIGTERM waits this long for requests (default 10)")
     add_store_arguments(
         p, defaults=ENGINE_STORE, shown={"host_bytes": "1GiB; 0: no store below the device pool",

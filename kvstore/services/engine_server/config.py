@@ -61,6 +61,7 @@ class ServeConfig:
     max_num_batched_tokens: int = 2048
     device_write_policy: str = "write_through"
     prepack_weights: bool = True
+    cpu_decode_kernel: bool = True
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -97,7 +98,8 @@ class ServeConfig:
                                   block_size=self.block_size, max_model_len=self.max_model_len,
                                   max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
                                   device_write_policy=self.device_write_policy,
-                                  prepack_weights=self.prepack_weights, seed=self.seed)
+                                  prepack_weights=self.prepack_weights, cpu_decode_kernel=self.cpu_decode_kernel,
+                                  seed=self.seed)
         if self.store is not None:
             kw.update(store=self.store, store_token=self.store_token)
         else:

@@ -1,0 +1,218 @@
+// Decode attention over KV rows read in place (kvstore/kernels/cpu_rows.py builds and calls it).
+//
+// Sequence s (one new token: G query heads per KV head) attends to the KV rows it names, ids
+// of the row views k and v ([R, H, D], rows strided, heads contiguous): no row is copied out of
+// the pool first. Its rows are its own, own_rows[s, 0:own_lens[s]], after the shared rows of
+// its item: item b is a group of sequences, members[b, 0:counts[b]], whose contexts begin with
+// the same rows shared_rows[b, 0:shared_lens[b]] (none for a sequence alone). A group's shared
+// rows are read once for all its members' queries. One task per (item, KV head): scores over
+// K (each row read once for every query that attends to it), one softmax per query over all
+// its rows, then the weighted sum over V. The next paged block's rows are prefetched, since
+// consecutive blocks lie anywhere in the pool.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kPrefetchRows = 16;  // a block of 16 tokens ahead
+
+// exp(x) for x <= 0 (a score minus its row's maximum), in a form the compiler vectorizes (std::exp
+// is a scalar call): x = n ln2 + r with |r| <= ln2 / 2 (ln2 split in two for exactness), n rounded by
+// adding and subtracting 1.5 * 2^23 (no call: it vectorizes), e^r by its degree-6 minimax polynomial (Cephes' expf coefficients, relative error ~1e-7), 2^n from the
+// exponent bits. Below -87 (e^x < 2^-126) it returns 0.
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);
+  const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest: 1.5 * 2^23
+  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float e = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float two_n;
+  std::memcpy(&two_n, &bits, sizeof(two_n));
+  return x <= -87.0f ? 0.0f : e * two_n;
+}
+
+inline void prefetch_row(const float* row, int64_t bytes) {
+  const char* p = reinterpret_cast<const char*>(row);
+  for (int64_t c = 0; c < bytes; c += 64) __builtin_prefetch(p + c);
+}
+
+inline void check_ids(const torch::Tensor& ids, const torch::Tensor& lens, int64_t limit, int64_t min_len,
+                      const char* what, const char* bound) {
+  const int64_t n = ids.size(0), width = ids.size(1);
+  const int64_t* ip = ids.data_ptr<int64_t>();
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  for (int64_t b = 0; b < n; ++b) {
+    TORCH_CHECK(lp[b] >= min_len && lp[b] <= width, what, " length ", b, " = ", lp[b], " is outside [", min_len,
+                ", ", width, "]");
+    for (int64_t j = 0; j < lp[b]; ++j) {
+      TORCH_CHECK(ip[b * width + j] >= 0 && ip[b * width + j] < limit, what, "[", b, ", ", j, "] = ",
+                  ip[b * width + j], " is outside the ", limit, " ", bound);
+    }
+  }
+}
+
+inline void check_index(const torch::Tensor& t, const torch::Tensor& lens, const char* name, const char* lens_name) {
+  TORCH_CHECK(t.dim() == 2 && t.scalar_type() == torch::kInt64 && t.is_contiguous(), name,
+              " must be a contiguous int64 2-D tensor, got ", t.sizes(), " ", t.scalar_type());
+  TORCH_CHECK(lens.dim() == 1 && lens.size(0) == t.size(0) && lens.scalar_type() == torch::kInt64 &&
+                  lens.is_contiguous(),
+              lens_name, " must be a contiguous int64 [", t.size(0), "] tensor, got ", lens.sizes(), " ",
+              lens.scalar_type());
+}
+
+torch::Tensor row_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor own_rows,
+                            torch::Tensor own_lens, torch::Tensor members, torch::Tensor counts,
+                            torch::Tensor shared_rows, torch::Tensor shared_lens, double scale) {
+  TORCH_CHECK(q.dim() == 4 && q.scalar_type() == torch::kFloat32 && q.is_contiguous(),
+              "q must be a contiguous float32 [S, H, G, D] tensor, got ", q.sizes(), " ", q.scalar_type());
+  const int64_t S = q.size(0), H = q.size(1), G = q.size(2), D = q.size(3);
+  for (const auto& kv : {k, v}) {
+    TORCH_CHECK(kv.dim() == 3 && kv.scalar_type() == torch::kFloat32 && kv.size(1) == H && kv.size(2) == D &&
+                    kv.stride(2) == 1 && kv.stride(1) == D,
+                "k and v must be float32 row views [R, ", H, ", ", D, "] with contiguous heads, got ", kv.sizes(),
+                " strides ", kv.strides(), " ", kv.scalar_type());
+  }
+  TORCH_CHECK(k.size(0) == v.size(0) && k.stride(0) == v.stride(0), "k and v must have the same rows and strides");
+  check_index(own_rows, own_lens, "own_rows", "own_lens");
+  check_index(members, counts, "members", "counts");
+  check_index(shared_rows, shared_lens, "shared_rows", "shared_lens");
+  TORCH_CHECK(own_rows.size(0) == S, "own_rows must have a row per sequence (", S, "), got ", own_rows.size(0));
+  TORCH_CHECK(shared_rows.size(0) == members.size(0), "shared_rows must have a row per item (", members.size(0),
+              "), got ", shared_rows.size(0));
+  const int64_t R = k.size(0), B = members.size(0);
+  check_ids(own_rows, own_lens, R, 1, "own_rows", "rows of k and v");
+  check_ids(shared_rows, shared_lens, R, 0, "shared_rows", "rows of k and v");
+  check_ids(members, counts, S, 1, "members", "sequences of q");
+  {  // every sequence in exactly one item
+    std::vector<int> seen(S, 0);
+    const int64_t* mp = members.data_ptr<int64_t>();
+    const int64_t* cp = counts.data_ptr<int64_t>();
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t i = 0; i < cp[b]; ++i) ++seen[mp[b * members.size(1) + i]];
+    for (int64_t s = 0; s < S; ++s)
+      TORCH_CHECK(seen[s] == 1, "sequence ", s, " is in ", seen[s], " items, must be in exactly one");
+  }
+  auto out = torch::empty_like(q);
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  const int64_t* orp = own_rows.data_ptr<int64_t>();
+  const int64_t* olp = own_lens.data_ptr<int64_t>();
+  const int64_t* mp = members.data_ptr<int64_t>();
+  const int64_t* cp = counts.data_ptr<int64_t>();
+  const int64_t* srp = shared_rows.data_ptr<int64_t>();
+  const int64_t* slp = shared_lens.data_ptr<int64_t>();
+  const int64_t own_width = own_rows.size(1), member_width = members.size(1), shared_width = shared_rows.size(1);
+  const int64_t row_stride = k.stride(0), head_bytes = D * static_cast<int64_t>(sizeof(float));
+  float* op = out.data_ptr<float>();
+  const float sc = static_cast<float>(scale);
+
+  // scores[q, 0:n] of queries qs (row pointers) over rows ids[0:n] of the head's K; top[q] their max so far
+  auto score = [&](const float* kh, const int64_t* ids, int64_t n, const float* const* qs, int64_t nq,
+                   float* scores, int64_t stride, float* top) {
+    for (int64_t j = 0; j < n; ++j) {
+      if (j + kPrefetchRows < n) prefetch_row(kh + ids[j + kPrefetchRows] * row_stride, head_bytes);
+      const float* kr = kh + ids[j] * row_stride;
+      for (int64_t m = 0; m < nq; ++m) {
+        const float* qm = qs[m];
+        float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t d = 0; d < D; ++d) dot += qm[d] * kr[d];
+        dot *= sc;
+        scores[m * stride + j] = dot;
+        top[m] = std::max(top[m], dot);
+      }
+    }
+  };
+  // scores -> exp(score - top) in place; returns their sum
+  auto numerators = [&](float* s, int64_t n, float top) {
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t j = 0; j < n; ++j) {
+      s[j] = exp_nonpositive(s[j] - top);
+      sum += s[j];
+    }
+    return sum;
+  };
+  // acc[q] += sum_j p[q, j] v_j over rows ids[0:n] of the head's V
+  auto accumulate = [&](const float* vh, const int64_t* ids, int64_t n, const float* p, int64_t stride, int64_t nq,
+                        float* acc) {
+    for (int64_t j = 0; j < n; ++j) {
+      if (j + kPrefetchRows < n) prefetch_row(vh + ids[j + kPrefetchRows] * row_stride, head_bytes);
+      const float* vr = vh + ids[j] * row_stride;
+      for (int64_t m = 0; m < nq; ++m) {
+        const float w = p[m * stride + j];
+        float* a = acc + m * D;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) a[d] += w * vr[d];
+      }
+    }
+  };
+
+  at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> shared_scores, own_scores, acc, top, total;
+    std::vector<const float*> qs;
+    for (int64_t bh = begin; bh < end; ++bh) {
+      const int64_t b = bh / H, h = bh % H;
+      const int64_t n_members = cp[b], ns = slp[b], nq = n_members * G;
+      const int64_t* seqs = mp + b * member_width;
+      const int64_t* shared = srp + b * shared_width;
+      const float* kh = kp + h * D;
+      const float* vh = vp + h * D;
+      qs.resize(nq);
+      for (int64_t i = 0; i < n_members; ++i)
+        for (int64_t g = 0; g < G; ++g) qs[i * G + g] = qp + ((seqs[i] * H + h) * G + g) * D;
+      top.assign(nq, -std::numeric_limits<float>::max());
+      total.assign(nq, 0.f);
+      acc.assign(nq * D, 0.f);
+      // the shared rows: one pass over K for every member's queries
+      shared_scores.resize(nq * ns);
+      score(kh, shared, ns, qs.data(), nq, shared_scores.data(), ns, top.data());
+      // each member's own rows
+      int64_t own_total = 0;
+      for (int64_t i = 0; i < n_members; ++i) own_total += olp[seqs[i]];
+      own_scores.resize(G * own_total);
+      for (int64_t i = 0, at = 0; i < n_members; at += G * olp[seqs[i]], ++i)
+        score(kh, orp + seqs[i] * own_width, olp[seqs[i]], qs.data() + i * G, G, own_scores.data() + at,
+              olp[seqs[i]], top.data() + i * G);
+      // one softmax per query over its shared and own rows
+      for (int64_t m = 0; m < nq; ++m) total[m] = numerators(shared_scores.data() + m * ns, ns, top[m]);
+      for (int64_t i = 0, at = 0; i < n_members; at += G * olp[seqs[i]], ++i)
+        for (int64_t g = 0; g < G; ++g)
+          total[i * G + g] += numerators(own_scores.data() + at + g * olp[seqs[i]], olp[seqs[i]], top[i * G + g]);
+      accumulate(vh, shared, ns, shared_scores.data(), ns, nq, acc.data());
+      for (int64_t i = 0, at = 0; i < n_members; at += G * olp[seqs[i]], ++i)
+        accumulate(vh, orp + seqs[i] * own_width, olp[seqs[i]], own_scores.data() + at, olp[seqs[i]], G,
+                   acc.data() + i * G * D);
+      for (int64_t i = 0; i < n_members; ++i) {
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t m = i * G + g;
+          const float inv = 1.f / total[m];
+          float* o = op + ((seqs[i] * H + h) * G + g) * D;
+          for (int64_t d = 0; d < D; ++d) o[d] = acc[m * D + d] * inv;
+        }
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("row_attention", &row_attention, "decode attention over KV rows read in place",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
+}
