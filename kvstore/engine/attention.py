@@ -18,6 +18,12 @@ sequences whose own rows differ by more than 2x attend in separate calls (``by_l
 that one long sequence outside any group does not pad every other one to its length: served
 at 32 concurrent requests, the engine's TPOT went from 400-500 ms to about 200.
 
+With a float32 pool the runner usually enables the CPU decode kernel (``row_kernel``;
+kvstore/kernels/cpu_rows.py): decode attention then reads the rows where they lie in the pool,
+every decoding sequence and every group in one call a layer, each query's shared and own rows
+under one softmax; ``_row_index`` builds its index tensors once a step. Prefill chunks, and
+decode without the kernel, take the path above.
+
 Rows: a layer's K view ``pool[:, layer, 0]`` is ``[num_blocks, block_size, kv_heads, head_dim]``
 with block stride ``pool.stride(0)``; seen as one row per token slot (``row_view``), slot
 ``b * block_size + o`` is row ``b * rows_per_block + o``, the same row id in every layer.
@@ -154,8 +160,8 @@ class StepPlan:
         prefill: per prefill chunk ``(block_table, seq_len, num_new)``, in packing order.
         block_size, rows_per_block: the pool's geometry (``pool.stride(0) // row``).
         row_kernel: decode attention through ``kvstore.kernels.cpu_rows`` (CPU, float32 pool
-            and queries): the rows are read in place, one call for every sequence's own rows
-            (variable lengths, no padding) and one per shared-prefix group.
+            and queries): the rows read in place, one call a layer for every decoding sequence
+            (each its own length, no padding) and every shared-prefix group.
     """
 
     def __init__(self, slots: torch.Tensor, decode_tables: list[list[int]], decode_lens: list[int],

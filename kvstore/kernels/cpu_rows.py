@@ -18,6 +18,7 @@ and returns None, and the engine keeps the torch path.
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import shutil
 from pathlib import Path
@@ -53,9 +54,11 @@ def load() -> ModuleType | None:
 
     isa = capability()
     flags = ["-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", *_ISA_FLAGS.get(isa, [])]
+    # one build per torch installation (venvs beside each other never share, nor rebuild in turn)
+    torch_id = hashlib.sha256(f"{torch.__version__} {Path(torch.__file__).parent}".encode()).hexdigest()[:12]
     try:
-        return build(name=f"kvstore_row_attention_{isa.lower()}", sources=[str(SOURCE)], extra_cflags=flags,
-                     verbose=False)
+        return build(name=f"kvstore_row_attention_{isa.lower()}_{torch_id}", sources=[str(SOURCE)],
+                     extra_cflags=flags, verbose=False)
     except Exception as exc:  # a compiler error, a read-only cache: the torch path still works
         log.warning("the CPU decode kernel did not build (%s): decode attention takes the torch path", exc)
         return None
@@ -94,8 +97,10 @@ def row_attention(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, o
     if module is None:
         raise RuntimeError("the CPU decode kernel is not built: check kvstore.kernels.cpu_rows.load() first")
     try:
-        out: torch.Tensor = module.row_attention(q, k_rows, v_rows, own_rows, own_lens, members, counts, shared_rows,
-                                                 shared_lens, float(scale))
+        # named for torch's profiler (a pybind call is not an op it records)
+        with torch.profiler.record_function("kvstore::row_attention"):
+            out: torch.Tensor = module.row_attention(q, k_rows, v_rows, own_rows, own_lens, members, counts,
+                                                     shared_rows, shared_lens, float(scale))
     except RuntimeError as exc:  # the kernel's input checks (TORCH_CHECK): the first line names the problem
         raise ValueError(str(exc).split("\n")[0]) from exc
     return out

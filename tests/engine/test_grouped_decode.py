@@ -1,6 +1,7 @@
 """Decoding sequences that share a cached prefix read its K/V once per step (kvstore/engine/attention.py,
 ``shared_prefixes``): attention over the shared rows and over each sequence's own rows, merged by
-their log-sum-exps, equals attention over each sequence's whole context."""
+their log-sum-exps (torch's path) or under one softmax (the CPU decode kernel), equals attention
+over each sequence's whole context."""
 
 from __future__ import annotations
 
