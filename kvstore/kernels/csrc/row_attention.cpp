@@ -5,12 +5,11 @@
 // the pool first. Its rows are its own, own_rows[s, 0:own_lens[s]], after the shared rows of
 // its item: item b is a group of sequences, members[b, 0:counts[b]], whose contexts begin with
 // the same rows shared_rows[b, 0:shared_lens[b]] (none for a sequence alone). A group's shared
-// rows are read once for all its members' queries. One task per (item, KV head): scores over
-// K (each row read once for every query that attends to it), one softmax per query over all
-// its rows, then the weighted sum over V. The next paged block's rows are prefetched, since
+// rows are read once for all its members' queries. One task per (item, KV head), spread over
+// the calling thread's OpenMP count: scores over K (each row read once for every query that
+// attends to it), one softmax per query over all its rows, then the weighted sum over V. The next paged block's rows are prefetched, since
 // consecutive blocks lie anywhere in the pool.
 #include <torch/extension.h>
-#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
@@ -162,7 +161,7 @@ torch::Tensor row_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, t
     }
   };
 
-  at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
+  auto tasks = [&](int64_t begin, int64_t end) {
     std::vector<float> shared_scores, own_scores, acc, top, total;
     std::vector<const float*> qs;
     for (int64_t bh = begin; bh < end; ++bh) {
@@ -206,7 +205,13 @@ torch::Tensor row_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, t
         }
       }
     }
-  });
+  };
+  // OpenMP directly, not at::parallel_for: its first call on a thread would reset that thread's
+  // count to torch's global one (the header's lazy init, a copy of its own in this library), and
+  // the engine's one-thread worker must stay at one. The calling thread's count is torch's.
+  const int64_t num_tasks = B * H;
+#pragma omp parallel for schedule(dynamic, 1)
+  for (int64_t bh = 0; bh < num_tasks; ++bh) tasks(bh, bh + 1);
   return out;
 }
 

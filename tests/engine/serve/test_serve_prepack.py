@@ -15,30 +15,18 @@ from tests.factories import require
 TINY = '{"num_layers": 1, "hidden_size": 32, "num_heads": 2, "num_kv_heads": 1, "intermediate_size": 64}'
 
 
-@pytest.mark.parametrize(("flags", "prepacked"), [([], True), (["--no-prepack-weights"], False)])
-def test_the_flag_reaches_the_engine(flags: list[str], prepacked: bool) -> None:
-    args = build_parser().parse_args(["engine", "--random-model", "--random-config", TINY, "--host-mem", "1MiB",
-                                      *flags])
-    kwargs = serve_config(args).engine_kwargs()
-    assert kwargs["prepack_weights"] is prepacked
-    llm = LLMEngine(None, **kwargs)
-    try:
-        assert llm.model.prepacked is prepacked
-        assert (llm.model.layers[0].qkv.packed is not None) is prepacked
-        assert len(llm.generate([[1, 2, 3]])[0].token_ids) > 0
-    finally:
-        llm.close()
-
-
-@pytest.mark.parametrize(("flags", "kernel"), [([], True), (["--no-cpu-decode-kernel"], False)])
-def test_the_decode_kernel_flag_reaches_the_engine(flags: list[str], kernel: bool) -> None:
+@pytest.mark.parametrize(("flags", "prepacked", "kernel"), [([], True, True), (["--no-prepack-weights"], False, True),
+                                                         (["--no-cpu-decode-kernel"], True, False)])
+def test_the_flags_reach_the_engine(flags: list[str], prepacked: bool, kernel: bool) -> None:
     require(not kernel or cpu_rows.load(), "the CPU decode kernel did not build")
     args = build_parser().parse_args(["engine", "--random-model", "--random-config", TINY, "--host-mem", "1MiB",
                                       *flags])
     kwargs = serve_config(args).engine_kwargs()
-    assert kwargs["cpu_decode_kernel"] is kernel
+    assert kwargs["prepack_weights"] is prepacked and kwargs["cpu_decode_kernel"] is kernel
     llm = LLMEngine(None, **kwargs)
     try:
+        assert llm.model.prepacked is prepacked
+        assert (llm.model.layers[0].qkv.packed is not None) is prepacked
         assert llm.runner.row_kernel is kernel
         assert len(llm.generate([[1, 2, 3], [4, 5, 6]])[0].token_ids) > 0
     finally:
