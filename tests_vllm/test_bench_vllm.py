@@ -114,7 +114,7 @@ def test_bench_vs_vllm_on_the_random_model(tmp_path: Path) -> None:
     assert list(rows) == [*speed, *ttfts]
     for cell in rows[prefill][:2]:  # a rate is the prompt over the time
         assert_quotient(f"{number(cell, TOK_S)[0]}x", (256, 0), number(cell, r"\(([0-9]+) ms\)"), scale=1e3)
-    behind = set()
+    behind, even = set(), set()  # even: the table's two decimals say 1.00x, the verdict's own digits decide
     for name, (ours, theirs, ratio, target, met, spread) in rows.items():
         assert spread == "0% / 0%", name  # one run each
         if name in speed:  # kvstore's rate over vLLM's
@@ -122,15 +122,21 @@ def test_bench_vs_vllm_on_the_random_model(tmp_path: Path) -> None:
             assert target == ">= 0.8x" and met == ("yes" if float(ratio.rstrip("x")) >= 0.8 else "NO"), name
             if float(ratio.rstrip("x")) < 1:
                 behind.add(speed[name])
+            elif float(ratio.rstrip("x")) == 1:
+                even.add(speed[name])
         else:  # kvstore ahead when its time is the shorter: vLLM's time over kvstore's
             assert_quotient(ratio, number(theirs, MS), number(ours, MS))
             expected = "> 1x (ahead)" if name == ttfts[0] else "(for reference)"
             assert target == expected, name
     # the text names every row where kvstore is behind, and none where it is not
     verdict = next(line for line in out.splitlines() if line.startswith("Spread: "))
-    assert ("kvstore is behind vLLM on" in verdict) == bool(behind), verdict
+    if behind or not even:
+        assert ("kvstore is behind vLLM on" in verdict) == bool(behind), verdict
     for what in speed.values():
-        assert (f" {what} " in verdict) == (what in behind), (what, verdict)
+        if what in even:  # named only with more digits below 1 ("decode at batch 1 0.997x")
+            assert f" {what} " not in verdict or re.search(rf" {what} 0\.99[5-9][0-9]*x", verdict), (what, verdict)
+        else:
+            assert (f" {what} " in verdict) == (what in behind), (what, verdict)
     profiles = [line for line in out.splitlines() if line.startswith(("- prefill, ", "- decode step, "))]
     assert [line.split(":")[0] for line in profiles] == [
         f"- {what}, {side}" for what in ("prefill", "decode step, batch 1", "decode step, batch 16")
