@@ -194,7 +194,7 @@ class StepPlan:
         # sequence in none alone) with their members and shared rows (kvstore.kernels.cpu_rows)
         self.row_index: RowIndex | None = None
         if row_kernel and decode_lens:
-            self.row_index = self._row_index(decode_tables, starts, own, block_size)
+            self.row_index = self._row_index(decode_tables, starts, own)
         # Sequences whose own rows differ by more than 2x attend in separate parts (each padded
         # to its longest): a sequence outside any group would otherwise pad every other one to
         # its whole context. Where the merge is not available (CUDA), one part.
@@ -203,19 +203,14 @@ class StepPlan:
         for part in parts if decode_lens and self.row_index is None else []:
             part_own = [own[i] for i in part]
             length = max(part_own)
-            own_t, start_t = torch.tensor(part_own), torch.tensor([starts[i] for i in part])
-            pos = torch.arange(length)
             # Padding positions read the sequence's row 0 (always written, so finite) and are masked.
-            pos = torch.where(pos[None, :] < own_t[:, None], start_t[:, None] + pos[None, :], 0)
-            tables_of = [decode_tables[i] for i in part]
-            width = max(len(t) for t in tables_of)
-            tables = torch.tensor([t + [0] * (width - len(t)) for t in tables_of], dtype=torch.long)
-            slots_2d = tables.gather(1, pos // block_size) * block_size + pos % block_size
+            rows = self._own_rows([decode_tables[i] for i in part], [starts[i] for i in part], part_own)
             mask = None
             if min(part_own) != length:
+                own_t = torch.tensor(part_own)
                 mask = (torch.arange(length)[None, :] < own_t[:, None])[:, None, None, :].to(device)
             index = None if len(part) == self.num_decode else torch.tensor(part).to(device)
-            self.decode_parts.append(DecodePart(index, self._rows(slots_2d.flatten()).to(device), length, mask))
+            self.decode_parts.append(DecodePart(index, rows.flatten().to(device), length, mask))
         # per prefill chunk: (rows of its whole sequence or None, causal mask or None, num_new)
         self.prefill: list[tuple[torch.Tensor | None, torch.Tensor | None, int]] = []
         for table, seq_len, num_new in prefill:
@@ -231,16 +226,20 @@ class StepPlan:
             self.prefill.append((self._rows(slots_1d).to(device), bias.to(device), num_new))
         self._grouped: dict[tuple[int, int], torch.Tensor] = {}  # (chunk, group) -> mask repeated
 
-    def _row_index(self, tables: list[list[int]], starts: list[int], own: list[int],
-                   block_size: int) -> RowIndex:
-        """``row_attention``'s index tensors: own rows and lengths, members and counts, shared
-        rows and lengths (the groups' from ``decode_groups``)."""
+    def _own_rows(self, tables: list[list[int]], starts: list[int], own: list[int]) -> torch.Tensor:
+        """``[len(tables), max(own)]`` row ids: sequence i's ``own[i]`` rows from its position
+        ``starts[i]`` on, padded with its row 0."""
         pos = torch.arange(max(own))
         own_t, start_t = torch.tensor(own), torch.tensor(starts)
         pos = torch.where(pos[None, :] < own_t[:, None], start_t[:, None] + pos[None, :], 0)
         width = max(len(t) for t in tables)
         padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
-        own_rows = self._rows(padded.gather(1, pos // block_size) * block_size + pos % block_size)
+        return self._rows(padded.gather(1, pos // self.block_size) * self.block_size + pos % self.block_size)
+
+    def _row_index(self, tables: list[list[int]], starts: list[int], own: list[int]) -> RowIndex:
+        """``row_attention``'s index tensors: own rows and lengths, members and counts, shared
+        rows and lengths (the groups' from ``decode_groups``)."""
+        own_rows, own_t = self._own_rows(tables, starts, own), torch.tensor(own)
         grouped = {int(i) for members, _ in self.decode_groups for i in members}
         items: list[tuple[list[int], torch.Tensor | None]] = [(m.tolist(), r) for m, r in self.decode_groups]
         items += [([i], None) for i in range(len(tables)) if i not in grouped]
