@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from kvstore.api import BlockStore
     from kvstore.client.client import StoreClient, connect
-    from kvstore.config import StoreConfig
+    from kvstore.config import StoreConfig, StoreSettings
     from kvstore.errors import (
         CapacityError,
         ConfigError,
@@ -29,12 +29,10 @@ if TYPE_CHECKING:
         TierFullError,
         TierIOError,
     )
-    from kvstore.index import PrefixMatch
     from kvstore.keys import BlockHasher, Namespace
     from kvstore.layout import KVLayout
-    from kvstore.settings import StoreSettings
+    from kvstore.results import FetchHandle, FetchResult, PrefixMatch
     from kvstore.store import TieredStore
-    from kvstore.transfer import FetchHandle, FetchResult
 
 __version__ = "0.1.0"
 
@@ -43,7 +41,7 @@ _EXPORTS = {
     "StoreClient": "kvstore.client.client",
     "connect": "kvstore.client.client",
     "StoreConfig": "kvstore.config",
-    "StoreSettings": "kvstore.settings",
+    "StoreSettings": "kvstore.config",
     "CapacityError": "kvstore.errors",
     "ConfigError": "kvstore.errors",
     "CorruptSlotError": "kvstore.errors",
@@ -53,13 +51,13 @@ _EXPORTS = {
     "TierError": "kvstore.errors",
     "TierFullError": "kvstore.errors",
     "TierIOError": "kvstore.errors",
-    "PrefixMatch": "kvstore.index",
+    "PrefixMatch": "kvstore.results",
     "BlockHasher": "kvstore.keys",
     "Namespace": "kvstore.keys",
     "KVLayout": "kvstore.layout",
     "TieredStore": "kvstore.store",
-    "FetchHandle": "kvstore.transfer",
-    "FetchResult": "kvstore.transfer",
+    "FetchHandle": "kvstore.results",
+    "FetchResult": "kvstore.results",
 }
 
 

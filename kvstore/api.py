@@ -26,20 +26,40 @@ What differs between them is said here once:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import torch
 
-from kvstore.index import PrefixMatch
 from kvstore.keys import ExtraKey, Namespace
 from kvstore.layout import KVLayout
-from kvstore.management import BlockInfo, PrefetchHandle
-from kvstore.transfer import FetchHandle
+from kvstore.results import BlockInfo, FetchHandle, PrefetchHandle, PrefixMatch
 
 TokenIds = Sequence[int] | np.ndarray
 ExtraKeys = Sequence[Sequence[ExtraKey] | None] | None
+
+# The limits of one call, the same on every store (each a ValueError naming it, before any work).
+MAX_KEYS = 1 << 16  # keys one prefetch or inspect may name (a daemon request's max_keys too)
+MAX_PIN_TTL_S = 86400.0  # a pin's TTL is at most a day: pin again to hold longer
+
+
+def check_count(what: str, n: int) -> None:
+    """Refuse a ``what`` (a prefetch, an inspect) naming more than ``MAX_KEYS`` keys."""
+    if n > MAX_KEYS:
+        raise ValueError(f"a {what} names at most {MAX_KEYS} keys, got {n}; split it")
+
+
+def check_ttl(ttl_s: object) -> float | None:
+    """``ttl_s`` as seconds, or None (no deadline); ValueError naming the bounds otherwise."""
+    if ttl_s is None:
+        return None
+    if isinstance(ttl_s, bool) or not isinstance(ttl_s, int | float) or not math.isfinite(ttl_s) \
+            or not 0 < ttl_s <= MAX_PIN_TTL_S:
+        raise ValueError(f"ttl_s must be a number of seconds > 0 and at most {MAX_PIN_TTL_S:.0f} (a day), "
+                         f"got {ttl_s!r}")
+    return float(ttl_s)
 
 
 @runtime_checkable

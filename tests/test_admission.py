@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.admission import AdmitAll, SeenTwice, TinyLFU, make_admission
 from kvstore.errors import ConfigError
-from kvstore.sketch import MAX_COUNT, FrequencySketch
+from kvstore.policy.admission import AdmitAll, SeenTwice, TinyLFU, make_admission
+from kvstore.policy.sketch import MAX_COUNT, FrequencySketch
 
 from factories import blocks_for, chain, make_store
 

@@ -7,7 +7,7 @@ import threading
 
 import torch
 
-from kvstore.buffer_pool import BufferPool
+from kvstore.store.buffer_pool import BufferPool
 
 
 def rows(n: int) -> torch.Tensor:

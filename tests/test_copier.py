@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from kvstore import copier as copier_module
-from kvstore.copier import CHUNK, MIN_BYTES, Copier
+from kvstore.client import copier as copier_module
+from kvstore.client.copier import CHUNK, MIN_BYTES, Copier
 
 from factories import run_in_threads
 

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvstore.eviction import (
+from kvstore.policy.eviction import (
     DEFAULT_POLICY,
     POLICIES,
     DeferredAccess,

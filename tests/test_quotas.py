@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from kvstore.errors import CapacityError, ConfigError
-from kvstore.eviction import LRUPolicy
-from kvstore.quotas import Limit, QuotaTable, TierQuota
-from kvstore.tenant_policy import TenantPolicy
+from kvstore.policy.eviction import LRUPolicy
+from kvstore.policy.quotas import Limit, QuotaTable, TierQuota
+from kvstore.policy.tenant_policy import TenantPolicy
 
 from factories import SLOT, blocks_for, chain, make_store, run_in_threads
 

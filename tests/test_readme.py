@@ -8,7 +8,7 @@ ignores them when it renders the page:
     daemon                 a real ``kvstore serve`` with its defaults in that directory (data
                            in ./.kvstore, socket ./.kvstore/kvstore.sock), small sizes, no TCP
     hf-checkpoint=PATH     a small random Llama checkpoint (Hugging Face layout) at PATH
-    redis-cluster=PORT     a real local Redis Cluster (kvstore.tools.testing.redis_local: 3 primaries and 3
+    redis-cluster=PORT     a real local Redis Cluster (kvstore.tools.bench.redis_local: 3 primaries and 3
                            replicas) on PORT .. PORT+5
     engine                 a real ``kvstore engine --random-model --port 8000`` (small sizes)
     smollm2-engine         a real ``kvstore engine --port 8000``: the default model, SmolLM2
@@ -103,7 +103,7 @@ def hf_checkpoint(cwd: Path, path: str) -> Iterator[None]:
 
 @contextmanager
 def redis_cluster(cwd: Path, port: str) -> Iterator[None]:
-    from kvstore.tools.testing.redis_local import RedisCluster
+    from kvstore.tools.bench.redis_local import RedisCluster
 
     cluster = RedisCluster.start(cwd / "redis-cluster", base_port=int(port))
     try:

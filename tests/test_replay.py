@@ -256,7 +256,7 @@ def test_derived_tenants_are_deterministic_per_conversation(tmp_path: Path) -> N
 
 
 def test_replay_with_quotas_shields_the_hot_tenant_from_the_flood(tmp_path: Path) -> None:
-    from kvstore.quotas import Limit, QuotaTable, TierQuota
+    from kvstore.policy.quotas import Limit, QuotaTable, TierQuota
 
     path = tmp_path / "flood.jsonl"
     write_workload("flood", path, num_requests=3000)

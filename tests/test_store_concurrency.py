@@ -34,8 +34,8 @@ def test_threads_put_get_lookup_fetch_concurrently(tmp_path: Path, monkeypatch: 
     write-through, with puts writing to disk outside the lock, some of the same chains; under
     write-back, with puts copying into host RAM outside the lock (``unlocked_put_bytes`` 0:
     every put does)."""
-    monkeypatch.setattr("kvstore.reads.LOCKED_COPY_BYTES", locked_copy_bytes)
-    monkeypatch.setattr("kvstore.writes.UNLOCKED_COPY_BYTES", unlocked_put_bytes)
+    monkeypatch.setattr("kvstore.store.reads.LOCKED_COPY_BYTES", locked_copy_bytes)
+    monkeypatch.setattr("kvstore.store.writes.UNLOCKED_COPY_BYTES", unlocked_put_bytes)
     store = make_store(tmp_path, host_blocks=12, disk_blocks=40, write_policy=write_policy)
     chains = [chain(store, 1 + s % 4, salt=s) for s in range(30)]
     def worker(seed: int) -> None:
@@ -176,7 +176,7 @@ def test_a_big_puts_copy_runs_outside_the_store_lock(tmp_path: Path, monkeypatch
     by gets (which then return exactly the bytes put), and are announced once copied."""
     store = make_store(tmp_path, host_blocks=16, disk_blocks=32)
     payload = store.layout.bytes_per_block
-    monkeypatch.setattr("kvstore.writes.UNLOCKED_COPY_BYTES", 4 * payload)
+    monkeypatch.setattr("kvstore.store.writes.UNLOCKED_COPY_BYTES", 4 * payload)
     held = chain(store, 2, salt=1)
     store.put(held, blocks_for(held))
     copies = HeldUpHostCopy(store, 4, probe=held)
@@ -213,7 +213,7 @@ def test_a_big_puts_copy_runs_outside_the_store_lock(tmp_path: Path, monkeypatch
 
 def test_a_small_puts_copy_holds_the_store_lock(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     store = make_store(tmp_path, host_blocks=16)
-    monkeypatch.setattr("kvstore.writes.UNLOCKED_COPY_BYTES", 4 * store.layout.bytes_per_block)
+    monkeypatch.setattr("kvstore.store.writes.UNLOCKED_COPY_BYTES", 4 * store.layout.bytes_per_block)
     held = chain(store, 2, salt=1)
     store.put(held, blocks_for(held))
     copies = HeldUpHostCopy(store, 3, probe=held)
@@ -230,7 +230,7 @@ def test_a_put_whose_unlocked_copy_fails_keeps_nothing(tmp_path: Path, monkeypat
     """The copy raises: so does the put, none of its blocks is found, its slots are free
     again, and the same put succeeds afterwards."""
     store = make_store(tmp_path, host_blocks=16, disk_blocks=32)
-    monkeypatch.setattr("kvstore.writes.UNLOCKED_COPY_BYTES", 0)
+    monkeypatch.setattr("kvstore.store.writes.UNLOCKED_COPY_BYTES", 0)
     held = chain(store, 2, salt=1)
     store.put(held, blocks_for(held))
     used = store.stats()["host"]["used_bytes"]
@@ -322,7 +322,7 @@ def test_lookups_uncounted_past_the_bound_wait_for_the_lock_once(tmp_path: Path,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """The queue of lookups made without the lock stays bounded when the lock is never free
     at a lookup: past the bound, a lookup waits for the lock and counts them all."""
-    monkeypatch.setattr("kvstore.store.MAX_UNCOUNTED_LOOKUPS", 3)
+    monkeypatch.setattr("kvstore.store.tiered.MAX_UNCOUNTED_LOOKUPS", 3)
     store = make_store(tmp_path, host_blocks=8, disk_blocks=16)
     held = chain(store, 1, salt=1)
     store.put(held, blocks_for(held))

@@ -1,4 +1,4 @@
-"""Host RAM's demotions are written to disk once the store lock is let go (kvstore/demotions.py).
+"""Host RAM's demotions are written to disk once the store lock is let go (kvstore/store/demotions.py).
 
 The disk level's write is held up while a put that made room is writing its demotions down.
 Meanwhile other calls must not wait for it, unless they need the demoted blocks: those are in
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import kvstore.demotions as demotions
+import kvstore.store.demotions as demotions
 from kvstore import TieredStore
 
 from factories import (

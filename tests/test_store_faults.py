@@ -20,7 +20,7 @@ import torch
 
 import kvstore.tiers.catalog as catalog_module
 from kvstore import CapacityError
-from kvstore.index import BlockEntry
+from kvstore.store.index import BlockEntry
 from kvstore.tiers.errors import TierFullError
 
 from factories import blocks_for, chain, make_store, started

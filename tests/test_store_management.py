@@ -13,8 +13,7 @@ import pytest
 import torch
 
 from kvstore import CapacityError
-from kvstore.management import MAX_KEYS
-from kvstore.pins import MAX_PIN_TTL_S
+from kvstore.api import MAX_KEYS, MAX_PIN_TTL_S
 
 from factories import blocks_for, chain, make_store
 

@@ -90,7 +90,7 @@ def test_a_leased_slot_keeps_its_bytes_when_its_decoded_copy_is_replaced(tmp_pat
 def test_a_get_copying_outside_the_lock_gets_the_copy_it_found(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # A get too large to copy under the store lock marks its blocks as being read, then copies;
     # here it is paused inside that copy while a put replaces the decoded copy it is reading.
-    monkeypatch.setattr("kvstore.reads.LOCKED_COPY_BYTES", 0)
+    monkeypatch.setattr("kvstore.store.reads.LOCKED_COPY_BYTES", 0)
     store, keys = _decoded_on_host(tmp_path)
     decoded = store.get(keys[1:])
     tier = store.level("host").tier  # type: ignore[union-attr]

@@ -38,6 +38,6 @@ def run_plan(plan: list[dict[str, Any]], timeout: float = 300) -> list[Any]:
 
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from kvstore.tools.testing.tiny_llama import save_tiny_llama
+    from kvstore.tools.bench.tiny_llama import save_tiny_llama
 
     return str(save_tiny_llama(tmp_path_factory.mktemp("tiny-llama")))

@@ -153,7 +153,7 @@ def test_a_load_buffer_is_reused_only_once_its_fetch_and_the_step_are_done(reque
     from kvstore.integrations.vllm import flush
     from kvstore.integrations.vllm.metadata import KVStoreMetadata, LoadSpec, SaveSpec
     from kvstore.integrations.vllm.worker import WorkerSide
-    from kvstore.transfer import FetchHandle
+    from kvstore.results import FetchHandle
 
     layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, block_size=8, dtype=torch.float32)
     gen = torch.Generator().manual_seed(4)

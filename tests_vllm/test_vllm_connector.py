@@ -19,7 +19,7 @@ import pytest
 import torch
 from conftest import ROOT, run_plan
 
-from kvstore.tools.testing.redis_local import RedisServer
+from kvstore.tools.bench.redis_local import RedisServer
 from tests.daemon.daemon_helpers import DaemonProc
 from tests.remote.conftest import require_redis
 

@@ -22,10 +22,14 @@ import numpy as np
 import torch
 
 from kvstore import env
-from kvstore.api import BlockStore
+from kvstore.api import BlockStore, check_ttl
+from kvstore.client.copier import Copier
 from kvstore.client.manage import ManagementCalls, socket_timeout
 from kvstore.client.pool_map import MappedPool
-from kvstore.client.protocol import (
+from kvstore.errors import CapacityError, DaemonUnreachableError, LayoutMismatchError
+from kvstore.keys import BlockHasher, ExtraKey, Namespace
+from kvstore.layout import KVLayout, raw_rows
+from kvstore.protocol import (
     DEFAULT_MAX_FRAME,
     VERSION,
     Code,
@@ -37,14 +41,8 @@ from kvstore.client.protocol import (
     recv_into_view,
     recv_meta,
 )
-from kvstore.copier import Copier
-from kvstore.errors import CapacityError, DaemonUnreachableError, LayoutMismatchError
-from kvstore.index import HOST, PrefixMatch
-from kvstore.keys import BlockHasher, ExtraKey, Namespace
-from kvstore.layout import KVLayout, raw_rows
-from kvstore.pins import check_ttl
+from kvstore.results import HOST, FetchHandle, FetchResult, PrefixMatch
 from kvstore.tiers.host import PayloadViews
-from kvstore.transfer import FetchHandle, FetchResult
 
 TIER_NAMES = {"h": "host", "d": "disk", "r": "remote"}
 TOUCH_BATCH = 4096  # lock-free reads told to the daemon in one touch, at the latest

@@ -3,7 +3,7 @@
 Mixed into ``StoreClient`` (its ``_call`` sends one request and reads its reply). Each acts
 on the connection's tenant, or with the admin token on the ``tenant`` named. Bad input is a
 ValueError before anything is sent: more keys than one request may carry, a TTL out of
-range (kvstore/pins.py).
+range (kvstore/store/pins.py).
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import contextlib
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from kvstore.forget import ForgetReport
-from kvstore.management import MAX_KEYS, BlockInfo, PrefetchHandle, check_count
+from kvstore.api import MAX_KEYS, check_count
+from kvstore.results import BlockInfo, ForgetReport, PrefetchHandle
 
 FORGET_TIMEOUT_S = 600.0  # a forget sweeps the remote tier: it may take a while
 STATUS_WAIT_S = 1.0  # the longest one prefetch_status request waits on the daemon

@@ -9,8 +9,8 @@ from typing import Any
 import torch
 
 from kvstore.api import BlockStore
+from kvstore.config import StoreSettings
 from kvstore.errors import ConfigError
-from kvstore.settings import StoreSettings
 
 FETCH_POLICIES = ("auto", "always", "never")
 DEVICE_WRITE_POLICIES = ("write_through", "write_back")

@@ -23,7 +23,7 @@ import torch
 
 from kvstore import kernels
 from kvstore.api import BlockStore
-from kvstore.transfer import FetchResult
+from kvstore.results import FetchResult
 
 LATENCY_S = 5e-4  # fixed cost of one fetch: thread hand-off, lookups, the scatter launch
 DEFAULT_BANDWIDTH = {"host": 2e9, "disk": 3e8, "remote": 1e9}  # bytes/s until measured (remote: loopback Redis)

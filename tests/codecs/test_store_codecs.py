@@ -36,7 +36,7 @@ def _keys(store: TieredStore, n: int, salt: int = 0) -> list[bytes]:
 
 
 def _slab(store: TieredStore) -> Path:
-    return Path(store.config.disk_path) / "slab-000.bin"  # type: ignore[arg-type]
+    return Path(store.config.settings.disk_path) / "slab-000.bin"  # type: ignore[arg-type]
 
 
 def test_int8_disk_holds_twice_the_blocks_measured_on_the_slab(tmp_path: Path) -> None:
@@ -316,7 +316,7 @@ def test_reads_larger_than_the_warm_staging_reuse_it_read_after_read(tmp_path: P
     """An int8 disk reads through staging rows kept warm between reads. Two reads in a row
     larger than the buffer made at open: the second takes the larger buffer the first one left
     behind (picking it out of the pool once raised RuntimeError: tensors compared with ==)."""
-    import kvstore.levels.staging as staging_module
+    import kvstore.store.levels.staging as staging_module
 
     monkeypatch.setattr(staging_module, "WARM_BYTES", 2 * 100 << 10)  # room for two encoded blocks
     store = _store(tmp_path, host_blocks=1, disk_blocks=16, disk_codec="int8", promotion="never")

@@ -15,9 +15,9 @@ import torch
 
 from kvstore import KVLayout, StoreConfig, TieredStore
 from kvstore.codecs import get_codec
+from kvstore.config import StoreSettings
 from kvstore.errors import CodecError
 from kvstore.services.common.store_args import add_store_arguments, store_settings_from_args
-from kvstore.settings import StoreSettings
 from kvstore.tiers.disk import DiskTier
 
 from codec_testing import random_kv

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from kvstore import CapacityError, KVLayout, LayoutMismatchError
-from kvstore.client.protocol import Code, RemoteError
 from kvstore.errors import ConfigError
+from kvstore.protocol import Code, RemoteError
 from kvstore.services.daemon.config import default_host_bytes, load_config
 
 from daemon_helpers import LAYOUT, ROOT, DaemonProc, blocks, daemon_fixture, prompt, shared_daemon_fixture  # noqa: F401

@@ -19,7 +19,7 @@ import torch
 from test_daemon_frames import reply
 
 from kvstore import CapacityError, KVLayout, LayoutMismatchError
-from kvstore.client.protocol import HEADER, VERSION, encode, layout_to_dict
+from kvstore.protocol import HEADER, VERSION, encode, layout_to_dict
 from kvstore.services.daemon.connection import BULK_MAX_S, BULK_MIN, BulkPace
 
 from daemon_helpers import LAYOUT, DaemonProc, blocks, prompt

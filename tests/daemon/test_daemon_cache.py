@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 import torch
 
-from kvstore.client.protocol import Code, RemoteError
-from kvstore.management import MAX_KEYS
+from kvstore.api import MAX_KEYS
+from kvstore.protocol import Code, RemoteError
 
 from daemon_helpers import LAYOUT, ROOT, DaemonProc, blocks, prompt
 from daemon_helpers import call as rest_call

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
+from kvstore.config import StoreSettings
 from kvstore.errors import ConfigError
 from kvstore.services.common.sizes import MAX_SIZE, format_size, parse_size
 from kvstore.services.common.tokens import Principal, Tokens
 from kvstore.services.daemon.config import DaemonConfig, load_config
-from kvstore.settings import StoreSettings
 
 HOST_ONLY = StoreSettings(host_bytes=1 << 20, disk_bytes=0)
 

@@ -13,7 +13,7 @@ import msgpack
 import pytest
 import torch
 
-from kvstore.client.protocol import HEADER, VERSION, Code, encode, layout_to_dict
+from kvstore.protocol import HEADER, VERSION, Code, encode, layout_to_dict
 
 from daemon_helpers import LAYOUT, DaemonProc, blocks, daemon_fixture, prompt, shared_daemon_fixture  # noqa: F401
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvstore.client.protocol import Code, ProtocolError, RemoteError
+from kvstore.protocol import Code, ProtocolError, RemoteError
 from kvstore.services.daemon.registry import NamespaceState
 from kvstore.services.daemon.shm import Leases, leases_per_connection
 

@@ -19,7 +19,7 @@ from kvstore import KVLayout
 from kvstore.client import client as client_module
 from kvstore.client.client import StoreClient
 from kvstore.client.pool_map import MappedPool
-from kvstore.client.protocol import Code, RemoteError
+from kvstore.protocol import Code, RemoteError
 from kvstore.tiers.host import PayloadViews
 
 from daemon_helpers import LAYOUT, DaemonProc, blocks, prompt

@@ -22,10 +22,10 @@ from pathlib import Path
 import pytest
 
 from kvstore.cli import main
+from kvstore.config import StoreSettings
 from kvstore.errors import ConfigError
 from kvstore.services.daemon.config import DaemonConfig
 from kvstore.services.daemon.server import Daemon, _remove_stale_socket
-from kvstore.settings import StoreSettings
 
 from daemon_helpers import ROOT, DaemonProc, blocks, prompt
 

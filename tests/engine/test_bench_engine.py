@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kvstore.tools.testing.redis_local import need_binaries
+from kvstore.tools.bench.redis_local import need_binaries
 
 from factories import require
 

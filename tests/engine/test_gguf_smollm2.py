@@ -216,7 +216,7 @@ def test_the_long_prefix_from_each_tier_gives_the_tokens_of_no_cache(
 @pytest.fixture(scope="module")
 def smollm2_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     """A real Redis Cluster with room for the long prompt's 93 blocks (720 KiB each, fp32)."""
-    from kvstore.tools.testing.redis_local import MIB, RedisCluster
+    from kvstore.tools.bench.redis_local import MIB, RedisCluster
     from tests.remote.conftest import require_redis
 
     require_redis()

@@ -13,7 +13,7 @@ from kvstore import KVLayout, StoreConfig, TieredStore
 from kvstore.engine import SamplingParams
 from kvstore.engine.fetcher import LATENCY_S, Fetcher
 from kvstore.engine.sequence import SeqStatus
-from kvstore.transfer import FetchHandle
+from kvstore.results import FetchHandle
 from tests.engine.conftest import GREEDY, make_engine
 
 PROMPT = list(range(20, 20 + 27))

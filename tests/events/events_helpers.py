@@ -6,7 +6,7 @@ import time
 from collections.abc import Callable
 
 from kvstore.events import Subscriber
-from kvstore.tools.testing import ports
+from kvstore.tools.bench import ports
 
 
 def until(cond: Callable[[], bool], sub: Subscriber, timeout: float = 30.0) -> None:

@@ -15,11 +15,11 @@ import pytest
 import torch
 
 from kvstore import KVLayout
+from kvstore.config import StoreSettings
 from kvstore.errors import ConfigError, DaemonUnreachableError, LayoutMismatchError
 from kvstore.integrations.vllm.backend import GuardedStore
 from kvstore.integrations.vllm.paged import PagedKV
 from kvstore.integrations.vllm.settings import ConnectorSettings
-from kvstore.settings import StoreSettings
 from tests.daemon.daemon_helpers import DaemonProc
 
 # Like vLLM's CPU backend: per layer [num_blocks, kv_heads, block, 2 * head_dim], blocks contiguous.
@@ -136,7 +136,7 @@ def test_guarded_store_embedded_round_trip(tmp_path: Path) -> None:
 
 
 def test_embedded_stores_of_two_nodes_share_blocks_through_a_remote_tier(tmp_path: Path) -> None:
-    from kvstore.tools.testing.redis_local import RedisServer
+    from kvstore.tools.bench.redis_local import RedisServer
     from tests.remote.conftest import require_redis
 
     require_redis()

@@ -1,7 +1,7 @@
 """Run inside the fresh venv (not collected by pytest): the installed LLMEngine's greedy tokens
 equal the installed transformers' on two tiny checkpoints, one saved by transformers
 (``save_pretrained``, as tests/engine/conftest.py saves it) and one by kvstore
-(``kvstore.tools.testing.tiny_llama``, the vLLM tests' model) and loaded by transformers.
+(``kvstore.tools.bench.tiny_llama``, the vLLM tests' model) and loaded by transformers.
 Decode attention runs through the CPU kernel the installed package builds from its own source.
 Prints one JSON line: the files both came from, the prompts checked, and whether the kernel ran."""
 
@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 import kvstore
 from kvstore.engine import LLMEngine, SamplingParams
-from kvstore.tools.testing.tiny_llama import save_tiny_llama
+from kvstore.tools.bench.tiny_llama import save_tiny_llama
 
 # tests/engine/conftest.py's TINY model and its llama3 RoPE with a short original context
 TINY: dict[str, Any] = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvstore.tools.testing.redis_local import MIB, RedisCluster, RedisServer, need_binaries
+from kvstore.tools.bench.redis_local import MIB, RedisCluster, RedisServer, need_binaries
 
 
 def require_redis() -> None:

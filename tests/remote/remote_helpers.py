@@ -19,7 +19,7 @@ import redis
 from redis.crc import key_slot
 
 from kvstore.tiers.remote import RemoteTier
-from kvstore.tools.testing.redis_local import RedisCluster
+from kvstore.tools.bench.redis_local import RedisCluster
 
 PAYLOAD = 64 * 1024
 LAYOUT_ID = "L2-H2-D64-B16-float16-tp0of1"

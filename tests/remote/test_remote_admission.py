@@ -7,7 +7,7 @@ import time
 import pytest
 
 from kvstore.tiers.remote.hints import HINT_TTL_S
-from kvstore.tools.testing.redis_local import RedisCluster
+from kvstore.tools.bench.redis_local import RedisCluster
 
 from factories import blocks_for, chain, make_store
 

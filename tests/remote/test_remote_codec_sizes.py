@@ -9,7 +9,7 @@ from redis.cluster import RedisCluster as ClusterClient
 
 from kvstore import KVLayout
 from kvstore.codecs import get_codec
-from kvstore.tools.testing.redis_local import RedisCluster
+from kvstore.tools.bench.redis_local import RedisCluster
 
 from factories import make_store
 

@@ -16,7 +16,7 @@ import torch
 
 import kvstore
 from kvstore import KVLayout
-from kvstore.tools.testing.redis_local import RedisCluster, RedisServer, free_port
+from kvstore.tools.bench.redis_local import RedisCluster, RedisServer, free_port
 
 from remote_helpers import Daemon
 

@@ -8,7 +8,7 @@ import pytest
 from kvstore import ConfigError
 from kvstore.engine.llm import LLMEngine
 from kvstore.engine.sampling import SamplingParams
-from kvstore.tools.testing.redis_local import RedisCluster
+from kvstore.tools.bench.redis_local import RedisCluster
 
 TINY = dict(num_layers=2, hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2, head_dim=16,
             vocab_size=256, max_position_embeddings=512)

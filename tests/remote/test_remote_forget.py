@@ -18,10 +18,10 @@ import torch
 
 import kvstore
 from kvstore import KVLayout
-from kvstore.levels.shared import owner_tag
+from kvstore.store.levels.shared import owner_tag
 from kvstore.tiers.remote import codec
 from kvstore.tiers.remote.naming import name_pattern
-from kvstore.tools.testing.redis_local import RedisCluster
+from kvstore.tools.bench.redis_local import RedisCluster
 
 from remote_helpers import PAYLOAD, Daemon, keys, owner_port, payloads, tier
 

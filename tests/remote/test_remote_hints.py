@@ -20,7 +20,7 @@ from kvstore.store import TieredStore
 from kvstore.tiers.remote import RemoteTier
 from kvstore.tiers.remote.hints import Hints, KeptValues
 from kvstore.tiers.remote.replies import GetReplies, Odd, ProtocolError
-from kvstore.tools.testing.redis_local import RedisCluster, cli
+from kvstore.tools.bench.redis_local import RedisCluster, cli
 
 from factories import blocks_for, chain, make_store
 

@@ -16,7 +16,7 @@ import torch
 from kvstore.store import TieredStore
 from kvstore.tiers.remote import RemoteTier
 from kvstore.tiers.remote.hints import HINT_TTL_S
-from kvstore.tools.testing.redis_local import RedisCluster, cli
+from kvstore.tools.bench.redis_local import RedisCluster, cli
 
 from factories import blocks_for, chain, make_store
 

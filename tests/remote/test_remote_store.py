@@ -11,12 +11,12 @@ import torch
 
 from kvstore import ConfigError, StoreConfig
 from kvstore.codecs.int8 import Int8Codec
-from kvstore.levels.coding import LevelCodec
-from kvstore.levels.remote_level import RemoteLevel
 from kvstore.store import TieredStore
+from kvstore.store.levels.coding import LevelCodec
+from kvstore.store.levels.remote_level import RemoteLevel
 from kvstore.tiers.remote import RemoteTier
 from kvstore.tiers.remote.hints import HINT_TTL_S
-from kvstore.tools.testing.redis_local import RedisCluster, cli, free_port
+from kvstore.tools.bench.redis_local import RedisCluster, cli, free_port
 
 from factories import SLOT, SMALL_LAYOUT, blocks_for, chain, make_store
 

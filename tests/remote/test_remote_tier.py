@@ -12,7 +12,7 @@ import redis
 from redis.crc import key_slot
 
 from kvstore.tiers.remote import RemoteTier, group_tags
-from kvstore.tools.testing.redis_local import RedisCluster, RedisServer, cli
+from kvstore.tools.bench.redis_local import RedisCluster, RedisServer, cli
 
 from remote_helpers import LAYOUT_ID, PAYLOAD, keys, owner_port, payloads, tier
 

@@ -25,7 +25,7 @@ from starlette.routing import Route
 from kvstore.services.common.http import bind, uvicorn_server
 from kvstore.services.router.config import RouteConfig
 from kvstore.services.router.server import run
-from kvstore.tools.testing.ports import free_port_pair
+from kvstore.tools.bench.ports import free_port_pair
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "engine" / "serve"))
@@ -39,7 +39,7 @@ __all__ = ["BLOCK", "ENGINE_ARGS", "MAX_MODEL_LEN", "ROUTER_TOKEN", "EngineServe
 
 def free_ports(count: int) -> list[int]:
     """``count`` TCP ports, each followed by a free one (a KV-events replay port), none handed
-    out before in this process, below Linux's ephemeral range (kvstore.tools.testing.ports)."""
+    out before in this process, below Linux's ephemeral range (kvstore.tools.bench.ports)."""
     return [free_port_pair() for _ in range(count)]
 
 

@@ -22,17 +22,14 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from kvstore.api import BlockStore
+from kvstore.api import BlockStore, check_count, check_ttl
 from kvstore.client.client import StoreClient, connect
 from kvstore.errors import CapacityError, DaemonUnreachableError
-from kvstore.index import PrefixMatch
 from kvstore.integrations.vllm.settings import ConnectorSettings
 from kvstore.keys import BlockHasher, ExtraKey, Namespace
 from kvstore.layout import KVLayout
-from kvstore.management import BlockInfo, PrefetchHandle, check_count
-from kvstore.pins import check_ttl
+from kvstore.results import BlockInfo, FetchHandle, FetchResult, PrefetchHandle, PrefixMatch
 from kvstore.store import TieredStore
-from kvstore.transfer import FetchHandle, FetchResult
 
 logger = logging.getLogger("kvstore.vllm")
 

@@ -18,9 +18,9 @@ from collections.abc import Sequence
 import torch
 
 from kvstore import kernels
-from kvstore.buffer_pool import BufferPool
 from kvstore.errors import LayoutMismatchError
 from kvstore.layout import KVLayout
+from kvstore.store.buffer_pool import BufferPool
 
 SPARE_BYTES = 1 << 30  # staging buffers kept warm between steps, in all
 

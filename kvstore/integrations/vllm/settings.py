@@ -11,9 +11,9 @@ from dataclasses import InitVar, dataclass, field, fields, replace
 from typing import Any
 
 from kvstore.client.client import parse_address
+from kvstore.config import StoreSettings
 from kvstore.errors import ConfigError
 from kvstore.services.common.sizes import parse_size
-from kvstore.settings import StoreSettings
 
 TIERS = ("host", "disk", "remote")
 SHORTCUTS = ("host_bytes", "disk_path", "disk_bytes", "write_policy", "remote_url")  # keyword shortcuts

@@ -33,7 +33,7 @@ from kvstore.integrations.vllm.backend import GuardedStore
 from kvstore.integrations.vllm.counters import COUNTERS, save_finished, save_started
 from kvstore.integrations.vllm.metadata import KVStoreMetadata, KVStoreWorkerMeta, LoadSpec, SaveSpec
 from kvstore.integrations.vllm.paged import PagedKV
-from kvstore.transfer import FetchHandle
+from kvstore.results import FetchHandle
 
 logger = logging.getLogger("kvstore.vllm")
 MAX_PENDING_SAVES = 8  # beyond this, wait_for_save waits for the oldest (bounded staging memory)

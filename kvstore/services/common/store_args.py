@@ -14,12 +14,12 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from kvstore.codecs import CODECS
-from kvstore.config import DISK_ADMISSIONS, PROMOTIONS, REMOTE_ADMISSIONS, REMOTE_WRITES, WRITE_POLICIES
+from kvstore.config import PROMOTIONS, REMOTE_WRITES, WRITE_POLICIES, StoreSettings
 from kvstore.errors import ConfigError
 from kvstore.keys import HASHES
+from kvstore.policy.admission import ADMISSIONS
 from kvstore.services.common.argtypes import positive
 from kvstore.services.common.sizes import format_size, parse_size
-from kvstore.settings import StoreSettings
 
 GROUP_TITLE = "store tiers"
 CODEC_HELP = "how {tier} stores blocks: none (the bytes put) or a lossy codec; int8 keeps about half the bytes"
@@ -62,10 +62,10 @@ STORE_FLAGS: dict[str, StoreFlag] = {  # StoreSettings field -> its flag
                               "write_back: host evictions demote to disk", choices=WRITE_POLICIES),
     "disk_admission": StoreFlag("--disk-admission", "which of host RAM's demoted blocks the disk takes: all, "
                                 "those seen_twice, or tinylfu (recent access count beats the disk's next victim's)",
-                                choices=DISK_ADMISSIONS),
+                                choices=ADMISSIONS),
     "remote_admission": StoreFlag("--remote-admission", "which blocks are sent to the remote tier: all, those "
                                   "seen_twice, or tinylfu (met at least twice by the access sketch)",
-                                  choices=REMOTE_ADMISSIONS),
+                                  choices=ADMISSIONS),
     "promotion": StoreFlag("--promotion", "when a disk or remote block is copied up to host RAM: on get, "
                            "ahead of time on lookup, or never", choices=PROMOTIONS),
     "host_codec": StoreFlag("--host-codec", CODEC_HELP.format(tier="host RAM"), choices=tuple(CODECS)),

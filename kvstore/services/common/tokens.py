@@ -2,7 +2,7 @@
 router) and the token -> Principal map built from it (docs/protocol.md).
 
 Tokens are kept and compared by SHA-256 digest and never appear in errors. A tenant's table
-may also hold its quotas (kvstore/quotas.py), by tier::
+may also hold its quotas (kvstore/policy/quotas.py), by tier::
 
     [[tenant]]
     name = "acme"
@@ -20,7 +20,7 @@ import sys
 from dataclasses import dataclass
 
 from kvstore.errors import ConfigError
-from kvstore.quotas import QuotaTable
+from kvstore.policy.quotas import QuotaTable
 from kvstore.services.common.sizes import parse_size
 
 if sys.version_info >= (3, 11):
@@ -77,7 +77,7 @@ TENANT_KEYS = frozenset({"name", "tokens", "shm", "quota"})
 
 def _read_tokens_file(path: str) -> tuple[list[tuple[str, Principal]], QuotaTable]:
     """``[[tenant]]`` tables: ``name = "acme"``, ``tokens = ["..."]``, optional ``shm = false``
-    and ``quota = {tier = {soft = ..., hard = ...}}`` (kvstore/quotas.py: bytes, "2GiB", a
+    and ``quota = {tier = {soft = ..., hard = ...}}`` (kvstore/policy/quotas.py: bytes, "2GiB", a
     share, "25%").
 
     Raises:

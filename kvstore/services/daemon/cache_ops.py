@@ -15,8 +15,8 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from kvstore.client.protocol import Code, ProtocolError, field_of, split_keys
-from kvstore.management import PrefetchHandle
+from kvstore.protocol import Code, ProtocolError, field_of, split_keys
+from kvstore.results import PrefetchHandle
 from kvstore.services.daemon.registry import NamespaceState, Registry
 from kvstore.services.daemon.tenant_admin import NotAllowed, UnknownTenant, acting_tenant, forget_everywhere
 

@@ -2,7 +2,7 @@
 
 The store knobs are one StoreSettings (``store``; TOML keys are its field names, as for every
 service); the rest is the daemon's own: addresses, tokens, limits, the namespace split, and
-tenants' quotas (``default_quotas``, and ``[quotas.TENANT]`` tables: kvstore/quotas.py).
+tenants' quotas (``default_quotas``, and ``[quotas.TENANT]`` tables: kvstore/policy/quotas.py).
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, get_args, get_type_hints
 
+from kvstore.config import StoreSettings
 from kvstore.errors import ConfigError
-from kvstore.quotas import QuotaTable
+from kvstore.policy.quotas import QuotaTable
 from kvstore.services.common.net import is_loopback, parse_hostport
 from kvstore.services.common.sizes import parse_size
-from kvstore.settings import StoreSettings
 
 if sys.version_info >= (3, 11):
     import tomllib

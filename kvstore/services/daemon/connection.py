@@ -37,7 +37,7 @@ import socket
 import time
 from typing import TYPE_CHECKING, Any
 
-from kvstore.client.protocol import HEADER, Code, ProtocolError, check_lengths, decode, encode
+from kvstore.protocol import HEADER, Code, ProtocolError, check_lengths, decode, encode
 from kvstore.services.daemon.ops import HeldBlocks, ReservedPut, Session
 from kvstore.tiers.slab import IOV_MAX
 

@@ -19,8 +19,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kvstore.events.metrics import event_families
+from kvstore.policy.tenant_counters import OTHER_TENANTS
 from kvstore.services.daemon.registry import Registry
-from kvstore.stats import OTHER_TENANTS
 
 MAX_TENANT_SERIES = 20  # tenants with series of their own; the rest are summed as "(other)"
 TENANT_GAUGES = {"blocks": "Blocks the tenant holds in the tier", "bytes": "Bytes the tenant's blocks occupy in the tier",

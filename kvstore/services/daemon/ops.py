@@ -22,7 +22,6 @@ from typing import Any
 import torch
 
 from kvstore.client.pool_map import MappedPool
-from kvstore.client.protocol import VERSION, Code, ProtocolError, field_of, layout_from_dict, split_keys
 from kvstore.errors import (
     CapacityError,
     CodecError,
@@ -33,7 +32,8 @@ from kvstore.errors import (
     TierFullError,
 )
 from kvstore.keys import HASHES
-from kvstore.management import PrefetchHandle
+from kvstore.protocol import VERSION, Code, ProtocolError, field_of, layout_from_dict, split_keys
+from kvstore.results import PrefetchHandle
 from kvstore.services.common.tokens import AuthError, Principal
 from kvstore.services.daemon.cache_ops import CacheOps
 from kvstore.services.daemon.config import DaemonConfig

@@ -4,7 +4,7 @@ Capacity rule: the configured host and disk sizes are hard totals. They are cut 
 ``max_namespaces`` equal slots; a namespace takes one slot on its first hello (or at start,
 when its disk directory already exists) and keeps it for the daemon's life.
 
-Quotas (kvstore/quotas.py): one table for the daemon, put in force in every namespace's
+Quotas (kvstore/policy/quotas.py): one table for the daemon, put in force in every namespace's
 store (each applies it to its own share of the tiers): an equal soft share of every tier for
 each tenant of the tokens file (``default_quotas="equal"``), then the tokens file's quotas,
 then the config's ``[quotas]``; ``set_quota`` changes a tenant's at run time (admin REST).
@@ -26,17 +26,17 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from kvstore.client.protocol import Code, ProtocolError, layout_from_dict, layout_to_dict
 from kvstore.codecs import get_codec, stored_bytes
 from kvstore.config import PAGE, StoreConfig
 from kvstore.errors import ConfigError, LayoutMismatchError
 from kvstore.keys import HASHES, Namespace
 from kvstore.layout import KVLayout
-from kvstore.quotas import QuotaTable, TierQuota
+from kvstore.policy.quotas import QuotaTable, TierQuota
+from kvstore.protocol import Code, ProtocolError, layout_from_dict, layout_to_dict
 from kvstore.services.common.tokens import Tokens
 from kvstore.services.daemon.config import DaemonConfig
-from kvstore.stats import TierCounters, is_count, tier_stats
 from kvstore.store import TieredStore
+from kvstore.store.stats import TierCounters, is_count, tier_stats
 
 SCOPE_TAG = b"kvstore/tenant-scope/v1\x00"
 SCOPE_MEMO = 1 << 16  # memoised scoped keys per tenant (~13 MB at most)

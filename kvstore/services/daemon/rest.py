@@ -21,8 +21,8 @@ from kvstore.errors import CapacityError
 from kvstore.services.common.tokens import AuthError, Principal, Tokens
 from kvstore.services.daemon.metrics import render
 from kvstore.services.daemon.registry import COUNTERS, NamespaceState, Registry
-from kvstore.stats import is_count
 from kvstore.store import TieredStore
+from kvstore.store.stats import is_count
 
 TokenId = Annotated[int, Field(ge=0, lt=1 << 32)]
 HexKey = Annotated[str, Field(pattern=r"^[0-9a-fA-F]{32}([0-9a-fA-F]{32})?$")]

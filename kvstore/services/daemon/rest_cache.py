@@ -19,9 +19,9 @@ from typing import Annotated, Any
 from fastapi import FastAPI, HTTPException, Path
 from pydantic import BaseModel, Field, model_validator
 
+from kvstore.api import MAX_KEYS, MAX_PIN_TTL_S
 from kvstore.errors import CapacityError, KVStoreError
-from kvstore.management import MAX_KEYS, PrefetchHandle
-from kvstore.pins import MAX_PIN_TTL_S
+from kvstore.results import PrefetchHandle
 from kvstore.services.common.tokens import Principal
 from kvstore.services.daemon.registry import NamespaceState
 from kvstore.services.daemon.rest import HexKey, Reader, TokenId

@@ -2,7 +2,7 @@
 
 - ``GET /v1/tenants`` (rest.py's route answers ``tenants_view``): per tenant its request
   counters (the block protocol's), what it holds per tier and what that cost (usage:
-  kvstore/usage.py), and its quotas (kvstore/quotas.py). The admin token (or an open store)
+  kvstore/store/usage.py), and its quotas (kvstore/policy/quotas.py). The admin token (or an open store)
   sees every tenant; a tenant token its own.
 - ``GET /v1/quotas``: the quotas in force, the same visibility.
 - ``PUT /v1/admin/quotas/{tenant}``: replace a tenant's quotas per tier at run time, in every
@@ -18,7 +18,7 @@ from fastapi import FastAPI, HTTPException, Path
 from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, StrictStr
 
 from kvstore.errors import ConfigError
-from kvstore.quotas import TierQuota, parse_tiers
+from kvstore.policy.quotas import TierQuota, parse_tiers
 from kvstore.services.common.sizes import parse_size
 from kvstore.services.common.tokens import Principal
 from kvstore.services.daemon.registry import COUNTERS, Registry

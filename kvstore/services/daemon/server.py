@@ -27,8 +27,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from kvstore.client.protocol import ProtocolError
 from kvstore.errors import ConfigError, TierError
+from kvstore.protocol import ProtocolError
 from kvstore.services.common.http import bind, freeze_start_heap, stop_on_signals, uvicorn_server
 from kvstore.services.common.net import parse_hostport
 from kvstore.services.common.tokens import Tokens

@@ -19,7 +19,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import overload
 
-from kvstore.client.protocol import Code, ProtocolError
+from kvstore.protocol import Code, ProtocolError
 from kvstore.services.daemon.registry import NamespaceState
 
 # Write leases a client may keep besides those of its requests in flight: the Python client

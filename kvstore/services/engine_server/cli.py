@@ -13,6 +13,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from kvstore import env
+from kvstore.config import StoreSettings
 from kvstore.errors import ConfigError, DaemonUnreachableError
 from kvstore.services.common.argtypes import port
 from kvstore.services.common.store_args import (
@@ -20,7 +21,6 @@ from kvstore.services.common.store_args import (
     store_flags_given,
     store_settings_from_args,
 )
-from kvstore.settings import StoreSettings
 
 if TYPE_CHECKING:
     from kvstore.services.engine_server.config import ServeConfig

@@ -8,10 +8,10 @@ from typing import Any
 
 import torch
 
+from kvstore.config import StoreSettings
 from kvstore.errors import ConfigError
 from kvstore.services.common.net import is_loopback
 from kvstore.services.common.store_args import flag_of
-from kvstore.settings import StoreSettings
 
 
 @dataclass(frozen=True)

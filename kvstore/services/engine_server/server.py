@@ -17,7 +17,7 @@ import os
 import time
 from typing import Any
 
-from kvstore.quotas import QuotaTable
+from kvstore.policy.quotas import QuotaTable
 from kvstore.services.common.http import bind, freeze_start_heap, stop_on_signals, uvicorn_server, where
 from kvstore.services.engine_server.app import create_app
 from kvstore.services.engine_server.auth import Auth

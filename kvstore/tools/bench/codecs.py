@@ -111,7 +111,7 @@ def bench_disk_read(blocks: torch.Tensor, repeat: int, workdir: Path) -> dict[st
     def cold(codec: str) -> float:
         store = TieredStore(configs[codec])  # promotion="never": the blocks stay on disk only
         store.get(keys, out=out)  # as in a long-running store: its staging rows are warm
-        drop_page_cache(Path(configs[codec].disk_path) / "slab-000.bin")  # type: ignore[arg-type]
+        drop_page_cache(Path(configs[codec].settings.disk_path) / "slab-000.bin")  # type: ignore[arg-type]
         t0 = time.perf_counter()
         store.get(keys, out=out)
         elapsed = time.perf_counter() - t0

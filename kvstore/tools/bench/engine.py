@@ -149,7 +149,7 @@ def bench_remote(args: argparse.Namespace, workdir: Path, prompt: list[int], bas
     """TTFT of the prefix found only in a remote tier: a real local Redis Cluster (3 primaries,
     3 replicas), written by one engine ("node A"), read by a fresh engine each time ("node B",
     host tier empty, no disk). Empty when redis-server is not installed."""
-    from kvstore.tools.testing.redis_local import MIB, RedisCluster, need_binaries
+    from kvstore.tools.bench.redis_local import MIB, RedisCluster, need_binaries
 
     missing = need_binaries()
     if missing is not None:

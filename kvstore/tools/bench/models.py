@@ -20,7 +20,7 @@ from kvstore.engine.bundled import default_model
 from kvstore.engine.llm import LLMEngine
 from kvstore.engine.loader import ModelConfig, checkpoint_dir, read_model_config
 from kvstore.layout import KVLayout
-from kvstore.tools.testing.tiny_llama import save_tiny_llama
+from kvstore.tools.bench.tiny_llama import save_tiny_llama
 
 # the random model's default shape: 24 layers, hidden 256, 4 query / 2 KV heads of 64
 RANDOM_BENCH_MODEL: dict[str, Any] = dict(num_layers=24, hidden_size=256, intermediate_size=1024, num_heads=4,

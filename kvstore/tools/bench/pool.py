@@ -26,12 +26,12 @@ from typing import Any
 import torch
 
 from kvstore.codecs import CODECS
+from kvstore.config import StoreSettings
 from kvstore.engine.llm import LLMEngine
 from kvstore.engine.loader import CheckpointError
 from kvstore.engine.sampling import SamplingParams
 from kvstore.services.common.argtypes import positive
 from kvstore.services.common.sizes import parse_size
-from kvstore.settings import StoreSettings
 from kvstore.tools.bench.harness import drop_page_cache, machine, ratio_text, scratch_dir, write_section
 from kvstore.tools.bench.models import BenchModel, add_model_arguments
 

@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 import torch
 
 from kvstore.codecs import get_codec
+from kvstore.config import StoreSettings
 from kvstore.engine.llm import LLMEngine
 from kvstore.engine.sampling import SamplingParams
-from kvstore.settings import StoreSettings
 from kvstore.tools.bench.models import BenchModel
 
 BLOCK = 16

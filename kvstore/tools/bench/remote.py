@@ -36,8 +36,8 @@ from kvstore.services.common.argtypes import positive
 from kvstore.tiers.remote import RemoteTier, group_tags
 from kvstore.tools.bench.harness import BENCH_LAYOUT, Row, machine, render, write_section
 from kvstore.tools.bench.models import BenchModel, add_model_arguments
+from kvstore.tools.bench.redis_local import MIB, RedisCluster, need_binaries
 from kvstore.tools.bench.remote_store import Baseline, bench_store, interleave, paired_ratio, render_store
-from kvstore.tools.testing.redis_local import MIB, RedisCluster, need_binaries
 
 NUM_BLOCKS = 64
 RUN_LENGTHS = (1, 4, 16, 64)

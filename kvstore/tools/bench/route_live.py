@@ -30,7 +30,7 @@ import numpy as np
 from kvstore.engine.loader import CheckpointError
 from kvstore.services.common.argtypes import positive
 from kvstore.tools.bench.models import BenchModel, add_model_arguments
-from kvstore.tools.testing.ports import free_port_pair
+from kvstore.tools.bench.ports import free_port_pair
 
 RANDOM_MODEL = {"num_layers": 4, "hidden_size": 256, "intermediate_size": 512, "num_heads": 4, "num_kv_heads": 2,
                 "head_dim": 64, "vocab_size": 512}

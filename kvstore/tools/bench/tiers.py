@@ -20,11 +20,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvstore import writes
+from kvstore.store import writes
 from kvstore.config import StoreConfig
-from kvstore.levels import DiskLevel
 from kvstore.services.common.argtypes import positive
 from kvstore.store import TieredStore
+from kvstore.store.levels import DiskLevel
 from kvstore.tools.bench.harness import (
     BENCH_LAYOUT,
     DOCS,

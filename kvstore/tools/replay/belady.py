@@ -1,6 +1,6 @@
 """Belady's offline optimum as an eviction policy: evict the block needed farthest in the future.
 
-It needs the whole trace first, so it lives here and not in ``kvstore.eviction.POLICIES``. The
+It needs the whole trace first, so it lives here and not in ``kvstore.policy.eviction.POLICIES``. The
 replay moves a shared clock (``FutureIndex.now``, the request being served); every tier's
 policy reads next uses from the same index, so the cascade replays it like any other policy.
 """
@@ -11,7 +11,7 @@ import heapq
 import itertools
 from collections.abc import Callable, Sequence
 
-from kvstore.eviction import EvictionPolicy, Key
+from kvstore.policy.eviction import EvictionPolicy, Key
 
 NEVER = 1 << 62  # next use of a block the trace never asks for again
 

@@ -10,10 +10,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvstore.admission import ADMISSIONS
 from kvstore.errors import ConfigError
-from kvstore.eviction import DEFAULT_POLICY, POLICIES
-from kvstore.quotas import QuotaTable
+from kvstore.policy.admission import ADMISSIONS
+from kvstore.policy.eviction import DEFAULT_POLICY, POLICIES
+from kvstore.policy.quotas import QuotaTable
 from kvstore.services.common.argtypes import positive
 from kvstore.services.common.sizes import parse_size
 from kvstore.tools.replay import estimate as est

@@ -1,7 +1,7 @@
 """A trace through the real Router over simulated replicas: cache hits, load and TTFT in time.
 
 Each simulated replica has one device tier of ``capacity_blocks`` trace blocks ordered by a
-real eviction policy (kvstore.eviction), a FIFO prefill queue served at
+real eviction policy (kvstore.policy.eviction), a FIFO prefill queue served at
 ``prefill_tokens_per_s``, and decodes that run in parallel for ``output_length *
 decode_s_per_token``. Requests arrive at their trace timestamps. Per request:
 
@@ -28,8 +28,8 @@ from pathlib import Path
 
 import numpy as np
 
-from kvstore.eviction import DEFAULT_POLICY, EvictionPolicy, make_policy
 from kvstore.keys import BlockHasher
+from kvstore.policy.eviction import DEFAULT_POLICY, EvictionPolicy, make_policy
 from kvstore.services.router.policy.config import RouterConfig
 from kvstore.services.router.policy.keytable import key_ids
 from kvstore.services.router.policy.router import Decision, LoadReport, Router

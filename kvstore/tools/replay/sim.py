@@ -18,7 +18,7 @@ quotas and all), and so are the admission policies. Per request (see docs/evicti
    segment by segment from the tail, so every policy sees the chain's tail touched first.
 
 Admission inputs are the store's: a block's use count (requests that touched it while some
-tier held it; one dropped and asked again counts twice, from a ghost of ``GHOST_KEYS`` keys)
+tier held it; one dropped and asked again counts twice, from a ghost list, ``SeenOnce``)
 and an access sketch fed every request's blocks. A tier marked ``shared`` (a remote tier)
 shows admission no victim, as Redis's own eviction shows the store none.
 """
@@ -26,16 +26,14 @@ shows admission no victim, as Redis's own eviction shows the store none.
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from kvstore.admission import AdmissionPolicy, AdmitAll, TinyLFU, make_admission
-from kvstore.cascade import GHOST_KEYS
-from kvstore.eviction import EvictionPolicy, Key
-from kvstore.quotas import QuotaTable
-from kvstore.sketch import FrequencySketch
-from kvstore.tenant_policy import TenantPolicy
+from kvstore.policy.admission import AdmissionPolicy, AdmitAll, SeenOnce, TinyLFU, make_admission
+from kvstore.policy.eviction import EvictionPolicy, Key
+from kvstore.policy.quotas import QuotaTable
+from kvstore.policy.sketch import FrequencySketch
+from kvstore.policy.tenant_policy import TenantPolicy
 from kvstore.tools.replay.belady import BeladyPolicy, FutureIndex
 from kvstore.tools.replay.trace import Trace
 
@@ -87,7 +85,7 @@ class ReplayResult:
 def policy_factory(name: str, trace: Trace, top_capacity: int) -> tuple[Callable[[], EvictionPolicy],
                                                                        FutureIndex | None]:
     """A per-tier policy factory by name; ``belady`` also returns the clock the replay moves."""
-    from kvstore.eviction import make_policy
+    from kvstore.policy.eviction import make_policy
 
     if name == BeladyPolicy.name:
         future = FutureIndex([chain[:top_capacity] for chain in trace.chains])
@@ -132,7 +130,7 @@ def replay(trace: Trace, tiers: Sequence[TierSpec], policy: str,
     num_tiers = len(tiers)
     where: dict[Key, int] = {}  # key -> bit mask of the tiers holding it (bit 0 = top)
     uses: dict[Key, int] = {}  # held keys' use counts (seen_twice admission)
-    ghost: OrderedDict[Key, None] = OrderedDict()  # dropped keys, remembered as seen once
+    ghost = SeenOnce()  # dropped keys, remembered as seen once
     parents: dict[Key, Key | None] = trace.parents  # type: ignore[assignment]
     hits_by_tier = [0] * num_tiers
     reads = [0] * num_tiers
@@ -174,9 +172,7 @@ def replay(trace: Trace, tiers: Sequence[TierSpec], policy: str,
                 del where[victim]
                 dropped += 1
                 uses.pop(victim, None)
-                ghost[victim] = None
-                if len(ghost) > GHOST_KEYS:
-                    ghost.popitem(last=False)
+                ghost.add(victim)
         if demoted:
             overflow = sizes[below] + len(demoted) - caps[below]
             if overflow > 0:

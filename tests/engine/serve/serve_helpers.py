@@ -143,11 +143,11 @@ class InProcessServer:
     engine it serves. ``kv_cache_bytes`` sizes the device pool (small: preemption)."""
 
     def __init__(self, kv_cache_bytes: int = 4 << 20) -> None:
+        from kvstore.config import StoreSettings
         from kvstore.services.common.http import bind, uvicorn_server, where
         from kvstore.services.engine_server.app import create_app
         from kvstore.services.engine_server.config import ServeConfig
         from kvstore.services.engine_server.server import build_state
-        from kvstore.settings import StoreSettings
 
         config = ServeConfig(random_config=TINY, port=0, store_settings=StoreSettings(host_bytes=8 << 20),
                              kv_cache_bytes=kv_cache_bytes, block_size=BLOCK, max_model_len=MAX_MODEL_LEN, seed=3)

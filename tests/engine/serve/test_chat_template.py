@@ -139,11 +139,11 @@ def test_the_random_model_uses_the_plain_template_by_design(caplog: pytest.LogCa
 @pytest.fixture(scope="module")
 def server(saved_by_transformers: Path) -> Iterator[str]:
     """The server as ``kvstore engine --model DIR`` builds it, on a real uvicorn server in a thread."""
+    from kvstore.config import StoreSettings
     from kvstore.services.common.http import bind, uvicorn_server, where
     from kvstore.services.engine_server.app import create_app
     from kvstore.services.engine_server.config import ServeConfig
     from kvstore.services.engine_server.server import build_state
-    from kvstore.settings import StoreSettings
 
     state = build_state(ServeConfig(model=str(saved_by_transformers), port=0, kv_cache_bytes=1 << 20, block_size=4,
                                     store_settings=StoreSettings(host_bytes=0)))

@@ -17,8 +17,8 @@ import httpx
 import openai
 import pytest
 
+from kvstore.config import StoreSettings
 from kvstore.services.engine_server.config import ServeConfig
-from kvstore.settings import StoreSettings
 
 from serve_helpers import BLOCK, ROOT, EngineServer
 

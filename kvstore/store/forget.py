@@ -5,7 +5,7 @@ The order (one forget at a time per store):
   1. blocks of the tenant that a shared level delivers are no longer promoted into host RAM
      (``ReadPath.unpromoted``), so none comes back from the remote while it is swept;
   2. local tiers: every indexed block filed under the tenant loses its pins (every lease,
-     kvstore/pins.py) and is deleted from host and disk (the disk catalog commits the delete
+     kvstore/store/pins.py) and is deleted from host and disk (the disk catalog commits the delete
      durably: a restart recovers none of them). A block being written is waited for; one
      being read (a copy outside the store lock, a shared-memory read lease) is left to its
      reader, which finishes with the bytes it started with, and taken once it is done
@@ -25,46 +25,17 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import Any
 
-from kvstore.cascade import Cascade
 from kvstore.errors import CapacityError
-from kvstore.levels.shared import UNKNOWN_TENANT, owner_tag
-from kvstore.pins import PinLedger
-from kvstore.reads import ReadPath
+from kvstore.results import ForgetReport
+from kvstore.store.cascade import Cascade
+from kvstore.store.levels.shared import UNKNOWN_TENANT, owner_tag
+from kvstore.store.pins import PinLedger
+from kvstore.store.reads import ReadPath
 from kvstore.tiers.records import check_name
 
 FORGET_WAIT_S = 30.0  # the longest a forget waits for the readers of the tenant's blocks
 POLL_S = 0.005
-
-
-@dataclass(frozen=True)
-class ForgetReport:
-    """What forgetting a tenant did.
-
-    Attributes:
-        tenant: the tenant forgotten.
-        deleted: per tier, blocks of the tenant that tier held and no longer holds (the
-            remote tier's count covers every store that wrote to it).
-        num_blocks: distinct blocks deleted from the local tiers.
-        pins_released: pins those blocks held (of any holder, leases with a TTL included).
-        failures: what could not be done (a remote node not swept whole); empty when complete.
-    """
-
-    tenant: str
-    deleted: dict[str, int] = field(default_factory=dict)
-    num_blocks: int = 0
-    pins_released: int = 0
-    failures: tuple[str, ...] = ()
-
-    @property
-    def complete(self) -> bool:
-        return not self.failures
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"tenant": self.tenant, "deleted": dict(self.deleted), "num_blocks": self.num_blocks,
-                "pins_released": self.pins_released, "complete": self.complete, "failures": list(self.failures)}
 
 
 class TenantForget:

@@ -1,118 +1,28 @@
 """Cache management of one store: pins as leases, prefetch, inspect, delete with descendants.
 
-``TieredStore`` delegates here (forgetting a tenant is kvstore/forget.py). Every operation is
+``TieredStore`` delegates here (forgetting a tenant is kvstore/store/forget.py). Every operation is
 tenant-blind: keys name blocks, and whoever calls has scoped them (a daemon files every key
 under its connection's tenant). What it returns is small and typed (``BlockInfo``,
 ``PrefetchHandle``), never an index entry.
 
 Bounds, each a ValueError naming it before any work: a prefetch or an inspect names at most
-``MAX_KEYS`` keys; a pin's ``ttl_s`` is in (0, a day] (kvstore/pins.py).
+``MAX_KEYS`` keys; a pin's ``ttl_s`` is in (0, a day] (kvstore/store/pins.py).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from concurrent.futures import Executor, Future
-from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass, field
+from concurrent.futures import Executor
 from typing import Any
 
-from kvstore.cascade import Cascade
+from kvstore.api import check_count, check_ttl
 from kvstore.errors import CapacityError
-from kvstore.index import BlockEntry
-from kvstore.pins import PinLedger, check_ttl
-from kvstore.reads import ReadPath
-
-MAX_KEYS = 1 << 16  # keys one prefetch or inspect may name (a daemon request's max_keys too)
-
-
-def check_count(what: str, n: int) -> None:
-    if n > MAX_KEYS:
-        raise ValueError(f"a {what} names at most {MAX_KEYS} keys, got {n}; split it")
-
-
-@dataclass(frozen=True)
-class BlockInfo:
-    """Where one block is and how it is held (``inspect``).
-
-    Attributes:
-        key: the block's key as the store files it.
-        tiers: every tier holding it, fastest first ("remote" when the remote tier said so).
-        codecs: per tier, the codec its copy is stored with ("none": the bytes put).
-        stored_bytes: per tier, the bytes that tier stores for it (its encoded size).
-        tenant: whose block it is (None: only the remote tier holds it, and it does not say).
-        pins: pins held on it now (pins of every holder).
-        pin_expires_s: seconds until its last pin ends by itself; None when unpinned or some
-            pin has no deadline.
-    """
-
-    key: bytes
-    tiers: tuple[str, ...]
-    codecs: dict[str, str] = field(default_factory=dict)
-    stored_bytes: dict[str, int] = field(default_factory=dict)
-    tenant: str | None = None
-    pins: int = 0
-    pin_expires_s: float | None = None
-
-    def as_dict(self) -> dict[str, Any]:
-        """JSON- and msgpack-ready (the key as hex)."""
-        return {"key": self.key.hex(), "tiers": list(self.tiers), "codecs": dict(self.codecs),
-                "stored_bytes": dict(self.stored_bytes), "tenant": self.tenant, "pins": self.pins,
-                "pin_expires_s": self.pin_expires_s}
-
-
-class PrefetchHandle:
-    """A prefetch under way: ``result()`` is how many of its blocks are in host RAM once done.
-
-    ``poll(wait_s)`` answers the result once the prefetch is done, else None after waiting up
-    to ``wait_s`` seconds; it raises what the prefetch raised.
-    """
-
-    def __init__(self, num_requested: int, poll: Callable[[float], int | None]) -> None:
-        self.num_requested = num_requested
-        self._poll = poll
-        self._result: int | None = None
-
-    @classmethod
-    def of_future(cls, future: Future[int], num_requested: int) -> PrefetchHandle:
-        def poll(wait_s: float) -> int | None:
-            try:
-                return future.result(wait_s)
-            except FutureTimeout:
-                return None
-        return cls(num_requested, poll)
-
-    @classmethod
-    def finished(cls, num_blocks: int, num_requested: int) -> PrefetchHandle:
-        return cls(num_requested, lambda _wait: num_blocks)
-
-    def done(self) -> bool:
-        return self._answer(0.0) is not None
-
-    def result(self, timeout: float | None = None) -> int:
-        """Wait for the prefetch; TimeoutError after ``timeout`` seconds."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            left = 1.0 if deadline is None else max(0.0, min(1.0, deadline - time.monotonic()))
-            found = self._answer(left)
-            if found is not None:
-                return found
-            if deadline is not None and time.monotonic() >= deadline:
-                raise TimeoutError(f"the prefetch of {self.num_requested} blocks is not done after {timeout} s")
-
-    def wait(self, timeout: float | None = None) -> bool:
-        """Wait up to ``timeout`` seconds; True when the prefetch is done."""
-        try:
-            self.result(timeout)
-        except TimeoutError:
-            return False
-        return True
-
-    def _answer(self, wait_s: float) -> int | None:
-        if self._result is None:
-            self._result = self._poll(wait_s)
-        return self._result
+from kvstore.results import BlockInfo, PrefetchHandle
+from kvstore.store.cascade import Cascade
+from kvstore.store.index import BlockEntry
+from kvstore.store.pins import PinLedger
+from kvstore.store.reads import ReadPath
 
 
 class Management:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvstore.cascade import Cascade
+from kvstore.store.cascade import Cascade
 
 
 class StoreView:

@@ -9,7 +9,7 @@ closed connection: ``end_holder``). ``BlockEntry.pins`` is always the number of 
 live leases hold on that block (``check``).
 
 ``unpin`` undoes the most recent pin of each block (of that holder, when one is named).
-Forgetting a block (kvstore/forget.py) takes it out of every lease (``drop``).
+Forgetting a block (kvstore/store/forget.py) takes it out of every lease (``drop``).
 
 Every method but ``close`` expects the store lock held; the expiry thread takes it itself.
 """
@@ -23,20 +23,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvstore.index import BlockEntry
-
-MAX_PIN_TTL_S = 86400.0  # a pin's TTL is at most a day: pin again to hold longer
-
-
-def check_ttl(ttl_s: object) -> float | None:
-    """``ttl_s`` as seconds, or None (no deadline); ValueError naming the bounds otherwise."""
-    if ttl_s is None:
-        return None
-    if isinstance(ttl_s, bool) or not isinstance(ttl_s, int | float) or not math.isfinite(ttl_s) \
-            or not 0 < ttl_s <= MAX_PIN_TTL_S:
-        raise ValueError(f"ttl_s must be a number of seconds > 0 and at most {MAX_PIN_TTL_S:.0f} (a day), "
-                         f"got {ttl_s!r}")
-    return float(ttl_s)
+from kvstore.store.index import BlockEntry
 
 
 @dataclass

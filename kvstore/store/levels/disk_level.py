@@ -15,14 +15,15 @@ from typing import Any
 
 import torch
 
-from kvstore.admission import AdmissionPolicy
 from kvstore.errors import CodecError
-from kvstore.eviction import EvictionPolicy
-from kvstore.index import DISK, BlockEntry
-from kvstore.levels.base import Recovered, SlotLevel
-from kvstore.levels.coding import LevelCodec
-from kvstore.levels.staging import Staging, select
-from kvstore.stats import tier_stats
+from kvstore.policy.admission import AdmissionPolicy
+from kvstore.policy.eviction import EvictionPolicy
+from kvstore.results import DISK
+from kvstore.store.index import BlockEntry
+from kvstore.store.levels.base import Recovered, SlotLevel
+from kvstore.store.levels.coding import LevelCodec
+from kvstore.store.levels.staging import Staging, select
+from kvstore.store.stats import tier_stats
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.errors import TierError
 

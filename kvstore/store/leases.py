@@ -12,11 +12,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvstore.cascade import Cascade
 from kvstore.errors import KVStoreError
-from kvstore.index import BlockEntry
-from kvstore.reads import ReadPath
-from kvstore.writes import WritePath
+from kvstore.store.cascade import Cascade
+from kvstore.store.index import BlockEntry
+from kvstore.store.reads import ReadPath
+from kvstore.store.writes import WritePath
 
 
 class HostLeases:

@@ -1,6 +1,6 @@
 """Admission policies: strategy objects that decide which blocks a lower tier takes.
 
-Eviction (kvstore/eviction.py) decides what leaves a tier; admission decides what enters the
+Eviction (kvstore/policy/eviction.py) decides what leaves a tier; admission decides what enters the
 tier below it: host's victims demoted to disk (``disk_admission``), and blocks offered to the
 shared remote tier (``remote_admission``). Like the eviction policies they hold no bytes and
 no slots; ``TieredStore`` and ``kvstore replay`` drive the very same classes.
@@ -9,7 +9,7 @@ no slots; ``TieredStore`` and ``kvstore replay`` drive the very same classes.
 |---|---|
 | ``all`` | every block |
 | ``seen_twice`` | blocks used at least twice (put, then read or put again; a put after the block was dropped counts as the second use) |
-| ``tinylfu`` | blocks whose estimated recent access count (a count-min sketch with aging, kvstore/sketch.py) beats the count of the block the tier would evict for them; into a tier with room, every block; into a tier whose victim is unknown (the remote: Redis evicts on its own), blocks estimated at two accesses or more |
+| ``tinylfu`` | blocks whose estimated recent access count (a count-min sketch with aging, kvstore/policy/sketch.py) beats the count of the block the tier would evict for them; into a tier with room, every block; into a tier whose victim is unknown (the remote: Redis evicts on its own), blocks estimated at two accesses or more |
 
 The measured comparison on the traces, and why the defaults are what they are, is in
 docs/eviction.md ("Admission").
@@ -18,10 +18,11 @@ docs/eviction.md ("Admission").
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Hashable, Sequence
+from collections import OrderedDict
+from collections.abc import Hashable, Iterable, Sequence
 from typing import ClassVar
 
-from kvstore.sketch import FrequencySketch
+from kvstore.policy.sketch import FrequencySketch
 
 Key = Hashable
 
@@ -82,6 +83,32 @@ class TinyLFU(AdmissionPolicy):
 
 
 ADMISSIONS = ("all", "seen_twice", "tinylfu")
+GHOST_KEYS = 1 << 16  # keys remembered as seen once (SeenOnce's default bound)
+
+
+class SeenOnce:
+    """The ghost list behind ``seen_twice``: keys of blocks that left the store, so that one
+    put again counts as its second use. Bounded: past ``capacity`` keys the oldest is forgotten."""
+
+    def __init__(self, capacity: int = GHOST_KEYS) -> None:
+        self.capacity = capacity
+        self._keys: OrderedDict[Key, None] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._keys
+
+    def add(self, key: Key) -> None:
+        """Remember ``key`` as seen once (the newest)."""
+        self._keys[key] = None
+        if len(self._keys) > self.capacity:
+            self._keys.popitem(last=False)
+
+    def any_of(self, keys: Iterable[Key]) -> bool:
+        """Whether some of ``keys`` is remembered."""
+        return bool(self._keys) and not self._keys.keys().isdisjoint(keys)
 
 
 def make_admission(name: str, sketch: FrequencySketch | None = None) -> AdmissionPolicy:

@@ -21,7 +21,7 @@ places the blocks in their slots and marks them ``writing``; the caller copies w
 other blocks does not wait behind that copy; a get of these blocks waits for them, as for a
 write-through put's, and a lease stops short of them (``HostLeases``).
 
-Hard quotas (kvstore/quotas.py): a put or commit whose new host blocks would take its tenant
+Hard quotas (kvstore/policy/quotas.py): a put or commit whose new host blocks would take its tenant
 past its hard quota in host RAM first makes room among the tenant's own host blocks
 (``Cascade.room_for``), under the same lock hold that places them; what still does not fit is
 refused (tails first: a prefix is worth more than its tail), counted, and not an error. A
@@ -39,11 +39,11 @@ from dataclasses import dataclass
 
 import torch
 
-from kvstore.cascade import Cascade
 from kvstore.errors import CapacityError, KVStoreError, TierError
-from kvstore.index import BlockEntry
 from kvstore.layout import raw_rows
-from kvstore.levels.shared import SharedLevel
+from kvstore.store.cascade import Cascade
+from kvstore.store.index import BlockEntry
+from kvstore.store.levels.shared import SharedLevel
 
 
 @dataclass

@@ -10,7 +10,7 @@ its put, get or reservation) and publishes them there. That call still returns o
 the write, as before; other calls wait for it only if they need those very blocks.
 
 Until then those blocks are in no level and marked ``writing``, landing in the level below
-(as a write-through put's blocks are, landing in host RAM: kvstore/writes.py): a lookup
+(as a write-through put's blocks are, landing in host RAM: kvstore/store/writes.py): a lookup
 reports them there, and a get, put, delete or pin of them waits for the write to settle
 (``Cascade.wait_written``). A failed write loses those demotions (the level counts the
 error), as a cache may; nothing half-written is published.
@@ -28,15 +28,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvstore.buffer_pool import BufferPool
-from kvstore.index import BlockEntry
-from kvstore.levels.base import Level
-from kvstore.levels.coding import aligned_rows
+from kvstore.store.buffer_pool import BufferPool
+from kvstore.store.index import BlockEntry
+from kvstore.store.levels.base import Level
+from kvstore.store.levels.coding import aligned_rows
 
 if TYPE_CHECKING:
-    from kvstore.cascade import Cascade
+    from kvstore.store.cascade import Cascade
 
-log = logging.getLogger("kvstore.demotions")
+log = logging.getLogger("kvstore.store.demotions")
 
 # The staging budget: a sixteenth of host RAM, within these bounds.
 MIN_BYTES = 8 << 20

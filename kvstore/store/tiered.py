@@ -18,25 +18,24 @@ import numpy as np
 import torch
 
 from kvstore.api import BlockStore
-from kvstore.cascade import Cascade
 from kvstore.config import StoreConfig
-from kvstore.demotions import budget as staging_budget
-from kvstore.forget import FORGET_WAIT_S, ForgetReport, TenantForget
-from kvstore.index import PrefixMatch
-from kvstore.inspection import StoreView
 from kvstore.keys import BlockHasher, ExtraKey, Namespace
 from kvstore.layout import raw_rows
-from kvstore.leases import HostLeases
-from kvstore.levels import Level, SharedLevel
-from kvstore.levels.build import build_admissions, build_levels, build_shared
-from kvstore.listeners import StoreListener
-from kvstore.management import BlockInfo, Management, PrefetchHandle
-from kvstore.quotas import QuotaTable
-from kvstore.reads import ReadPath
+from kvstore.policy.quotas import QuotaTable
+from kvstore.results import BlockInfo, FetchHandle, FetchResult, ForgetReport, PrefetchHandle, PrefixMatch
+from kvstore.store.cascade import Cascade
+from kvstore.store.demotions import budget as staging_budget
+from kvstore.store.forget import FORGET_WAIT_S, TenantForget
+from kvstore.store.inspection import StoreView
+from kvstore.store.leases import HostLeases
+from kvstore.store.levels import Level, SharedLevel
+from kvstore.store.levels.build import build_admissions, build_levels, build_shared
+from kvstore.store.listeners import StoreListener
+from kvstore.store.management import Management
+from kvstore.store.reads import ReadPath
+from kvstore.store.usage import index_usage, tenant_usage
+from kvstore.store.writes import HostWrite, WritePath
 from kvstore.tiers.records import check_name
-from kvstore.transfer import FetchHandle, FetchResult
-from kvstore.usage import index_usage, tenant_usage
-from kvstore.writes import HostWrite, WritePath
 
 # Lookups made while another thread held the store lock wait in a queue to be counted (see
 # lookup); past this many, the next lookup waits for the lock once and counts them.
@@ -54,16 +53,16 @@ class TieredStore:
     def __init__(self, config: StoreConfig) -> None:
         self.config = config
         self.layout = config.layout
-        self.namespace = Namespace(config.model_id, config.layout, config.hash_algo)
+        self.namespace = Namespace(config.model_id, config.layout, config.settings.hash_algo)
         self.hasher = BlockHasher(self.namespace)
         self._payload = self.layout.bytes_per_block
         self._cascade = cascade = Cascade(build_levels(config, self.namespace), build_shared(config),
-                                          staging_budget(config.host_bytes))
+                                          staging_budget(config.settings.host_bytes))
         build_admissions(config, cascade.levels, cascade.shared)  # disk_admission, remote_admission
         self._lock = cascade.lock
         self._index = cascade.index
-        self._writes = WritePath(cascade, write_through=config.write_policy == "write_through")
-        self._reads = ReadPath(cascade, promote=config.promotion != "never")
+        self._writes = WritePath(cascade, write_through=config.settings.write_policy == "write_through")
+        self._reads = ReadPath(cascade, promote=config.settings.promotion != "never")
         self._leases = HostLeases(cascade, self._reads, self._writes)
         self._view = StoreView(cascade, self._payload)
         self._codings = [level.coding for level in cascade.levels if level.coding is not None]
@@ -180,7 +179,7 @@ class TieredStore:
         if cascade.shared and match.num_blocks < len(keys):
             match = self._reads.extend(keys, match, exact)
         host = self._cascade.host.name
-        if self.config.promotion == "lookup" and any(t != host for t in match.tiers):
+        if self.config.settings.promotion == "lookup" and any(t != host for t in match.tiers):
             lower = [k for k, t in zip(keys, match.tiers, strict=False) if t != host]
             self._executor.submit(self._reads.read_into, lower, None)
         return match
@@ -259,7 +258,7 @@ class TieredStore:
     def delete(self, keys: Sequence[bytes], *, descendants: bool = False) -> int:
         """Remove blocks from every tier; returns how many were held. Absent keys are skipped.
         With ``descendants``, also every block chained below one of them that the index links
-        to its parent (kvstore/management.py); the remote tier is asked to delete those too.
+        to its parent (kvstore/store/management.py); the remote tier is asked to delete those too.
 
         Raises:
             CapacityError: a block is pinned or being read (nothing is deleted then).
@@ -274,7 +273,7 @@ class TieredStore:
 
     def pin(self, keys: Sequence[bytes], *, ttl_s: float | None = None, holder: int | None = None) -> None:
         """Protect blocks from eviction in every tier until unpinned (KeyError if absent), or
-        with ``ttl_s`` until then at the latest: the pin ends by itself (kvstore/pins.py).
+        with ``ttl_s`` until then at the latest: the pin ends by itself (kvstore/store/pins.py).
         ``holder``: who holds the pins (a daemon connection's id; ``end_pins`` ends them all)."""
         self._manage.pin(self._check_keys(keys), ttl_s, holder)
 
@@ -303,7 +302,7 @@ class TieredStore:
     def forget_tenant(self, tenant: str, *, remote: bool = True, wait_s: float = FORGET_WAIT_S) -> ForgetReport:
         """Delete every block of ``tenant`` from every tier (pinned ones, ones being read once
         their readers are done, the remote tier's whoever wrote them; durably: a restart
-        recovers none). Returns the count per tier (kvstore/forget.py).
+        recovers none). Returns the count per tier (kvstore/store/forget.py).
 
         Raises:
             ValueError: ``tenant`` is not a tenant name (a str of at most 255 UTF-8 bytes).
@@ -312,7 +311,7 @@ class TieredStore:
         return self._forget.forget(tenant, remote=remote, wait_s=wait_s)
 
     # ----------------------------------------------------------------------------- leases
-    # Zero-copy host-slot access for the daemon's shared-memory clients (kvstore/leases.py).
+    # Zero-copy host-slot access for the daemon's shared-memory clients (kvstore/store/leases.py).
 
     @property
     def shared_pool(self) -> tuple[str, int, int] | None:
@@ -363,7 +362,7 @@ class TieredStore:
     # ----------------------------------------------------------------------------- events
 
     def add_listener(self, listener: StoreListener) -> None:
-        """Tell ``listener`` whenever a tier starts or stops holding a block (kvstore.listeners)."""
+        """Tell ``listener`` whenever a tier starts or stops holding a block (kvstore.store.listeners)."""
         with self._lock:
             self._cascade.listeners.add(listener)
 
@@ -384,7 +383,7 @@ class TieredStore:
         return self._view.held_by_tier()
 
     # ----------------------------------------------------------------------------- inspection
-    # Read-only views of the cascade (kvstore/inspection.py).
+    # Read-only views of the cascade (kvstore/store/inspection.py).
 
     def held_keys(self, tenant: str | None = None) -> list[bytes]:
         """Snapshot of the keys the store holds (only ``tenant``'s when given), blocks on their
@@ -401,7 +400,7 @@ class TieredStore:
         return self._view.stats()
 
     # ----------------------------------------------------------------------------- tenants
-    # Quotas (kvstore/quotas.py) and usage per tenant (kvstore/usage.py).
+    # Quotas (kvstore/policy/quotas.py) and usage per tenant (kvstore/store/usage.py).
 
     def set_quotas(self, table: QuotaTable) -> None:
         """Put ``table``'s quotas in force now (at run time; the next eviction obeys them).
@@ -421,7 +420,7 @@ class TieredStore:
 
     def tenant_stats(self) -> dict[str, dict[str, Any]]:
         """Per tenant: per tier its blocks and bytes held, hits, misses, evictions caused and
-        suffered, puts refused at its hard quota, and its quotas in blocks (kvstore/usage.py).
+        suffered, puts refused at its hard quota, and its quotas in blocks (kvstore/store/usage.py).
         ``stats()`` stays per tier: every caller reads its keys as tier names."""
         return tenant_usage(self._cascade)
 

@@ -11,7 +11,7 @@ block or one being read), stores those the level below admits and does not hold 
 block no level holds any more is forgotten (and remembered as seen once, for "seen twice"
 admission). Host's demotions are written below once the lock is let go: ``make_room``
 stages them (a memory copy) and the thread that made room writes them (``write_owed``,
-kvstore/demotions.py); meanwhile they are ``writing``, as a write-through put's blocks are,
+kvstore/store/demotions.py); meanwhile they are ``writing``, as a write-through put's blocks are,
 and whoever needs them waits (``wait_written``). Promotion: the read path reserves host
 slots, copies lower-level blocks into them outside the lock, and publishes the good copies
 on host.
@@ -21,7 +21,7 @@ is never reused before its last reader is done, even when a put replaces that co
 (``discard_copy`` retires the slot; ``end_read`` frees it).
 
 Below the indexed levels sit the shared ones (``shared``, the remote tier): asked, never
-indexed (kvstore/levels/shared.py). Blocks that leave the last local level are offered to
+indexed (kvstore/store/levels/shared.py). Blocks that leave the last local level are offered to
 the shared levels that take demotions, before their local copy is dropped.
 
 Every method but ``write_owed`` expects the caller to hold ``lock``; the cascade owns the
@@ -39,15 +39,15 @@ from typing import cast
 
 import torch
 
-from kvstore.demotions import DeferredDemotions
 from kvstore.errors import CapacityError, KVStoreError, TierError
-from kvstore.eviction import EvictionPolicy
-from kvstore.index import BlockEntry, BlockIndex
-from kvstore.levels.base import Level
-from kvstore.levels.host_level import HostLevel
-from kvstore.levels.shared import SharedLevel
-from kvstore.listeners import Listeners
-from kvstore.quotas import QuotaTable
+from kvstore.policy.eviction import EvictionPolicy
+from kvstore.policy.quotas import QuotaTable
+from kvstore.store.demotions import DeferredDemotions
+from kvstore.store.index import BlockEntry, BlockIndex
+from kvstore.store.levels.base import Level
+from kvstore.store.levels.host_level import HostLevel
+from kvstore.store.levels.shared import SharedLevel
+from kvstore.store.listeners import Listeners
 
 GHOST_KEYS = 1 << 16  # keys remembered as "seen once" for admission="seen_twice"
 ROOT_KEYS = 1 << 16  # chains' first blocks remembered with their tenant, to name a lookup's tenant
@@ -67,7 +67,7 @@ class Cascade:
         # notified whenever a write that ran outside the lock (a put's, a demotion's) settles
         self.settled = threading.Condition(self.lock)
         # writes outside the lock under way: write-through puts between WritePath.put/commit
-        # and WritePath.finish, and staged demotions not yet written (kvstore/demotions.py)
+        # and WritePath.finish, and staged demotions not yet written (kvstore/store/demotions.py)
         self.num_writing = 0
         self._uncounted: deque[tuple[Sequence[str], int, str | None]] = deque()  # see count_lookup_later
         self.index = BlockIndex(tuple(level.name for level in levels))
@@ -77,7 +77,7 @@ class Cascade:
         # neither free nor any entry's slot, freed when the entry's last reader is done.
         self._retired: dict[int, tuple[BlockEntry, list[int]]] = {}
         self._seen_once: OrderedDict[bytes, None] = OrderedDict()
-        # Quotas (kvstore/quotas.py): the table in force; host blocks of a tenant on their way
+        # Quotas (kvstore/policy/quotas.py): the table in force; host blocks of a tenant on their way
         # into host RAM outside the lock (a write-through put's), counted against its hard quota
         self.quotas = QuotaTable()
         self.claims: dict[str, int] = {}
@@ -87,7 +87,7 @@ class Cascade:
                 level.tenants.owner = self._owner_of
         self.closed = False
         # host's demotions written below after the lock is let go, up to ``staging_bytes``
-        # staged at a time (kvstore/demotions.py); None: written at once, under the lock
+        # staged at a time (kvstore/store/demotions.py); None: written at once, under the lock
         self.demotions = DeferredDemotions(self, levels[1], staging_bytes) \
             if staging_bytes > 0 and len(levels) > 1 else None
         try:
@@ -210,7 +210,7 @@ class Cascade:
 
     def set_quotas(self, table: QuotaTable) -> None:
         """Put ``table`` in force: each level's policy gets its soft and hard limits in blocks
-        (kvstore/quotas.py); a level with no quota keeps one shared order."""
+        (kvstore/policy/quotas.py); a level with no quota keeps one shared order."""
         self.quotas = table
         for level in self.levels:
             policy = level.tenant_policy()
@@ -325,7 +325,7 @@ class Cascade:
     def _stage_demotions(self, below: Level, readable: list[tuple[BlockEntry, torch.Tensor]],
                          ) -> tuple[list[BlockEntry], list[tuple[BlockEntry, torch.Tensor]]]:
         """Defer the disk write of the leading run of host's demotions (chain order) that room
-        below allows until this thread lets the lock go (kvstore/demotions.py). Returns the
+        below allows until this thread lets the lock go (kvstore/store/demotions.py). Returns the
         entries deferred and the demotions ``store`` is to write now (all of them when the
         staging budget is spent; none when there is no room below: those are dropped, as
         ``store`` drops what finds no room). A copy decoded from a lossy level never enters a

@@ -32,8 +32,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
-from kvstore.eviction import EvictionPolicy, Key
-from kvstore.stats import TenantTable
+from kvstore.policy.eviction import EvictionPolicy, Key
+from kvstore.policy.tenant_counters import TenantTable
 
 
 class TenantPolicy(EvictionPolicy):

@@ -32,10 +32,10 @@ from collections.abc import Sequence
 
 import torch
 
-from kvstore.cascade import Cascade
-from kvstore.index import BlockEntry, PrefixMatch
 from kvstore.layout import raw_rows
-from kvstore.transfer import FetchResult
+from kvstore.results import FetchResult, PrefixMatch
+from kvstore.store.cascade import Cascade
+from kvstore.store.index import BlockEntry
 
 # A host-only read up to this size copies under the store lock: marking and releasing each
 # block as being read costs more than such a copy holds the lock. (A put copies under it only
@@ -47,7 +47,7 @@ class ReadPath:
     def __init__(self, cascade: Cascade, *, promote: bool) -> None:
         self.cascade = cascade
         self.promote = promote
-        # tenants being forgotten (kvstore/forget.py): their blocks a shared level delivers
+        # tenants being forgotten (kvstore/store/forget.py): their blocks a shared level delivers
         # are not promoted meanwhile (changed and read under the store lock)
         self.unpromoted: set[str] = set()
 

@@ -25,10 +25,10 @@ from typing import Any
 
 import torch
 
-from kvstore.admission import AdmissionPolicy, AdmitAll
-from kvstore.index import BlockEntry
-from kvstore.levels.coding import LevelCodec
-from kvstore.stats import TierCounters
+from kvstore.policy.admission import AdmissionPolicy, AdmitAll
+from kvstore.store.index import BlockEntry
+from kvstore.store.levels.coding import LevelCodec
+from kvstore.store.stats import TierCounters
 
 SOURCES = ("put", "demote")
 OWNER_DOMAIN = b"kvstore/remote-owner/v1\x00"
@@ -53,7 +53,7 @@ class SharedLevel(ABC):
         counters: hits and misses of lookups and reads that reached this level.
         coding: the level's lossy codec (``remote_codec``), or None for raw blocks; payloads
             crossing the interface are raw either way.
-        admission: which offered blocks are sent (``remote_admission``, kvstore/admission.py);
+        admission: which offered blocks are sent (``remote_admission``, kvstore/policy/admission.py);
             the medium evicts on its own, so a policy comparing with a victim has none.
     """
 

@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-HOST = "host"
-DISK = "disk"
-REMOTE = "remote"
+from kvstore.results import DISK, HOST, PrefixMatch
 
 
 @dataclass(slots=True)
@@ -63,25 +61,6 @@ class BlockEntry:
     @property
     def is_evictable(self) -> bool:
         return self.pins == 0 and self.readers == 0
-
-
-@dataclass(frozen=True)
-class PrefixMatch:
-    """The answer of a lookup: the leading run of keys some tier holds.
-
-    Attributes:
-        num_blocks: length of the leading run of found blocks (a lookup stops at the first miss).
-        tiers: for each found block, the fastest tier holding it ("host", "disk", ...).
-        lossy: for each found block, whether that copy differs from the bytes put (a lossy
-            codec's); empty when the lookup did not say.
-    """
-
-    num_blocks: int
-    tiers: tuple[str, ...] = field(default=())
-    lossy: tuple[bool, ...] = field(default=(), compare=False)
-
-    def count(self, tier: str) -> int:
-        return self.tiers.count(tier)
 
 
 class BlockIndex:

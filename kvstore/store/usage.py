@@ -1,7 +1,7 @@
 """Usage per tenant: what each tenant holds in each tier, what it got, what it cost others.
 
-Read from the tiers' ``TenantPolicy`` objects (kvstore/tenant_policy.py), which know every
-block's tenant, and the quotas in force (kvstore/quotas.py). ``TieredStore.tenant_stats()``
+Read from the tiers' ``TenantPolicy`` objects (kvstore/policy/tenant_policy.py), which know every
+block's tenant, and the quotas in force (kvstore/policy/quotas.py). ``TieredStore.tenant_stats()``
 returns it; the daemon's REST ``/v1/tenants``, ``/metrics`` and dashboard show it.
 
 Per tenant and indexed tier:
@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvstore.cascade import Cascade
-from kvstore.stats import TenantCounters
+from kvstore.policy.tenant_counters import TenantCounters
+from kvstore.store.cascade import Cascade
 
 
 def tenant_usage(cascade: Cascade) -> dict[str, dict[str, Any]]:

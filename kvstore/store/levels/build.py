@@ -11,19 +11,19 @@ from __future__ import annotations
 
 import functools
 
-from kvstore.admission import AdmissionPolicy, TinyLFU, make_admission
 from kvstore.codecs import get_codec
 from kvstore.config import PAGE, StoreConfig
-from kvstore.eviction import DeferredAccess, Key, make_policy
 from kvstore.kernels.pages import PAGE_CODES
 from kvstore.keys import Namespace
-from kvstore.levels.base import Level
-from kvstore.levels.coding import LevelCodec
-from kvstore.levels.disk_level import CODED_SUFFIX, DiskLevel
-from kvstore.levels.host_level import HostLevel
-from kvstore.levels.shared import SharedLevel
-from kvstore.sketch import FrequencySketch
-from kvstore.tenant_policy import TenantPolicy
+from kvstore.policy.admission import AdmissionPolicy, TinyLFU, make_admission
+from kvstore.policy.eviction import DeferredAccess, Key, make_policy
+from kvstore.policy.sketch import FrequencySketch
+from kvstore.policy.tenant_policy import TenantPolicy
+from kvstore.store.levels.base import Level
+from kvstore.store.levels.coding import LevelCodec
+from kvstore.store.levels.disk_level import CODED_SUFFIX, DiskLevel
+from kvstore.store.levels.host_level import HostLevel
+from kvstore.store.levels.shared import SharedLevel
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.host import HostTier
 
@@ -33,7 +33,7 @@ def _unbound(key: Key) -> str:
 
 
 def tenant_policy(name: str) -> TenantPolicy:
-    """A level's policy: ``name`` (kvstore.eviction.POLICIES) per tenant or shared."""
+    """A level's policy: ``name`` (kvstore.policy.eviction.POLICIES) per tenant or shared."""
     return TenantPolicy(functools.partial(make_policy, name), _unbound)
 
 
@@ -43,17 +43,17 @@ def build_levels(config: StoreConfig, namespace: Namespace) -> list[Level]:
     layout = config.layout
     host_coding = _coding(config, "host", 1)
     payload = host_coding.stored_bytes if host_coding else layout.bytes_per_block
-    host = HostTier(config.host_bytes, payload, pin_memory=config.pin_host_memory, shared=config.shared_host)
+    host = HostTier(config.settings.host_bytes, payload, pin_memory=config.pin_host_memory, shared=config.shared_host)
     # host hits are on readers' critical path: their policy bookkeeping waits for the next write
     host_policy = tenant_policy(config.host_policy)
     levels: list[Level] = [HostLevel(host, DeferredAccess(host_policy), host_coding)]
-    if config.disk_path is not None:
+    if config.settings.disk_path is not None:
         disk_coding = _coding(config, "disk", PAGE)
         payload = disk_coding.stored_bytes if disk_coding else layout.bytes_per_block
         # A directory holding this namespace's blocks under another codec is reformatted (its
         # blocks become misses) rather than refused: the slot size changed with the codec.
         others = LevelCodec.sibling_sizes(layout, PAGE) - {payload}
-        disk = DiskTier(config.disk_path, config.disk_bytes, payload, sync=config.sync_disk,
+        disk = DiskTier(config.settings.disk_path, config.settings.disk_bytes, payload, sync=config.sync_disk,
                         direct_io=config.direct_io, replaceable=others,
                         owners=(namespace.id, f"{namespace.id}{CODED_SUFFIX}"))
         levels.append(DiskLevel(disk, len(levels), tenant_policy(config.disk_policy), "all",
@@ -66,7 +66,7 @@ def build_admissions(config: StoreConfig, levels: list[Level], shared: list[Shar
     ``tinylfu`` one gets the access sketch that host's policy feeds (sized to the largest
     local tier)."""
     sketch: FrequencySketch | None = None
-    if TinyLFU.name in (config.disk_admission, config.remote_admission):
+    if TinyLFU.name in (config.settings.disk_admission, config.settings.remote_admission):
         sketch = FrequencySketch(max(level.num_slots for level in levels))
         host_policy = levels[0].tenants
         assert host_policy is not None
@@ -76,9 +76,9 @@ def build_admissions(config: StoreConfig, levels: list[Level], shared: list[Shar
         return make_admission(name, sketch)
 
     for level in levels[1:]:
-        level.admission = make(config.disk_admission)
+        level.admission = make(config.settings.disk_admission)
     for level_below in shared:
-        level_below.admission = make(config.remote_admission)
+        level_below.admission = make(config.settings.remote_admission)
 
 
 def _coding(config: StoreConfig, tier: str, align: int) -> LevelCodec | None:
@@ -91,16 +91,16 @@ def _coding(config: StoreConfig, tier: str, align: int) -> LevelCodec | None:
 
 def build_shared(config: StoreConfig) -> list[SharedLevel]:
     """The shared levels below the local ones: the remote tier when ``remote_url`` is set."""
-    if config.remote_url is None:
+    if config.settings.remote_url is None:
         return []
-    from kvstore.levels.remote_level import RemoteLevel
+    from kvstore.store.levels.remote_level import RemoteLevel
     from kvstore.tiers.remote import RemoteTier
 
     coding = _coding(config, "remote", 1)
     # Under a lossy codec the names and the layout id say so: stores with other codecs never
     # meet these values (nor take them for corrupt and delete them).
     suffix = "" if coding is None else f"-{coding.codec.name}"
-    tier = RemoteTier(config.remote_url, coding.stored_bytes if coding else config.layout.bytes_per_block,
-                      config.layout.fingerprint() + suffix, prefix=config.remote_prefix + suffix,
-                      timeout_s=config.remote_timeout_s, queue_blocks=config.remote_queue_blocks)
-    return [RemoteLevel(tier, config.remote_writes, coding)]
+    tier = RemoteTier(config.settings.remote_url, coding.stored_bytes if coding else config.layout.bytes_per_block,
+                      config.layout.fingerprint() + suffix, prefix=config.settings.remote_prefix + suffix,
+                      timeout_s=config.settings.remote_timeout_s, queue_blocks=config.settings.remote_queue_blocks)
+    return [RemoteLevel(tier, config.settings.remote_writes, coding)]

@@ -17,8 +17,8 @@ from contextlib import contextmanager
 
 import torch
 
-from kvstore.buffer_pool import BufferPool
-from kvstore.levels.coding import aligned_rows
+from kvstore.store.buffer_pool import BufferPool
+from kvstore.store.levels.coding import aligned_rows
 
 KEEP_BYTES = 64 << 20  # staging kept between calls, in all
 WARM_BYTES = 16 << 20  # staging allocated and touched when the level opens

@@ -8,9 +8,9 @@ from typing import Any
 
 import torch
 
-from kvstore.index import REMOTE
-from kvstore.levels.coding import LevelCodec
-from kvstore.levels.shared import UNKNOWN_TENANT, SharedLevel, owner_tag
+from kvstore.results import REMOTE
+from kvstore.store.levels.coding import LevelCodec
+from kvstore.store.levels.shared import UNKNOWN_TENANT, SharedLevel, owner_tag
 from kvstore.tiers.remote import RemoteTier
 
 CLOSE_FLUSH_S = 5.0  # the most close() waits for queued blocks to reach the remote

@@ -12,11 +12,12 @@ from collections.abc import Sequence
 import torch
 
 from kvstore.errors import CodecError
-from kvstore.eviction import EvictionPolicy
-from kvstore.index import HOST, BlockEntry
 from kvstore.layout import raw_rows
-from kvstore.levels.base import SlotLevel
-from kvstore.levels.coding import LevelCodec
+from kvstore.policy.eviction import EvictionPolicy
+from kvstore.results import HOST
+from kvstore.store.index import BlockEntry
+from kvstore.store.levels.base import SlotLevel
+from kvstore.store.levels.coding import LevelCodec
 from kvstore.tiers.host import HostTier
 
 

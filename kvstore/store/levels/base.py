@@ -20,12 +20,12 @@ from typing import Any
 
 import torch
 
-from kvstore.admission import AdmissionPolicy, AdmitAll, make_admission
-from kvstore.eviction import DeferredAccess, EvictionPolicy, Key
-from kvstore.index import BlockEntry
-from kvstore.levels.coding import LevelCodec
-from kvstore.stats import TierCounters, tier_stats
-from kvstore.tenant_policy import TenantPolicy
+from kvstore.policy.admission import AdmissionPolicy, AdmitAll, make_admission
+from kvstore.policy.eviction import DeferredAccess, EvictionPolicy, Key
+from kvstore.policy.tenant_policy import TenantPolicy
+from kvstore.store.index import BlockEntry
+from kvstore.store.levels.coding import LevelCodec
+from kvstore.store.stats import TierCounters, tier_stats
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,7 @@ class Level(ABC):
         tenants: that policy's ``TenantPolicy`` (blocks and counters per tenant, quotas),
             when it is one (as ``build_levels`` makes it), else None.
         counters: hits, misses, evictions, bytes moved, errors.
-        admission: which blocks demoted from the level above it takes (kvstore/admission.py).
+        admission: which blocks demoted from the level above it takes (kvstore/policy/admission.py).
         coding: the level's lossy codec, or None for raw blocks. Payloads crossing the
             interface are always raw (``raw_bytes`` per block); a coded level encodes on
             ``write`` and decodes on ``read``.
@@ -183,7 +183,7 @@ class Level(ABC):
     # ----------------------------------------------------------------------------- state
 
     def stats(self) -> dict[str, Any]:
-        """capacity_bytes, used_bytes, num_blocks and the counters (see kvstore.stats)."""
+        """capacity_bytes, used_bytes, num_blocks and the counters (see kvstore.store.stats)."""
         return tier_stats(self.counters, self.capacity_bytes, self.num_used, self.slot_bytes)
 
     @abstractmethod

@@ -1,1 +1,0 @@
-"""Test support that users' own suites can use too: local Redis servers, free ports, a tiny checkpoint."""
