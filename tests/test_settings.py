@@ -169,12 +169,16 @@ def test_serve_and_engine_list_the_same_store_flags_in_one_group() -> None:
 
 def test_engine_refuses_store_flags_next_to_a_daemon_and_a_size_without_its_path(
         capsys: pytest.CaptureFixture[str]) -> None:
-    code = main(["engine", "--random-model", "--store", "unix:///tmp/nothing.sock", "--disk-codec", "int8",
+    code = main(["engine", "--random-model", "--store-url", "unix:///tmp/nothing.sock", "--disk-codec", "int8",
                  "--promotion", "never"])
     err = capsys.readouterr().err
-    assert code == 2 and "--promotion, --disk-codec set the embedded store; with --store the daemon's" in err
+    assert code == 2 and "--promotion, --disk-codec set the embedded store; with --store-url the daemon's" in err
     assert main(["engine", "--random-model", "--disk-size", "1GiB"]) == 2
     assert "--disk-size sizes the disk tier of --disk-path DIR" in capsys.readouterr().err
+    # --store, the old spelling of --store-url, still names the daemon, and says so
+    assert main(["engine", "--random-model", "--store", "unix:///tmp/nothing.sock", "--promotion", "never"]) == 2
+    err = capsys.readouterr().err
+    assert "--store is spelled --store-url now" in err and "--promotion set the embedded store; with --store-url" in err
 
 
 @pytest.mark.parametrize("command", ["serve", "engine"])

@@ -350,10 +350,10 @@ def test_a_tenant_the_disk_catalog_cannot_record_is_refused_at_put(tmp_path: Pat
         keys = chain(store, 2, salt=1)
         with pytest.raises(ValueError, match="tenant must be a str of at most 255 UTF-8 bytes"):
             store.put(keys, blocks_for(keys), tenant=bad)  # type: ignore[arg-type]
-        slots = store.reserve_host(1)
+        slots = store.host_leases.reserve(1)
         with pytest.raises(ValueError, match="tenant must be a str"):
-            store.commit_host(keys[:1], slots, tenant=bad)  # type: ignore[arg-type]
-        store.cancel_host(slots)  # still reserved: nothing was published
+            store.host_leases.commit(keys[:1], slots, tenant=bad)  # type: ignore[arg-type]
+        store.host_leases.cancel(slots)  # still reserved: nothing was published
     assert len(store) == 0
     longest = "é" * 127  # 254 bytes: the disk catalog records it
     keys = chain(store, 2, tenant=longest)

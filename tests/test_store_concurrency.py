@@ -196,7 +196,7 @@ def test_a_big_puts_copy_runs_outside_the_store_lock(tmp_path: Path, monkeypatch
         assert store.contains(big) == [True] * 4
         assert not set(big) & set(stored.keys)  # not announced before their bytes are in
         # a shared-memory lease (the daemon's) never hands out a slot still being copied into
-        assert store.acquire_host(big) == [] and store.acquire_host(big, host_only=True) == []
+        assert store.host_leases.acquire(big) == [] and store.host_leases.acquire(big, host_only=True) == []
         reader = threading.Thread(target=lambda: got.append(store.get(big)))
         reader.start()
     finally:

@@ -38,8 +38,9 @@ def open_store(kind: str, daemon: DaemonProc, tmp_path: Path) -> BlockStore:
     if kind == "daemon":
         return daemon.connect(model_id=MODEL)
     where = daemon.unix if kind == "guarded-daemon" else "embedded"
-    guard = GuardedStore(ConnectorSettings(store=where, host_bytes="1MiB", disk_path=str(tmp_path / "disk"),
-                                           disk_bytes="1MiB"), LAYOUT, MODEL)
+    guard = GuardedStore(ConnectorSettings.from_extra_config({"store_url": where, "host_bytes": "1MiB",
+                                                              "disk_path": str(tmp_path / "disk"), "disk_bytes": "1MiB"}),
+                         LAYOUT, MODEL)
     assert guard.is_up
     return guard
 
@@ -238,7 +239,7 @@ def test_blocks_of_the_wrong_shape_are_refused(store: BlockStore) -> None:
 def test_the_guard_turns_a_dead_daemon_into_misses(tmp_path: Path) -> None:
     """The one place the implementations differ: GuardedStore never raises a store failure."""
     proc = DaemonProc(tmp_path / "data", disk="0")
-    guard = GuardedStore(ConnectorSettings(store=proc.unix, retry_s=60), LAYOUT, MODEL)
+    guard = GuardedStore(ConnectorSettings(store_url=proc.unix, retry_s=60), LAYOUT, MODEL)
     try:
         keys = guard.block_keys(prompt(1, 2))
         guard.put(keys, blocks(keys))

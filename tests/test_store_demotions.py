@@ -132,14 +132,14 @@ def test_a_non_blocking_commit_of_blocks_being_demoted_refuses_rather_than_waits
     store = make_store(tmp_path, host_blocks=6, disk_blocks=32, shared_host=True)
     first = chain(store, 4, salt=1)
     store.put(first, blocks_for(first))
-    slots = store.reserve_host(2)  # host RAM is full now: 4 blocks and 2 reserved slots
+    slots = store.host_leases.reserve(2)  # host RAM is full now: 4 blocks and 2 reserved slots
     pool = store.level("host").tier.pool  # type: ignore[union-attr]
     rows = blocks_for(first[2:]).view(torch.uint8).reshape(2, -1)
     for slot, row in zip(slots, rows, strict=True):
         pool[slot, : row.numel()].copy_(row)
     hold, _second, putting = demoting_put(store)  # demotes first[2:]
-    assert finishes(lambda: store.commit_host(first[2:], slots, blocking=False)) is False
-    committing = started(lambda: store.commit_host(first[2:], slots))
+    assert finishes(lambda: store.host_leases.commit(first[2:], slots, blocking=False)) is False
+    committing = started(lambda: store.host_leases.commit(first[2:], slots))
     time.sleep(0.3)
     assert committing.thread.is_alive()  # a worker's commit waits for the demotion to settle
     hold.release(putting, committing)

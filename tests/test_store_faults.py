@@ -252,13 +252,13 @@ def test_a_write_through_put_with_no_evictable_disk_slot_raises_capacity_error(t
 def test_a_write_through_commit_that_cannot_reach_disk_publishes_nothing(tmp_path: Path) -> None:
     store, _held = _pinned_full_disk(tmp_path)
     keys = chain(store, 1)
-    slots = store.reserve_host(1)
+    slots = store.host_leases.reserve(1)
     payload = store.layout.bytes_per_block
     store.level("host").tier.pool[slots[0], :payload].copy_(blocks_for(keys).view(torch.uint8).reshape(-1))  # type: ignore[union-attr]
     with pytest.raises(CapacityError, match="put not acknowledged under write-through"):
-        store.commit_host(keys, slots)
+        store.host_leases.commit(keys, slots)
     assert store.lookup(keys).num_blocks == 0
-    store.cancel_host(slots)  # the slots stayed reserved, as the daemon expects when a commit raises
+    store.host_leases.cancel(slots)  # the slots stayed reserved, as the daemon expects when a commit raises
     store.check_integrity()
     store.close()
 

@@ -210,7 +210,7 @@ def test_forget_waits_for_a_reader_which_keeps_the_bytes_it_started_with(tmp_pat
     store = make_store(tmp_path, host_blocks=8)
     keys = chain(store, 3, tenant="acme")
     store.put(keys, blocks_for(keys), tenant="acme")
-    slots = store.acquire_host(keys)  # a read lease: the daemon's shared-memory readers hold blocks so
+    slots = store.host_leases.acquire(keys)  # a read lease: the daemon's shared-memory readers hold blocks so
     assert len(slots) == 3
     done = threading.Event()
     result: list[object] = []
@@ -218,7 +218,7 @@ def test_forget_waits_for_a_reader_which_keeps_the_bytes_it_started_with(tmp_pat
     time.sleep(0.2)
     assert not done.is_set()  # the blocks are being read: the forget waits for their reader
     assert store.contains(keys) == [True] * 3
-    store.release_host(keys)
+    store.host_leases.release(keys)
     assert done.wait(10)
     assert store.contains(keys) == [False] * 3 and store.lookup(keys).num_blocks == 0
     store.check_integrity()
@@ -229,11 +229,11 @@ def test_forget_gives_up_after_its_wait_naming_the_blocks_still_read(tmp_path: P
     store = make_store(tmp_path, host_blocks=8)
     keys = chain(store, 2, tenant="acme")
     store.put(keys, blocks_for(keys), tenant="acme")
-    store.acquire_host(keys[:1])
+    store.host_leases.acquire(keys[:1])
     with pytest.raises(CapacityError, match=r"tenant 'acme': 1 of its blocks are still being read after 0.2 s"):
         store.forget_tenant("acme", wait_s=0.2)
     assert store.contains(keys) == [True, False]  # the other one went; forgetting again finishes it
-    store.release_host(keys[:1])
+    store.host_leases.release(keys[:1])
     assert store.forget_tenant("acme").num_blocks == 1
     store.close()
 

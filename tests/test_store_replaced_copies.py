@@ -1,4 +1,4 @@
-"""A host copy decoded from the int8 disk, replaced by the bytes put (put or commit_host) while
+"""A host copy decoded from the int8 disk, replaced by the bytes put (put or host_leases.commit) while
 it is being read: its readers keep their slot and its bytes; nobody else gets that slot until
 the last reader is done."""
 
@@ -49,18 +49,18 @@ def _replace(store: TieredStore, keys: list[bytes], how: str) -> None:
     if how == "put":
         store.put(keys, blocks_for(keys))
         return
-    slots = store.reserve_host(len(keys))
+    slots = store.host_leases.reserve(len(keys))
     payload = store.layout.bytes_per_block
     for slot, row in zip(slots, blocks_for(keys).view(torch.uint8).reshape(len(keys), payload), strict=True):
         store.level("host").tier.pool[slot, :payload].copy_(row)  # type: ignore[union-attr]
-    store.commit_host(keys, slots)
+    store.host_leases.commit(keys, slots)
 
 
 @pytest.mark.parametrize("how", ["put", "commit"])
 def test_a_leased_slot_keeps_its_bytes_when_its_decoded_copy_is_replaced(tmp_path: Path, how: str) -> None:
     store, keys = _decoded_on_host(tmp_path)
     decoded = store.get(keys[1:])
-    leased = store.acquire_host(keys[1:])[0]
+    leased = store.host_leases.acquire(keys[1:])[0]
     before = _slot_bytes(store, leased)
     assert before == decoded.numpy().tobytes()
 
@@ -78,12 +78,12 @@ def test_a_leased_slot_keeps_its_bytes_when_its_decoded_copy_is_replaced(tmp_pat
 
     host = store.level("host")
     num_free = host.num_free  # type: ignore[union-attr]
-    store.release_host(keys[1:])  # the last reader is done: the kept slot is free again
+    store.host_leases.release(keys[1:])  # the last reader is done: the kept slot is free again
     assert host.num_free == num_free + 1  # type: ignore[union-attr]
     store.check_integrity()
-    free = store.reserve_host(num_free + 1, evict=False)
+    free = store.host_leases.reserve(num_free + 1, evict=False)
     assert leased in free
-    store.cancel_host(free)
+    store.host_leases.cancel(free)
     store.close()
 
 

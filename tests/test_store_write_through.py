@@ -21,13 +21,13 @@ from factories import HeldDiskWrite, blocks_for, chain, crash_disk_write_once, f
 
 def put_via_commit(store: TieredStore, keys: list[bytes]) -> None:
     """The daemon's two-phase put: bytes into reserved host slots, then commit_host."""
-    slots = store.reserve_host(len(keys))
+    slots = store.host_leases.reserve(len(keys))
     pool = store.level("host").tier.pool  # type: ignore[union-attr]
     payload = store.layout.bytes_per_block
     rows = blocks_for(keys).view(torch.uint8).reshape(len(keys), -1)
     for slot, row in zip(slots, rows, strict=True):
         pool[slot, :payload].copy_(row)
-    store.commit_host(keys, slots)
+    store.host_leases.commit(keys, slots)
 
 
 @pytest.mark.parametrize("how", ["put", "commit_host"])

@@ -74,7 +74,7 @@ def test_full_cuda_graphs_are_turned_piecewise() -> None:
     """Loads and saves run in wait_for_layer_load / save_kv_layer, which a full CUDA graph's
     replay skips; vLLM asks the connector class before it picks the graph mode."""
     assert KVStoreConnector.requires_piecewise_for_cudagraph({}) is True
-    assert KVStoreConnector.requires_piecewise_for_cudagraph({"store": "unix:///s"}) is True
+    assert KVStoreConnector.requires_piecewise_for_cudagraph({"store_url": "unix:///s"}) is True
 
 
 def guarded_store(layout: Any, request: pytest.FixtureRequest) -> Any:
@@ -84,7 +84,7 @@ def guarded_store(layout: Any, request: pytest.FixtureRequest) -> Any:
     from kvstore.integrations.vllm.backend import GuardedStore
     from kvstore.integrations.vllm.settings import ConnectorSettings
 
-    store = GuardedStore(ConnectorSettings(host_bytes="1MiB"), layout, request.node.name)
+    store = GuardedStore(ConnectorSettings.from_extra_config({"host_bytes": "1MiB"}), layout, request.node.name)
     request.addfinalizer(store.close)
     return store
 

@@ -47,7 +47,7 @@ def step(new: Sequence[tuple[str, list[int], int, int]] = (),
 
 def make(tmp_path: Path, async_when_idle: bool = False, **settings: Any) -> tuple[SchedulerSide, GuardedStore]:
     settings = settings or {"host_bytes": "1MiB", "disk_path": str(tmp_path / "kv"), "disk_bytes": "1MiB"}
-    store = GuardedStore(ConnectorSettings(**settings), LAYOUT, "sched-test")
+    store = GuardedStore(ConnectorSettings.from_extra_config(settings), LAYOUT, "sched-test")
     return SchedulerSide(store, B, ("disk",), async_when_idle=async_when_idle), store
 
 
@@ -176,7 +176,7 @@ def test_a_cache_salt_never_names_its_tenants_unsalted_blocks(tmp_path: Path) ->
     daemon = DaemonProc(tmp_path / "data", "--tokens", str(tokens_file), "--token", "tok-admin",
                         host_mem="2MiB", disk="2MiB")
     try:
-        side, store = make(tmp_path, store=daemon.unix, token="tok-acme")
+        side, store = make(tmp_path, store_url=daemon.unix, token="tok-acme")
         tokens = list(range(600, 613))
         keys = store.block_keys(tokens, "")  # the token's tenant, unsalted
         assert store.try_put(keys, torch.randn(3, *LAYOUT.block_shape))

@@ -82,7 +82,7 @@ def test_a_fresh_process_loads_what_another_saved_and_salts_never_share(
     assert a["tokens"][:8] == reference["P"]  # the example decodes 16 tokens, greedily
     assert a["cached"] == 0 and a["counters"]["hit_blocks"] == 0
     assert a["counters"]["saved_blocks"] == 4  # 615 computed tokens: 4 full blocks
-    store = {"store": daemon.unix}
+    store = {"store_url": daemon.unix}
 
     # A second process, a new vLLM with an empty device cache, same daemon.
     _, (b, b_salted), _, (c_salted, c_other) = run_plan([
@@ -103,7 +103,7 @@ def test_a_fresh_process_loads_what_another_saved_and_salts_never_share(
 
 def test_a_killed_daemon_costs_hits_never_requests(model_dir: str, reference: dict[str, list[int]],
                                                    daemon: DaemonProc) -> None:
-    store = {"store": daemon.unix, "retry_s": 0.5}
+    store = {"store_url": daemon.unix, "retry_s": 0.5}
     _, (a,), _, (q, p_salted), _, (p_after,) = run_plan([
         llm(model_dir, store), gen((P, None)),
         {"kill": daemon.proc.pid},  # mid-life: the connection breaks under the connector

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import os
-from dataclasses import InitVar, dataclass, field, replace
+import warnings
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
 from kvstore.api import BlockStore
-from kvstore.config import StoreSettings
+from kvstore.config import StoreSettings, split_settings
 from kvstore.errors import ConfigError
 
 FETCH_POLICIES = ("auto", "always", "never")
@@ -41,19 +42,18 @@ class EngineConfig:
         store_settings: the embedded store's tiers (kvstore.StoreSettings: sizes, disk path,
             codecs, write policy, promotion, remote tier); ``store_settings.host_bytes=0``: no
             lower tiers at all. Default: StoreSettings() (1 GiB of host RAM, nothing else).
-        host_bytes, disk_path, disk_bytes, remote_url: keyword shortcuts for those settings,
-            folded into ``store_settings`` (``EngineConfig(host_bytes=0)`` is
-            ``EngineConfig(store_settings=StoreSettings(host_bytes=0))``); they are not
-            attributes: read ``store_settings``.
+            ``EngineConfig.build`` and ``LLMEngine`` also take each setting by name
+            (``LLMEngine(None, host_bytes=0)``), folded into ``store_settings``.
         fetch_policy: "auto" (fetch a lower-tier run when its estimated fetch time beats its
             estimated recompute time), "always", or "never" (recompute whatever is not on device).
         device_write_policy: when a device block's bytes go to the store: "write_through" (right
             after the step that filled the block, on a background thread; evicting it later is
             free) or "write_back" (when it is evicted: admission then waits for the gather).
-        store: a ``kvstore.api.BlockStore`` to use instead of an embedded one, or the address of a
-            kvstore daemon ("unix:///abs/kvstore.sock", "unix://relative/kvstore.sock" or
-            "tcp://host:port"), whose host and disk tiers then serve as this engine's; None
-            builds one from ``store_settings``.
+        store: a ``kvstore.api.BlockStore`` to use instead of an embedded one (None: see
+            ``store_url``). A string here is the old spelling of ``store_url`` (it warns).
+        store_url: the address of a kvstore daemon ("unix:///abs/kvstore.sock",
+            "unix://relative/kvstore.sock" or "tcp://host:port"), whose host and disk tiers then
+            serve as this engine's; None (and no ``store``) builds one from ``store_settings``.
         store_token: the daemon token (None: KVSTORE_TOKEN); it decides the daemon-side tenant.
         block_size: tokens per KV block.
         max_num_batched_tokens: the per-step token budget (decode tokens + prefill chunks).
@@ -85,8 +85,9 @@ class EngineConfig:
     store_settings: StoreSettings = field(default_factory=StoreSettings)
     fetch_policy: str = "auto"
     device_write_policy: str = "write_through"
-    store: str | BlockStore | None = None
-    store_token: str | None = None
+    store: BlockStore | None = None
+    store_url: str | None = None
+    store_token: str | None = field(default=None, repr=False)
     block_size: int = 16
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 64
@@ -99,20 +100,29 @@ class EngineConfig:
     seed: int = 0
     kv_events: str | None = None
     kv_events_replay: str | None = None
-    host_bytes: InitVar[int | None] = None
-    disk_path: InitVar[str | os.PathLike[str] | None] = None
-    disk_bytes: InitVar[int | None] = None
-    remote_url: InitVar[str | None] = None
 
-    def __post_init__(self, host_bytes: int | None, disk_path: str | os.PathLike[str] | None,
-                      disk_bytes: int | None, remote_url: str | None) -> None:
+    @classmethod
+    def build(cls, model: str | os.PathLike[str] | None = None, **kwargs: Any) -> EngineConfig:
+        """An EngineConfig from keyword arguments: its own fields, and any StoreSettings field
+        by name (``host_bytes=0``, ``disk_path=...``), folded into ``store_settings``."""
+        settings, rest = split_settings(kwargs)
+        if settings:
+            base = rest.get("store_settings", StoreSettings())
+            if not isinstance(base, StoreSettings):
+                raise ConfigError(f"store_settings must be a StoreSettings, got {type(base).__name__}")
+            rest["store_settings"] = replace(base, **settings)
+        return cls(model=model, **rest)
+
+    def __post_init__(self) -> None:
         if not isinstance(self.store_settings, StoreSettings):
             raise ConfigError(f"store_settings must be a StoreSettings, got {type(self.store_settings).__name__}")
-        shortcuts: dict[str, Any] = {"host_bytes": host_bytes, "disk_path": disk_path, "disk_bytes": disk_bytes,
-                                     "remote_url": remote_url}
-        given = {name: value for name, value in shortcuts.items() if value is not None}
-        if given:
-            object.__setattr__(self, "store_settings", replace(self.store_settings, **given))
+        if isinstance(self.store, str):  # the old spelling of a daemon address
+            warnings.warn("EngineConfig(store=<address>) is spelled store_url=<address> now; store= takes a "
+                          "BlockStore", DeprecationWarning, stacklevel=3)
+            if self.store_url is not None:
+                raise ConfigError("give the daemon address once: store_url= (store= is its old spelling)")
+            object.__setattr__(self, "store_url", self.store)
+            object.__setattr__(self, "store", None)
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of float32/float16/bfloat16, got {self.dtype!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -131,16 +141,21 @@ class EngineConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ConfigError(f"{name} must be a positive int, got {value!r}")
         settings = self.store_settings
-        if settings.disk_path is not None and settings.host_bytes == 0 and self.store is None:
+        external = self.store is not None or self.store_url is not None  # a store not built here
+        if self.store is not None and self.store_url is not None:
+            raise ConfigError("give either store= (a BlockStore) or store_url= (a daemon address), not both")
+        if settings.disk_path is not None and settings.host_bytes == 0 and not external:
             raise ConfigError("a disk tier needs a host tier: set host_bytes > 0 with disk_path")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 1):
             raise ConfigError(f"max_model_len must be a positive int or None, got {self.max_model_len!r}")
         if self.random_model is not None and self.model is not None:
             raise ConfigError("random_model overrides apply only to model=None")
-        if self.store_token is not None and not isinstance(self.store, str):
-            raise ConfigError("store_token applies only to a daemon address in store=")
-        if isinstance(self.store, str) and not self.store.startswith(("unix://", "tcp://")):
-            raise ConfigError(f"store must be a daemon address unix:///path or tcp://host:port, got {self.store!r}")
+        if self.store_token is not None and self.store_url is None:
+            raise ConfigError("store_token applies only to a daemon address (store_url=)")
+        if self.store_url is not None and (not isinstance(self.store_url, str)
+                                           or not self.store_url.startswith(("unix://", "tcp://"))):
+            raise ConfigError(f"store_url must be a daemon address unix:///path or tcp://host:port, "
+                              f"got {self.store_url!r}")
         if self.kv_events is not None:
             from kvstore.events.config import EventsConfig
 
@@ -150,15 +165,15 @@ class EngineConfig:
                 raise ConfigError(f"kv_events: {exc}") from None
         elif self.kv_events_replay is not None:
             raise ConfigError("kv_events_replay applies only with kv_events")
-        if settings.remote_url is not None and (self.store is not None or not settings.host_bytes):
-            raise ConfigError("remote_url needs the embedded store (host_bytes > 0, no store=); a daemon "
+        if settings.remote_url is not None and (external or not settings.host_bytes):
+            raise ConfigError("remote_url needs the embedded store (host_bytes > 0, no store_url=); a daemon "
                               "takes its remote tier from kvstore serve --remote-url")
-        if self.store is not None:
+        if external:
             # host_bytes alone may differ: ``host_bytes=0`` next to a store is the old spelling of "none"
             changed = [name for name in settings.changed_from() if name != "host_bytes"]
             if changed:
-                raise ConfigError(f"store_settings {changed} apply to an embedded store; with store= the "
-                                  "store's own settings hold (a daemon's: kvstore serve)")
+                raise ConfigError(f"store_settings {changed} apply to an embedded store; with store= or "
+                                  "store_url= the store's own settings hold (a daemon's: kvstore serve)")
 
 
 def pool_format(config: EngineConfig) -> tuple[torch.dtype, torch.dtype | None]:

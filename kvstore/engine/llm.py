@@ -53,7 +53,7 @@ class LLMEngine:
     """
 
     def __init__(self, model: str | None = None, *, config: EngineConfig | None = None, **kwargs: Any) -> None:
-        self.config = c = config or EngineConfig(model=model, **kwargs)
+        self.config = c = config or EngineConfig.build(model, **kwargs)
         ckpt = random_checkpoint(c.random_model, c.seed) if c.model is None else load_checkpoint(c.model)
         self.model_config = mc = ckpt.config
         self.tokenizer = ckpt.tokenizer
@@ -108,8 +108,8 @@ class LLMEngine:
 
     def _open_store(self) -> tuple[BlockStore | None, bool]:
         c = self.config
-        if isinstance(c.store, str):
-            store: BlockStore = connect(c.store, c.store_token, layout=self.layout, model_id=self.model_id)
+        if c.store_url is not None:
+            store: BlockStore = connect(c.store_url, c.store_token, layout=self.layout, model_id=self.model_id)
             owned = True
         elif c.store is not None:
             store, owned = c.store, False

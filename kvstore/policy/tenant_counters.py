@@ -14,7 +14,7 @@ class TenantCounters:
     """Monotonic counters of one tenant in one tier.
 
     ``hits``/``misses``: the tenant's blocks the tier served or lacked (counted as the tier's
-    own, kvstore.store.cascade's ``count_lookup``); ``evictions_suffered``: the tenant's blocks
+    own, kvstore/store/lookup_counts.py); ``evictions_suffered``: the tenant's blocks
     evicted from the tier; ``evictions_caused``: evictions whose room the tenant's blocks took;
     ``refused``: blocks of its puts refused at its hard quota.
     """

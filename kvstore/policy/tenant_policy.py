@@ -16,7 +16,7 @@ Two modes:
   reuse protection, ...). So tenants over their soft quota lose blocks first, the most over
   first, and a tenant under its quota loses blocks only when no tenant is over.
   ``pop_victim_of(tenant)`` takes a victim from one tenant (a put at its hard quota makes room
-  among its own blocks: ``Cascade.room_for``).
+  among its own blocks: ``HostQuota.room_for``, kvstore/store/quota_room.py).
 
 Switching modes (quotas set on a tier that had none, or all removed) rebuilds the order:
 recency is kept, approximately across tenants; what a ``reuse`` policy learned (reuse

@@ -12,7 +12,7 @@ the write, as before; other calls wait for it only if they need those very block
 Until then those blocks are in no level and marked ``writing``, landing in the level below
 (as a write-through put's blocks are, landing in host RAM: kvstore/store/writes.py): a lookup
 reports them there, and a get, put, delete or pin of them waits for the write to settle
-(``Cascade.wait_written``). A failed write loses those demotions (the level counts the
+(``InFlight.wait_written``). A failed write loses those demotions (the level counts the
 error), as a cache may; nothing half-written is published.
 
 Bounded: at most ``max_bytes`` of staged copies at a time, over all threads; a demotion past
@@ -23,18 +23,16 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from kvstore.store.buffer_pool import BufferPool
 from kvstore.store.index import BlockEntry
+from kvstore.store.inflight import InFlight
 from kvstore.store.levels.base import Level
 from kvstore.store.levels.coding import aligned_rows
-
-if TYPE_CHECKING:
-    from kvstore.store.cascade import Cascade
 
 log = logging.getLogger("kvstore.store.demotions")
 
@@ -57,10 +55,22 @@ class _Staged:
 
 class DeferredDemotions:
     """Demotions from host into ``level`` (the level below it), staged under the store lock
-    by ``take`` and written by the same thread, without the lock, in ``write_owed``."""
+    by ``take`` and written by the same thread, without the lock, in ``write_owed``.
 
-    def __init__(self, cascade: Cascade, level: Level, max_bytes: int) -> None:
-        self.cascade = cascade
+    Args:
+        lock: the store lock.
+        inflight: the store's writes outside the lock (each staged demotion is one).
+        level: the level below host RAM.
+        max_bytes: the staging budget, over all threads.
+        settle: ``settle(entries, slots, written)``, called under the lock once a staged
+            write is done: publish the blocks in ``level`` (``written``) or forget them.
+    """
+
+    def __init__(self, lock: threading.RLock, inflight: InFlight, level: Level, max_bytes: int,
+                 settle: Callable[[list[BlockEntry], list[int], bool], None]) -> None:
+        self.lock = lock
+        self.inflight = inflight
+        self.settle = settle
         self.level = level
         self.max_bytes = max_bytes
         width = -(-level.raw_bytes // 4096) * 4096  # page-aligned rows: written in place with O_DIRECT
@@ -83,7 +93,7 @@ class DeferredDemotions:
         for row, payload in zip(staging[:n, : level.raw_bytes], payloads, strict=True):
             row.copy_(payload[: level.raw_bytes])  # a memory copy, under the lock
         slots = level.allocate(n)
-        self.cascade.start_writing(entries, level.rank)  # indexed until it settles, though held nowhere
+        self.inflight.start_writing(entries, level.rank)  # indexed until it settles, though held nowhere
         self._staged_bytes += need
         jobs = getattr(self._owed, "jobs", None)
         if jobs is None:
@@ -99,17 +109,14 @@ class DeferredDemotions:
             self._write(jobs.pop(0))
 
     def _write(self, job: _Staged) -> None:
-        cascade, level, n = self.cascade, self.level, len(job.entries)
+        level, n = self.level, len(job.entries)
         try:
             written = level.write(job.entries, job.slots, list(job.staging[:n, : level.raw_bytes]))
         except Exception:  # not a medium failure (those return False): those blocks are lost
             log.exception("writing %d demoted blocks to %s failed", n, level.name)
             written = False
-        with cascade.lock:
+        with self.lock:
             self._staged_bytes -= n * self._width
             self._buffers.give(job.staging)
-            cascade.end_writing(job.entries)  # waiters wake once the lock is let go, on what follows
-            if written:
-                cascade.publish_written(level.rank, job.entries, job.slots)
-            for entry in job.entries:  # lost: the level counted why
-                cascade.forget_if_unheld(entry)
+            self.inflight.end_writing(job.entries)  # waiters wake once the lock is let go, on what follows
+            self.settle(job.entries, job.slots, written)

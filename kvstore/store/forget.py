@@ -4,7 +4,7 @@ The order (one forget at a time per store):
 
   1. blocks of the tenant that a shared level delivers are no longer promoted into host RAM
      (``ReadPath.unpromoted``), so none comes back from the remote while it is swept;
-  2. local tiers: every indexed block filed under the tenant loses its pins (every lease,
+  2. local tiers: every indexed block filed under the tenant loses its pins (every pin group,
      kvstore/store/pins.py) and is deleted from host and disk (the disk catalog commits the delete
      durably: a restart recovers none of them). A block being written is waited for; one
      being read (a copy outside the store lock, a shared-memory read lease) is left to its
@@ -79,14 +79,14 @@ class TenantForget:
                 cascade.check_open()
                 mine = [e for e in mine if cascade.index.get(e.key) is e]
                 keys = [e.key for e in mine]
-                if cascade.any_written(keys):
-                    cascade.wait_written(keys)  # lets the lock go: look again after
+                if cascade.inflight.any_written(keys):
+                    cascade.inflight.wait_written(keys)  # lets the lock go: look again after
                     continue
                 pins += self.pins.drop(mine)
                 free = [e for e in mine if e.readers == 0]
                 for level in levels:
                     deleted[level.name] += sum(1 for e in free if e.slots[level.rank] is not None)
-                cascade.delete(free)
+                cascade.placement.delete(free)
                 num_blocks += len(free)
                 busy = len(mine) - len(free)
             if not busy:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -30,7 +31,7 @@ class BlockEntry:
     inexact: int = 0  # bit r: the copy at rank r differs from the bytes put (lossy codec)
     # a writer outside the store lock (a write-through put, a deferred demotion) will publish
     # the block in level ``landing`` (or give up); meanwhile whoever needs it waits
-    # (Cascade.wait_written), and lookups report it there
+    # (InFlight.wait_written), and lookups report it there
     writing: bool = False
     landing: int = 0
 
@@ -63,8 +64,14 @@ class BlockEntry:
         return self.pins == 0 and self.readers == 0
 
 
+ROOT_KEYS = 1 << 16  # chains' first blocks remembered with their tenant after they left
+
+
 class BlockIndex:
     """A dict of BlockEntry with the prefix query; the cascade mutates it under the store lock.
+
+    It also remembers whose chain a key starts after that first block left the store
+    (``chain_tenant``: keys are one-way hashes, so a lookup's tenant is known by its root).
 
     Args:
         level_names: the names of the indexed levels, fastest first (rank order).
@@ -73,6 +80,7 @@ class BlockIndex:
     def __init__(self, level_names: tuple[str, ...] = (HOST, DISK)) -> None:
         self.entries: dict[bytes, BlockEntry] = {}
         self.level_names = level_names
+        self._roots: OrderedDict[bytes, str] = OrderedDict()  # first blocks of chains that left
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -112,6 +120,22 @@ class BlockIndex:
 
     def discard(self, key: bytes) -> None:
         self.entries.pop(key, None)
+
+    def remove(self, entry: BlockEntry) -> None:
+        """``entry`` leaves the index; a chain's first block leaves its tenant behind it."""
+        self.entries.pop(entry.key, None)
+        if entry.parent is None:  # whose chain it was outlives it
+            self._roots[entry.key] = entry.tenant
+            if len(self._roots) > ROOT_KEYS:
+                self._roots.popitem(last=False)
+
+    def chain_tenant(self, keys: Sequence[bytes]) -> str | None:
+        """Whose chain ``keys`` is, as far as the index can tell: the tenant of its first block,
+        held now or remembered; None for a chain never stored."""
+        if not keys:
+            return None
+        entry = self.entries.get(keys[0])
+        return entry.tenant if entry is not None else self._roots.get(keys[0])
 
     def match(self, keys: list[bytes], *, exact: bool = False) -> PrefixMatch:
         """Pure query: per leading key, the best level holding it; stops at the first miss.

@@ -17,8 +17,15 @@ class StoreView:
 
     def held_by_tier(self) -> dict[str, list[tuple[bytes, bytes | None]]]:
         """Per tier name, ``(key, parent)`` of every block that tier holds."""
-        with self.cascade.lock:
-            return self.cascade.held_by_tier()
+        cascade = self.cascade
+        with cascade.lock:
+            held: dict[str, list[tuple[bytes, bytes | None]]] = {level.name: [] for level in cascade.levels}
+            names = cascade.index.level_names
+            for entry in cascade.index.entries.values():
+                for rank, slot in enumerate(entry.slots):
+                    if slot is not None:
+                        held[names[rank]].append((entry.key, entry.parent))
+            return held
 
     def held_keys(self, tenant: str | None = None) -> list[bytes]:
         """The keys the store holds (only ``tenant``'s when given)."""
@@ -34,7 +41,7 @@ class StoreView:
         pins; None if absent."""
         cascade = self.cascade
         with cascade.lock:
-            cascade.wait_written([key])
+            cascade.inflight.wait_written([key])
             entry = cascade.index.get(key)
             if entry is None:
                 return None
@@ -62,10 +69,10 @@ class StoreView:
         (queued writes) and nodes_up; its occupancy is the cluster's own (Redis INFO)."""
         cascade = self.cascade
         with cascade.lock:
-            cascade.settle_counts()  # lookups made while another thread held the lock
+            cascade.lookups.settle()  # lookups made while another thread held the lock
             out = {level.name: {**level.stats(), "codec": level.describe_codec()["codec"], "lossy": level.lossy}
                    for level in cascade.levels}
-            out[cascade.host.name]["num_blocks"] -= cascade.reserved_host
+            out[cascade.host.name]["num_blocks"] -= cascade.reservations.num_reserved
         for shared in cascade.shared:  # outside the lock: this may ask the network
             out[shared.name] = shared.stats()
         return out

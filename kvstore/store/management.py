@@ -1,4 +1,4 @@
-"""Cache management of one store: pins as leases, prefetch, inspect, delete with descendants.
+"""Cache management of one store: pins (with holders and TTLs), prefetch, inspect, delete with descendants.
 
 ``TieredStore`` delegates here (forgetting a tenant is kvstore/store/forget.py). Every operation is
 tenant-blind: keys name blocks, and whoever calls has scoped them (a daemon files every key
@@ -41,12 +41,12 @@ class Management:
     def pin(self, keys: list[bytes], ttl_s: float | None, holder: int | None) -> None:
         ttl = check_ttl(ttl_s)
         with self.cascade.lock:
-            self.cascade.wait_written(keys)
+            self.cascade.inflight.wait_written(keys)
             self.pins.pin(self._require(keys), ttl, holder)
 
     def unpin(self, keys: list[bytes], holder: int | None) -> None:
         with self.cascade.lock:
-            self.cascade.wait_written(keys)
+            self.cascade.inflight.wait_written(keys)
             self.pins.unpin(self._require(keys), holder)
 
     def end_pins(self, holder: int) -> int:
@@ -130,14 +130,14 @@ class Management:
                 cascade.check_open()
                 entries = self._entries(keys, descendants)
                 doomed = [e.key for e in entries]
-                if not cascade.any_written(doomed):
+                if not cascade.inflight.any_written(doomed):
                     break
-                cascade.wait_written(doomed)  # lets the lock go: look again after
+                cascade.inflight.wait_written(doomed)  # lets the lock go: look again after
             busy = [e for e in entries if not e.is_evictable]
             if busy:
                 raise CapacityError(f"{len(busy)} of {len(entries)} blocks are pinned or being read, "
                                     f"first {busy[0].key.hex()}")
-            cascade.delete(entries)
+            cascade.placement.delete(entries)
         return len(entries), list(dict.fromkeys([*keys, *doomed]))
 
     def _entries(self, keys: list[bytes], descendants: bool) -> list[BlockEntry]:

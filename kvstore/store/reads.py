@@ -3,7 +3,7 @@
 Three phases:
 
   1. under the lock: resolve the leading run of keys and take the slot of each, mark each
-     block as being read (``readers += 1``: no eviction, delete or replaced copy frees
+     block as being read (``InFlight.start_read``: no eviction, delete or replaced copy frees
      that slot), and reserve host slots for promoting the blocks found only in lower levels;
   2. without the lock: copy host blocks into the destination, one copy per run; read each
      lower level's blocks (verified) into the reserved host slots, or straight into the
@@ -67,7 +67,7 @@ class ReadPath:
         cascade = self.cascade
         names = cascade.index.level_names
         with cascade.lock:
-            cascade.wait_written(keys)
+            cascade.inflight.wait_written(keys)
             cascade.check_open()
             entries, now = cascade.index.entries, time.time()
             # hot loop over the leading run host holds (the common case): one dict lookup and
@@ -105,7 +105,7 @@ class ReadPath:
                 keys if num_host == len(keys) else keys[:num_host]
             if count:
                 found_tiers = (names[0],) * num_host if not plan else tuple(names[r] for _, r in plan)
-                cascade.count_lookup(found_tiers, len(keys), cascade.chain_tenant(keys))
+                cascade.lookups.count(found_tiers, len(keys), cascade.index.chain_tenant(keys))
             if host_keys:
                 cascade.host.policy.access(host_keys)
             if not plan and (num_host == len(keys) or not cascade.shared) \
@@ -118,8 +118,7 @@ class ReadPath:
                 return FetchResult(num_host, (names[0],) * num_host)
             if not plan:
                 plan = [(entry, 0) for entry in host_entries]
-            for entry, _rank in plan:
-                entry.readers += 1
+            cascade.inflight.start_read(entry for entry, _rank in plan)
             # The slots to read are taken here, under the lock: a put may give a block being
             # read a new host copy meanwhile (Cascade.discard_copy); the slot taken now keeps
             # this reader's copy until its readers are done.
@@ -128,9 +127,9 @@ class ReadPath:
             lower = [(e, r) for e, r in plan if r > 0]
             # promotions stay within their tenants' hard quotas (Cascade.promotion_room), held
             # against them until published in _finish
-            promo_slots = cascade.reserve_host(cascade.promotion_room([e for e, _ in lower])) \
+            promo_slots = cascade.reservations.reserve(cascade.quota.promotion_room([e for e, _ in lower])) \
                 if lower and self.promote else []
-            cascade.claim_entries([e for e, _ in lower[: len(promo_slots)]])
+            cascade.quota.claim_entries([e for e, _ in lower[: len(promo_slots)]])
         if not lower and (len(plan) == len(keys) or not cascade.shared):
             # all in host RAM, but too much to copy under the lock
             try:
@@ -139,9 +138,9 @@ class ReadPath:
             finally:
                 with cascade.lock:
                     for entry, _rank in plan:
-                        cascade.end_read(entry)
+                        cascade.inflight.end_read(entry)
                         if entry.readers == 0 and entry.slots[0] is None:  # deleted or evicted meanwhile
-                            cascade.forget_if_unheld(entry)
+                            cascade.placement.forget_if_unheld(entry)
             return FetchResult(len(plan), (names[0],) * len(plan))
         if dst is not None:
             dst = raw_rows(dst)  # lower levels read raw rows
@@ -225,8 +224,8 @@ class ReadPath:
                     if (e := index.get(keys[first + i])) is None or (e.slots[0] is None and not e.writing)]
             owner = next((t for t in tenants if t is not None), None)
             if owner is not None and need:  # within the tenant's hard quota in host RAM, if any
-                need = need[: cascade.room_for(owner, len(need), refuse=False)]
-            slots = cascade.reserve_host(len(need))
+                need = need[: cascade.quota.room_for(owner, len(need), refuse=False)]
+            slots = cascade.reservations.reserve(len(need))
             placed: list[BlockEntry] = []
             for i in need[: len(slots)]:
                 key = keys[first + i]
@@ -240,11 +239,11 @@ class ReadPath:
                 cascade.note_use(entry, now)
                 placed.append(entry)
             written = cascade.host.write(placed, slots, [rows[i] for i in need[: len(slots)]])
-            cascade.end_reservation(len(slots), [] if written else slots)
+            cascade.reservations.end(len(slots), [] if written else slots)
             if written:
-                cascade.publish(0, placed, slots, [exact] * len(placed))
+                cascade.placement.publish(0, placed, slots, [exact] * len(placed))
             for entry in placed:
-                cascade.forget_if_unheld(entry)
+                cascade.placement.forget_if_unheld(entry)
 
     def _copy_host(self, slots: list[int], dst: torch.Tensor) -> None:
         """Copy host ``slots`` (taken under the lock) into ``dst``'s leading rows, one copy per
@@ -317,7 +316,7 @@ class ReadPath:
         for i, (entry, rank) in enumerate(lower):
             good = ok.get(entry.key, False)
             if not good and entry.key in ok:
-                cascade.lost(rank, [entry])  # the level dropped the corrupt or unreadable slot
+                cascade.placement.lost(rank, [entry])  # the level dropped the corrupt or unreadable slot
             elif good:
                 cascade.levels[rank].policy.access([entry.key])
             if i < len(promo_slots):
@@ -329,13 +328,13 @@ class ReadPath:
                     exact.append(entry.is_exact(rank))
                 else:
                     unused.append(promo_slots[i])
-        cascade.end_reservation(len(promo_slots), unused)
-        cascade.claim_entries([e for e, _ in lower[: len(promo_slots)]], release=True)
+        cascade.reservations.end(len(promo_slots), unused)
+        cascade.quota.claim_entries([e for e, _ in lower[: len(promo_slots)]], release=True)
         if promoted:
-            cascade.publish(0, promoted, promoted_slots, exact)
+            cascade.placement.publish(0, promoted, promoted_slots, exact)
         for entry, _rank in plan:
-            cascade.end_read(entry)
-            cascade.forget_if_unheld(entry)
+            cascade.inflight.end_read(entry)
+            cascade.placement.forget_if_unheld(entry)
 
 
 def _runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int]]:

@@ -27,6 +27,7 @@ from kvstore.store.cascade import Cascade
 from kvstore.store.demotions import budget as staging_budget
 from kvstore.store.forget import FORGET_WAIT_S, TenantForget
 from kvstore.store.inspection import StoreView
+from kvstore.store.integrity import check_integrity
 from kvstore.store.leases import HostLeases
 from kvstore.store.levels import Level, SharedLevel
 from kvstore.store.levels.build import build_admissions, build_levels, build_shared
@@ -63,7 +64,7 @@ class TieredStore:
         self._index = cascade.index
         self._writes = WritePath(cascade, write_through=config.settings.write_policy == "write_through")
         self._reads = ReadPath(cascade, promote=config.settings.promotion != "never")
-        self._leases = HostLeases(cascade, self._reads, self._writes)
+        self._leases = HostLeases(cascade, self._reads, self._writes, self._check_keys)
         self._view = StoreView(cascade, self._payload)
         self._codings = [level.coding for level in cascade.levels if level.coding is not None]
         self._executor = ThreadPoolExecutor(config.transfer_threads, thread_name_prefix="kvstore-transfer")
@@ -135,7 +136,7 @@ class TieredStore:
             stop = min(len(keys), start + chunk)
             try:
                 with self._lock:
-                    cascade.wait_written(keys[start:stop])  # another put or a demotion writing some
+                    cascade.inflight.wait_written(keys[start:stop])  # another put or a demotion writing some
                     cascade.check_open()
                     pending = self._writes.put(keys, start, stop, src, tenant)
                 if isinstance(pending, HostWrite):  # a big put's copy, outside the lock: its blocks
@@ -164,7 +165,7 @@ class TieredStore:
         keys = self._check_keys(keys)
         cascade = self._cascade
         # (a backlog of uncounted lookups, only when the lock is never free, waits once for it)
-        with cascade.locked(blocking=cascade.num_uncounted >= MAX_UNCOUNTED_LOOKUPS) as held:
+        with cascade.locked(blocking=cascade.lookups.num_uncounted >= MAX_UNCOUNTED_LOOKUPS) as held:
             cascade.check_open()
             # Another thread holds the lock, maybe for milliseconds (a put copying a large
             # batch in): the index is read without it. Every read of it is atomic, and a lookup
@@ -173,9 +174,9 @@ class TieredStore:
             # lookup and the get that follows it.
             match = self._index.match(keys, exact=exact)
             if held:
-                cascade.count_lookup(match.tiers, len(keys), cascade.chain_tenant(keys))
+                cascade.lookups.count(match.tiers, len(keys), cascade.index.chain_tenant(keys))
             else:
-                cascade.count_lookup_later(match.tiers, len(keys), cascade.chain_tenant(keys))
+                cascade.lookups.count_later(match.tiers, len(keys), cascade.index.chain_tenant(keys))
         if cascade.shared and match.num_blocks < len(keys):
             match = self._reads.extend(keys, match, exact)
         host = self._cascade.host.name
@@ -311,53 +312,12 @@ class TieredStore:
         return self._forget.forget(tenant, remote=remote, wait_s=wait_s)
 
     # ----------------------------------------------------------------------------- leases
-    # Zero-copy host-slot access for the daemon's shared-memory clients (kvstore/store/leases.py).
 
     @property
-    def shared_pool(self) -> tuple[str, int, int] | None:
-        """``(path, slot_bytes, num_slots)`` of the shared host pool, or None if not shared."""
-        return self._cascade.host.shared_pool
-
-    def acquire_host(self, keys: Sequence[bytes], *, host_only: bool = False) -> list[int]:
-        """Hold the leading run of ``keys`` in host RAM; their slot ids (see HostLeases.acquire).
-        ``host_only``: all of ``keys`` if host RAM holds every one now, else none."""
-        return self._leases.acquire(self._check_keys(keys), host_only=host_only)
-
-    def release_host(self, keys: Sequence[bytes], *, blocking: bool = True) -> bool:
-        """End a read lease: undo one ``acquire_host`` of each of ``keys``. With
-        ``blocking=False``, nothing is done (False) when the store lock is busy."""
-        return self._leases.release(self._check_keys(keys), blocking=blocking)
-
-    @overload
-    def reserve_host(self, n: int, *, evict: bool = True) -> list[int]: ...
-    @overload
-    def reserve_host(self, n: int, *, evict: bool = True, blocking: bool) -> list[int] | None: ...
-
-    def reserve_host(self, n: int, *, evict: bool = True, blocking: bool = True) -> list[int] | None:
-        """Take ``n`` free host slots for a writer outside the store (see HostLeases.reserve);
-        ``evict=False`` takes only slots already free. ``blocking=False`` also takes only
-        free slots, and returns None (nothing taken) when fewer are free or the lock is busy."""
-        return self._leases.reserve(n, evict, blocking=blocking)
-
-    def cancel_host(self, slots: Sequence[int]) -> None:
-        """Give reserved slots back unpublished."""
-        self._leases.cancel(slots)
-
-    def commit_host(self, keys: Sequence[bytes], slots: Sequence[int], *, tenant: str = "",
-                    blocking: bool = True) -> bool:
-        """Publish ``keys[i]`` as the bytes written into reserved ``slots[i]`` (like put).
-
-        With ``blocking=False`` the commit happens only if it waits on nothing (it stays in
-        memory: no write-through, no shared level taking puts; and the store lock is free);
-        otherwise nothing is done (the slots stay reserved) and it returns False.
-
-        Raises:
-            ValueError: a bad ``tenant`` (as for put), or not one slot per key.
-            CapacityError, TierError: under write-through, as for put. On any error nothing
-                is published and the slots stay reserved (give them back with cancel_host).
-        """
-        _check_tenant(tenant)
-        return self._leases.commit(self._check_keys(keys), slots, tenant, blocking=blocking)
+    def host_leases(self) -> HostLeases:
+        """Zero-copy access to host RAM's slots, for the daemon's shared-memory clients and its
+        socket puts and gets: read leases, reserved slots, commits (kvstore/store/leases.py)."""
+        return self._leases
 
     # ----------------------------------------------------------------------------- events
 
@@ -411,12 +371,12 @@ class TieredStore:
         """
         table.check_tiers(level.name for level in self._cascade.levels)
         with self._lock:
-            self._cascade.set_quotas(table)
+            self._cascade.quota.set(table)
 
     @property
     def quotas(self) -> QuotaTable:
         """The quotas in force (an empty table: none)."""
-        return self._cascade.quotas
+        return self._cascade.quota.table
 
     def tenant_stats(self) -> dict[str, dict[str, Any]]:
         """Per tenant: per tier its blocks and bytes held, hits, misses, evictions caused and
@@ -448,7 +408,7 @@ class TieredStore:
     def check_integrity(self) -> None:
         """Assert the index agrees with the tiers: slot accounting, policies, pins, catalog."""
         with self._lock:
-            self._cascade.check_integrity()
+            check_integrity(self._cascade)
             self._manage.check()
 
     def close(self) -> None:
@@ -457,7 +417,7 @@ class TieredStore:
             if self._cascade.closed:
                 return
             self._cascade.closed = True
-            self._cascade.wait_all_written()  # write-through puts and deferred demotions first
+            self._cascade.inflight.wait_all_written()  # write-through puts and deferred demotions first
         self._executor.shutdown(wait=True)
         self._manage.close()
         with self._lock:

@@ -29,8 +29,8 @@ def tenant_usage(cascade: Cascade) -> dict[str, dict[str, Any]]:
     docstring), for every tenant that holds a block, has a counter or has a quota."""
     out: dict[str, dict[str, Any]] = {}
     with cascade.lock:
-        cascade.settle_counts()  # lookups made while another thread held the lock
-        quoted = set(cascade.quotas.tenants)
+        cascade.lookups.settle()  # lookups made while another thread held the lock
+        quoted = set(cascade.quota.table.tenants)
         for level in cascade.levels:
             policy = level.tenant_policy()
             if policy is None:
@@ -55,7 +55,7 @@ def index_usage(cascade: Cascade) -> dict[str, dict[str, int]]:
     out: dict[str, dict[str, int]] = {}
     names = cascade.index.level_names
     with cascade.lock:
-        cascade.wait_all_written()
+        cascade.inflight.wait_all_written()
         for entry in cascade.index.entries.values():
             for rank, slot in enumerate(entry.slots):
                 if slot is not None:

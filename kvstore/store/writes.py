@@ -10,7 +10,7 @@ put (or commit) that returns is durable; one whose blocks did not all reach that
 and leaves none of those on host. That disk write runs outside the store lock, so other
 clients' gets, puts and leases do not wait behind it: ``put``/``commit`` (lock held) copy the
 bytes into host slots that no reader sees yet, take the slots below, and mark the blocks
-``writing`` (landing in host RAM: whoever needs them waits, ``Cascade.wait_written``) and as
+``writing`` (landing in host RAM: whoever needs them waits, ``InFlight.wait_written``) and as
 being read (never evicted); they return a ``DurableWrite``, and ``finish`` (lock free) writes
 it down, then publishes it in both levels under the lock, or undoes it. The caller has waited
 for its keys (``wait_written``) before ``put`` or ``commit``: none is being written.
@@ -23,10 +23,10 @@ write-through put's, and a lease stops short of them (``HostLeases``).
 
 Hard quotas (kvstore/policy/quotas.py): a put or commit whose new host blocks would take its tenant
 past its hard quota in host RAM first makes room among the tenant's own host blocks
-(``Cascade.room_for``), under the same lock hold that places them; what still does not fit is
+(``HostQuota.room_for``), under the same lock hold that places them; what still does not fit is
 refused (tails first: a prefix is worth more than its tail), counted, and not an error. A
 write-through put's blocks, placed on host only once below it, are claimed meanwhile
-(``Cascade.claim``), so concurrent puts never pass the quota by one block.
+(``HostQuota.claim``), so concurrent puts never pass the quota by one block.
 
 ``put``, ``commit`` and ``finish_on_host`` run with the store lock held; ``finish`` takes it.
 """
@@ -39,35 +39,12 @@ from dataclasses import dataclass
 
 import torch
 
-from kvstore.errors import CapacityError, KVStoreError, TierError
+from kvstore.errors import CapacityError, KVStoreError
 from kvstore.layout import raw_rows
 from kvstore.store.cascade import Cascade
 from kvstore.store.index import BlockEntry
 from kvstore.store.levels.shared import SharedLevel
-
-
-@dataclass
-class DurableWrite:
-    """A write-through put or commit between its two halves: ``placed`` (chain order, each
-    ``writing`` and read-held) have their bytes in ``host_slots``, reserved and not yet theirs;
-    ``todo``, those of them the level below lacks, go to ``below_slots`` (heads first: the
-    last ``missing`` of ``todo`` found no slot below)."""
-
-    placed: list[BlockEntry]
-    host_slots: list[int]
-    todo: list[BlockEntry]
-    payloads: list[torch.Tensor]  # raw bytes of each of ``todo``
-    below_slots: list[int]
-    missing: int
-    refreshed: list[bytes]  # keys of the same chain host held already: touched after the placement
-    raw: list[torch.Tensor] | None  # the bytes put, for shared levels taking puts (None: host's)
-    num_reserved: int  # host slots reserved for this write (a commit: its whole lease)
-    unused: list[int]  # reserved slots no block takes (a commit's keys host held), freed on success
-    own_slots: bool  # a put's: its host slots are freed on failure (a commit's caller cancels them)
-    short_of: str = ""  # why ``missing`` blocks found no slot below
-    error: KVStoreError | None = None  # raised once the write settled (a put's tails found no room)
-    claimed: dict[str, int] | None = None  # host blocks claimed per tenant until it settles (hard quotas)
-
+from kvstore.store.write_through import DurableWrite, WriteThrough
 
 UNLOCKED_COPY_BYTES = 1 << 20  # a put's host copy this big or bigger runs outside the store lock
 
@@ -89,6 +66,7 @@ class WritePath:
     def __init__(self, cascade: Cascade, *, write_through: bool) -> None:
         self.cascade = cascade
         self.write_through = write_through and len(cascade.levels) > 1
+        self.durable = WriteThrough(cascade, self._settled_on_host)
 
     @property
     def takers(self) -> list[SharedLevel]:
@@ -115,13 +93,12 @@ class WritePath:
         now = time.time()
         refreshed: list[bytes] = []  # keys host already holds: only touched
         entries, fresh = self._entries_for(keys, start, stop, tenant, now, refreshed)
-        limited = bool(fresh) and self.capped(tenant)
+        limited = bool(fresh) and cascade.quota.capped(tenant)
         if cascade.host.num_free >= len(fresh) and not self.write_through and not limited:  # nothing evicts: nothing to protect
             busy: list[BlockEntry] = []
         else:  # in flight: making room must not evict what is being put
             busy = entries + [cascade.index.entries[k] for k in refreshed]
-            for entry in busy:
-                entry.readers += 1
+            cascade.inflight.start_read(busy)
         try:
             if limited:
                 entries, fresh = self._within_quota(entries, fresh, tenant)
@@ -132,20 +109,15 @@ class WritePath:
             return None
         finally:
             for entry in busy:
-                cascade.end_read(entry)
-
-    def capped(self, tenant: str) -> bool:
-        """Whether ``tenant`` has a hard quota in host RAM."""
-        policy = self.cascade.host.tenants
-        return policy is not None and tenant in policy.hard
+                cascade.inflight.end_read(entry)
 
     def _within_quota(self, entries: list[BlockEntry], fresh: list[int], tenant: str
                       ) -> tuple[list[BlockEntry], list[int]]:
         """``entries``/``fresh`` (new to host, chain order) cut to what ``tenant``'s hard quota
-        lets into host RAM (``Cascade.room_for``: its own blocks make room first); the refused
+        lets into host RAM (``HostQuota.room_for``: its own blocks make room first); the refused
         tails leave the index where no level holds them. The caller holds ``entries`` and the
         chain's blocks host has as being read (the room made must not take them)."""
-        n = self.cascade.room_for(tenant, len(fresh))
+        n = self.cascade.quota.room_for(tenant, len(fresh))
         if n == len(fresh):
             return entries, fresh
         for entry in entries[n:]:
@@ -163,7 +135,7 @@ class WritePath:
         if index.all_new(span):
             parents = [keys[start - 1] if start > 0 else None, *span[:-1]]
             return self.cascade.new_entries(span, parents, tenant, now), list(range(start, stop))
-        assert not self.cascade.any_written(span), "wait_written first"
+        assert not self.cascade.inflight.any_written(span), "wait_written first"
         return self._sort_out(keys, start, stop, tenant, now, refreshed)
 
     def _sort_out(self, keys: list[bytes], start: int, stop: int, tenant: str, now: float,
@@ -188,7 +160,7 @@ class WritePath:
                 if entry.slots[0] is not None:
                     # a copy decoded from a lossy level: replaced by the bytes put, in another
                     # slot; a slot being read is kept for its readers (Cascade.discard_copy)
-                    cascade.discard_copy(0, entry)
+                    cascade.placement.discard_copy(0, entry)
                 fresh.append(i)
                 entries.append(entry)
             else:
@@ -213,7 +185,7 @@ class WritePath:
         if not durable:
             # Placed before the copy, which evicts the entries from the CPU caches: no reader
             # sees them before the store lock is let go (see Cascade.place).
-            cascade.place(0, placed, slots)
+            cascade.placement.place(0, placed, slots)
         try:
             written = not rows or host.write(placed, slots, self._rows(src, rows))
         except BaseException:
@@ -236,12 +208,12 @@ class WritePath:
             else:
                 raw_src = raw_rows(src)
                 payloads = [raw_src[i] for i in rows]
-            cascade.reserved_host += n_host  # neither free nor any block's until finish
+            cascade.reservations.keep(n_host)  # neither free nor any block's until finish
             try:
-                pending = self._begin_durable(placed, slots, payloads, refreshed, raw, num_reserved=n_host,
+                pending = self.durable.begin(placed, slots, payloads, refreshed, raw, num_reserved=n_host,
                                               unused=[], own_slots=True)
             except BaseException:
-                cascade.reserved_host -= n_host
+                cascade.reservations.end(n_host, [])
                 self._unstore(entries, placed, slots)
                 raise
         else:
@@ -283,8 +255,8 @@ class WritePath:
         raw: list[torch.Tensor] | None = None
         if self.takers:  # the bytes put, for the shared levels that take puts
             raw = list(raw_rows(rows))
-        cascade.place(0, placed, slots)
-        cascade.start_writing(placed, 0)
+        cascade.placement.place(0, placed, slots)
+        cascade.inflight.start_writing(placed, 0)
         return HostWrite(placed, slots, rows, refreshed, raw)
 
     def _finish_host_copy(self, w: HostWrite) -> None:
@@ -295,12 +267,17 @@ class WritePath:
             cascade.host.write(w.placed, w.slots, w.src)
         except BaseException:
             with cascade.lock:
-                cascade.end_writing(w.placed)
+                cascade.inflight.end_writing(w.placed)
                 self._unstore(w.placed, w.placed, w.slots)
             raise
         with cascade.lock:
-            cascade.end_writing(w.placed)  # waiters wake once the lock is let go, on what follows
+            cascade.inflight.end_writing(w.placed)  # waiters wake once the lock is let go, on what follows
             self.finish_on_host(w.placed, self._still_on_host(w.refreshed), w.raw)
+
+    def _settled_on_host(self, placed: list[BlockEntry], refreshed: list[bytes],
+                         raw: list[torch.Tensor] | None) -> None:
+        """A write-through's blocks are below host and placed there (lock held): announce them."""
+        self.finish_on_host(placed, self._still_on_host(refreshed), raw)
 
     def _still_on_host(self, keys: list[bytes]) -> list[bytes]:
         """Those of ``keys`` (held on host at a put's first half) that host still holds (lock held)."""
@@ -311,47 +288,11 @@ class WritePath:
         """A host write failed: its blocks leave host again (and the index, where no level
         holds them), and the slots are free."""
         cascade = self.cascade
-        cascade.unplace(0, placed)
+        cascade.placement.unplace(0, placed)
         cascade.host.release(slots)
         for entry in entries:
             if not entry.is_held:
                 cascade.index.discard(entry.key)
-
-    def _begin_durable(self, placed: list[BlockEntry], host_slots: list[int], payloads: Sequence[torch.Tensor | None],
-                       refreshed: list[bytes], raw: list[torch.Tensor] | None, *, num_reserved: int,
-                       unused: list[int], own_slots: bool) -> DurableWrite:
-        """Write-through's first half (lock held): mark ``placed`` (chain order; bytes in
-        ``host_slots``, not placed) as being written and read, and take slots in the level
-        below for those it lacks, making room there; ``finish`` does the rest."""
-        cascade = self.cascade
-        below = cascade.levels[1]
-        cascade.start_writing(placed, 0)  # first: making room below must not evict what is being written
-        claimed: dict[str, int] = {}
-        for entry in placed:  # on their way into host RAM: held, for hard quotas, until finish
-            claimed[entry.tenant] = claimed.get(entry.tenant, 0) + 1
-        for owner, n_claimed in claimed.items():
-            cascade.claim(owner, n_claimed)
-        try:
-            todo = [(e, p) for e, p in zip(placed, payloads, strict=True) if e.slots[below.rank] is None]
-            short = len(todo) - below.num_free
-            if short > 0:
-                cascade.make_room(below.rank, short)
-            n = min(len(todo), below.num_free)
-            below_slots = below.allocate(n) if n else []
-        except BaseException:
-            cascade.end_writing(placed)
-            self._unclaim(claimed)
-            raise
-        missing = len(todo) - n
-        short_of = (f"need {missing} {below.name} slots, {below.num_free} free of {below.num_slots} "
-                    "(the rest pinned or being read)") if missing else ""
-        return DurableWrite(placed, host_slots, [e for e, _ in todo], [p for _, p in todo],  # type: ignore[misc]
-                            below_slots, missing, refreshed, raw, num_reserved, unused, own_slots, short_of,
-                            claimed=claimed)
-
-    def _unclaim(self, claimed: dict[str, int] | None) -> None:
-        for owner, n in (claimed or {}).items():
-            self.cascade.unclaim(owner, n)
 
     def finish(self, w: DurableWrite | HostWrite) -> None:
         """The half of a put or commit that ``put``/``commit`` left for after the lock: a big
@@ -359,56 +300,7 @@ class WritePath:
         if isinstance(w, HostWrite):
             self._finish_host_copy(w)
         else:
-            self._finish_durable(w)
-
-    def _finish_durable(self, w: DurableWrite) -> None:
-        """Write-through's second half (lock free): write ``w``'s blocks to the level below,
-        then, under the lock, publish them there and on host; or, when some did not get
-        there, publish on host none of them (those written stay below), and raise.
-
-        Raises:
-            TierError: the level below failed to store them (its medium's error, with the
-                numbers), or CapacityError: it had no evictable slot for them (the rest
-                pinned or being read). Either way the put is not acknowledged; a put's host
-                slots are free again, a commit's stay reserved for its caller to cancel.
-        """
-        cascade = self.cascade
-        below = cascade.levels[1]
-        n = len(w.below_slots)
-        crashed: BaseException | None = None  # not a medium failure (those return False): re-raised
-        try:
-            written = n == 0 or below.write(w.todo[:n], w.below_slots, w.payloads[:n])
-        except BaseException as exc:
-            written, crashed = False, exc
-        # A level that records its medium's last failure (the disk) names it.
-        cause = None if written else getattr(below, "last_error", None)
-        acknowledged = written and not w.missing
-        with cascade.lock:
-            cascade.end_writing(w.placed)  # waiters wake once the lock is let go, on what follows
-            self._unclaim(w.claimed)  # placed on host below, or given up
-            if written and n:
-                cascade.publish_written(below.rank, w.todo[:n], w.below_slots)
-            if acknowledged:
-                cascade.end_reservation(w.num_reserved, w.unused)
-                cascade.place(0, w.placed, w.host_slots)
-                self.finish_on_host(w.placed, self._still_on_host(w.refreshed), w.raw)
-            else:
-                if w.own_slots:
-                    cascade.end_reservation(w.num_reserved, w.host_slots)
-                for entry in w.placed:
-                    if not entry.is_held and cascade.index.get(entry.key) is entry:
-                        cascade.index.discard(entry.key)
-        if crashed is not None:
-            raise crashed
-        if not acknowledged:
-            lost = (0 if written else n) + w.missing
-            what = (f"put not acknowledged under write-through: {lost} of {len(w.placed)} blocks "
-                    f"did not reach {below.name}")
-            if isinstance(cause, TierError):
-                raise type(cause)(f"{what}: {cause}") from cause
-            raise CapacityError(f"{what}: {w.short_of or 'its write failed'}")
-        if w.error is not None:
-            raise w.error
+            self.durable.finish(w)
 
     def finish_on_host(self, placed: list[BlockEntry], refreshed: list[bytes],
                        raw: Sequence[torch.Tensor] | None = None) -> None:
@@ -419,7 +311,7 @@ class WritePath:
         cascade = self.cascade
         host = cascade.host
         host.counters.bytes_written += len(placed) * host.payload_bytes
-        cascade.announce(0, placed)
+        cascade.placement.announce(0, placed)
         # Touched after the insert: a found head must stay more recent than the new tail
         # behind it, or LRU would cut the prefix at its head.
         if refreshed:
@@ -451,15 +343,14 @@ class WritePath:
         now = time.time()
         refreshed: list[bytes] = []
         placed, fresh = self._entries_for(keys, 0, len(keys), tenant, now, refreshed)
-        if placed and self.capped(tenant):  # the room its hard quota makes must not take these
+        if placed and cascade.quota.capped(tenant):  # the room its hard quota makes must not take these
             busy = placed + [cascade.index.entries[k] for k in refreshed]
-            for entry in busy:
-                entry.readers += 1
+            cascade.inflight.start_read(busy)
             try:
                 placed, fresh = self._within_quota(placed, fresh, tenant)
             finally:
                 for entry in busy:
-                    cascade.end_read(entry)
+                    cascade.inflight.end_read(entry)
         if len(fresh) == len(slots):  # every slot is used (a new chain, say)
             placed_slots, unused = list(slots), []
         else:  # the slots of the blocks host holds already are given back
@@ -469,9 +360,9 @@ class WritePath:
         if self.write_through and placed:
             # The reserved slots hold the raw bytes written (leases need a raw host).
             payloads = cascade.host.export([e.key for e in placed], placed_slots)
-            return self._begin_durable(placed, placed_slots, payloads, refreshed, None, num_reserved=len(slots),
+            return self.durable.begin(placed, placed_slots, payloads, refreshed, None, num_reserved=len(slots),
                                        unused=unused, own_slots=False)
-        cascade.end_reservation(len(slots), unused)
-        cascade.place(0, placed, placed_slots)
+        cascade.reservations.end(len(slots), unused)
+        cascade.placement.place(0, placed, placed_slots)
         self.finish_on_host(placed, refreshed)
         return None

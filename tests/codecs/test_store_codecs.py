@@ -230,7 +230,7 @@ def test_an_int8_host_tier_holds_twice_the_blocks_and_hands_out_no_leases(tmp_pa
     with pytest.raises(KeyError):
         coded.get(keys, exact=True)
     with pytest.raises(KVStoreError, match="leases hand out raw slots"):
-        coded.acquire_host(keys[:1])
+        coded.host_leases.acquire(keys[:1])
     coded.check_integrity()
     coded.close()
     raw.close()
@@ -300,10 +300,10 @@ def test_a_commit_replaces_a_decoded_host_copy_with_the_bytes_written(tmp_path: 
     store = _store(tmp_path, host_blocks=4, disk_blocks=16, disk_codec="int8")
     store.get(keys)  # promoted: host now holds the decoded copies
     assert store.lookup(keys).tiers == ("host", "host") and store.lookup(keys).lossy == (True, True)
-    slots = store.reserve_host(2)
+    slots = store.host_leases.reserve(2)
     for slot, row in zip(slots, blocks.view(torch.uint8).reshape(2, RAW), strict=True):
         store.level("host").tier.pool[slot, :RAW].copy_(row)  # type: ignore[union-attr]
-    store.commit_host(keys, slots)
+    store.host_leases.commit(keys, slots)
     assert store.lookup(keys, exact=True).tiers == ("host", "host")
     assert torch.equal(store.get(keys, exact=True).view(torch.int16), blocks.view(torch.int16))
     assert store.stats()["host"]["num_blocks"] == 2

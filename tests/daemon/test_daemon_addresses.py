@@ -38,7 +38,7 @@ def test_relative_socket_path_from_the_working_directory(daemon: DaemonProc, mon
         assert torch.equal(client.get(keys), blocks(keys))
     tiny = dict(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, vocab_size=100,
                 intermediate_size=96)
-    with LLMEngine(None, store=url, block_size=4, kv_cache_bytes=64 * 2048, random_model=tiny) as llm:
+    with LLMEngine(None, store_url=url, block_size=4, kv_cache_bytes=64 * 2048, random_model=tiny) as llm:
         out = llm.generate([list(range(20))], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))[0]
         assert len(out.token_ids) == 2
 

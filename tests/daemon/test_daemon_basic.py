@@ -156,8 +156,8 @@ def test_a_taken_rest_port_is_a_clear_error(tmp_path: Path) -> None:
 
 
 def test_host_ram_defaults_when_left_out_and_zero_is_refused(tmp_path: Path) -> None:
-    assert load_config(None, {"data_dir": tmp_path}).store.host_bytes == default_host_bytes()
-    assert load_config(None, {"data_dir": tmp_path, "host_bytes": "64MiB"}).store.host_bytes == 64 << 20
+    assert load_config(None, {"data_dir": tmp_path}).store_settings.host_bytes == default_host_bytes()
+    assert load_config(None, {"data_dir": tmp_path, "host_bytes": "64MiB"}).store_settings.host_bytes == 64 << 20
     with pytest.raises(ConfigError, match="host_bytes=0 leaves no slot for 4 namespaces"):
         load_config(None, {"data_dir": tmp_path, "host_bytes": "0"})
     proc = subprocess.run([sys.executable, "-m", "kvstore.services.daemon", "serve", "--data-dir", str(tmp_path),

@@ -65,8 +65,8 @@ def test_daemon_with_an_int8_disk(tmp_path: Path) -> None:
 def test_disk_codec_from_toml_and_bad_values(tmp_path: Path) -> None:
     toml = tmp_path / "kvstore.toml"
     toml.write_text('disk_codec = "fp8"\n')
-    assert load_config(toml, {"data_dir": tmp_path}).store.disk_codec == "fp8"
-    assert load_config(toml, {"data_dir": tmp_path, "disk_codec": "int8"}).store.disk_codec == "int8"  # flags win
+    assert load_config(toml, {"data_dir": tmp_path}).store_settings.disk_codec == "fp8"
+    assert load_config(toml, {"data_dir": tmp_path, "disk_codec": "int8"}).store_settings.disk_codec == "int8"  # flags win
     toml.write_text('disk_codec = "zstd"\n')
     with pytest.raises(ConfigError, match=r"disk_codec must be one of \['none', 'int8', 'int8-fp32', 'fp8', 'int4-rot', 'int4-norot'\]"):
         load_config(toml, {"data_dir": tmp_path})

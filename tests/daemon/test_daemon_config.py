@@ -46,10 +46,10 @@ def test_toml_values_of_the_right_type_load(tmp_path: Path) -> None:
     toml.write_text(f'data_dir = "{tmp_path / "data"}"\nhost_bytes = "64MiB"\ndisk_bytes = 0\nlease_s = 3\n'
                     'shm = false\nmax_namespaces = 2\ntoken = "s3cret"\nkv_events_replay = ""\n')
     cfg = load_config(toml, {})
-    assert (cfg.data_dir, cfg.store.host_bytes, cfg.store.disk_bytes) == (tmp_path / "data", 64 << 20, 0)
+    assert (cfg.data_dir, cfg.store_settings.host_bytes, cfg.store_settings.disk_bytes) == (tmp_path / "data", 64 << 20, 0)
     assert (cfg.lease_s, cfg.shm, cfg.max_namespaces, cfg.token) == (3, False, 2, "s3cret")
-    assert cfg.store.write_policy == "write_through"  # the daemon's default: an acknowledged put is durable
-    assert load_config(toml, {"host_bytes": "1MiB"}).store.host_bytes == 1 << 20  # flags win
+    assert cfg.store_settings.write_policy == "write_through"  # the daemon's default: an acknowledged put is durable
+    assert load_config(toml, {"host_bytes": "1MiB"}).store_settings.host_bytes == 1 << 20  # flags win
 
 
 def test_toml_store_keys_are_the_store_settings_names(tmp_path: Path) -> None:
@@ -58,7 +58,7 @@ def test_toml_store_keys_are_the_store_settings_names(tmp_path: Path) -> None:
                     'remote_writes = "demote"\npromotion = "lookup"\ndisk_admission = "seen_twice"\n'
                     'remote_prefix = "blue"\nwrite_policy = "write_back"\n')
     cfg = load_config(toml, {"data_dir": tmp_path / "data", "host_bytes": "4MiB", "disk_bytes": "8MiB"})
-    assert cfg.store == StoreSettings(host_bytes=4 << 20, disk_bytes=8 << 20, write_policy="write_back",
+    assert cfg.store_settings == StoreSettings(host_bytes=4 << 20, disk_bytes=8 << 20, write_policy="write_back",
                                       promotion="lookup", disk_admission="seen_twice",
                                       remote_url="redis://:pw-9931@127.0.0.1:6379", remote_writes="demote",
                                       remote_timeout_s=2, remote_prefix="blue")
@@ -86,7 +86,7 @@ def test_store_settings_the_daemon_decides_itself_are_refused_with_the_reason(tm
     with pytest.raises(ConfigError, match=f"{name} in .* is not a daemon setting: .*{why}"):
         load_config(toml, {"data_dir": tmp_path / "data"})
     with pytest.raises(ConfigError, match=f"{name} is not a daemon setting"):  # built directly, too
-        DaemonConfig(data_dir=tmp_path, store=StoreSettings(**{name: line.split('"')[1]}))
+        DaemonConfig(data_dir=tmp_path, store_settings=StoreSettings(**{name: line.split('"')[1]}))
 
 
 def test_parse_size_bounds() -> None:
@@ -103,20 +103,20 @@ def test_parse_size_bounds() -> None:
 
 def test_max_namespaces_true_is_not_one(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="max_namespaces must be a positive int, got True"):
-        DaemonConfig(data_dir=tmp_path, store=HOST_ONLY, max_namespaces=True)
+        DaemonConfig(data_dir=tmp_path, store_settings=HOST_ONLY, max_namespaces=True)
 
 
 def test_a_daemon_that_would_serve_nothing_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="--socket, --listen and --http are all off"):
-        DaemonConfig(data_dir=tmp_path, store=HOST_ONLY, socket_path="", listen="", http="")
-    assert DaemonConfig(data_dir=tmp_path, store=HOST_ONLY, listen="", http="").socket_path
+        DaemonConfig(data_dir=tmp_path, store_settings=HOST_ONLY, socket_path="", listen="", http="")
+    assert DaemonConfig(data_dir=tmp_path, store_settings=HOST_ONLY, listen="", http="").socket_path
 
 
 def test_a_socket_path_too_long_for_sun_path_is_refused_with_its_length(tmp_path: Path) -> None:
     path = "/tmp/" + "x" * 103  # 108 bytes: Python would bind it, but no NUL fits after it
     with pytest.raises(ConfigError, match=r"is 108 bytes long; a Unix socket path has at most 107"):
-        DaemonConfig(data_dir=tmp_path, store=HOST_ONLY, socket_path=path)
-    assert DaemonConfig(data_dir=tmp_path, store=HOST_ONLY, socket_path=path[:-1]).socket_path
+        DaemonConfig(data_dir=tmp_path, store_settings=HOST_ONLY, socket_path=path)
+    assert DaemonConfig(data_dir=tmp_path, store_settings=HOST_ONLY, socket_path=path[:-1]).socket_path
 
 
 # --------------------------------------------------------------------------- tokens files

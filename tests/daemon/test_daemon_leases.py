@@ -29,14 +29,14 @@ def test_requests_of_one_connection_on_several_threads_cannot_pass_its_lease_lim
     leases = Leases(lease_s=10.0, max_per_conn=4)
     inside = threading.Semaphore(0)
     go = threading.Event()
-    real_reserve = store.reserve_host
+    real_reserve = store.host_leases.reserve
 
     def held_reserve(n: int, **kw: object) -> list[int] | None:
         inside.release()
         assert go.wait(10)
         return real_reserve(n, **kw)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(store, "reserve_host", held_reserve)
+    monkeypatch.setattr(store.host_leases, "reserve", held_reserve)
     granted: list[int] = []
     refused: list[ProtocolError] = []
 
@@ -62,7 +62,7 @@ def test_requests_of_one_connection_on_several_threads_cannot_pass_its_lease_lim
     # a lease taken (to commit or release it) frees a place; an expired one does too
     lease = leases.take(1, granted[0], "write")
     assert lease is not None
-    store.cancel_host(lease.slots)
+    store.host_leases.cancel(lease.slots)
     leases.grant_write(1, state, [b""], "")  # the place it freed
     with pytest.raises(ProtocolError, match="holds 4 leases"):
         leases.grant_write(1, state, [b""], "")
@@ -70,10 +70,10 @@ def test_requests_of_one_connection_on_several_threads_cannot_pass_its_lease_lim
     assert leases.expire(now=time.monotonic() + 11) == 5
     leases.grant_write(1, state, [b""], "")
     # a grant the store refuses counts nothing
-    monkeypatch.setattr(store, "reserve_host", lambda n, **kw: None)
+    monkeypatch.setattr(store.host_leases, "reserve", lambda n, **kw: None)
     for _ in range(5):
         assert leases.grant_write(1, state, [b""], "", evict=False, blocking=False) is None
-    monkeypatch.setattr(store, "reserve_host", real_reserve)
+    monkeypatch.setattr(store.host_leases, "reserve", real_reserve)
     for _ in range(3):
         leases.grant_write(1, state, [b""], "")
     with pytest.raises(ProtocolError, match="holds 4 leases"):

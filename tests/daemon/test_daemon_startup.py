@@ -208,7 +208,7 @@ def run_daemon(config: DaemonConfig, while_up: Callable[[Daemon], None]) -> None
 
 def test_the_socket_is_0600_from_its_creation_and_the_umask_is_restored(tmp_path: Path, short_dir: Path) -> None:
     sock = short_dir / "s"
-    config = DaemonConfig(data_dir=tmp_path / "data", store=HOST_ONLY, socket_path=str(sock),
+    config = DaemonConfig(data_dir=tmp_path / "data", store_settings=HOST_ONLY, socket_path=str(sock),
                           listen="", http="")
     events = watch(short_dir)
     umask = os.umask(0)  # the loosest: a socket bound under it is 0777 until changed
@@ -230,7 +230,7 @@ def test_the_socket_is_0600_from_its_creation_and_the_umask_is_restored(tmp_path
 
 def test_shutdown_leaves_a_socket_that_replaced_its_own(tmp_path: Path, short_dir: Path) -> None:
     sock = short_dir / "s"
-    config = DaemonConfig(data_dir=tmp_path / "data", store=HOST_ONLY, socket_path=str(sock),
+    config = DaemonConfig(data_dir=tmp_path / "data", store_settings=HOST_ONLY, socket_path=str(sock),
                           listen="", http="")
     other = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
 

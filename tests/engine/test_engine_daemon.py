@@ -31,7 +31,7 @@ from kvstore.engine import LLMEngine, SamplingParams
 url, runs, tiny = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
 results = []
 for token, prompt in runs:
-    llm = LLMEngine(None, store=url, store_token=token, block_size=4, kv_cache_bytes=64 * 2048,
+    llm = LLMEngine(None, store_url=url, store_token=token, block_size=4, kv_cache_bytes=64 * 2048,
                     dtype=torch.float32, fetch_policy="always",
                     random_model=tiny)
     out = llm.generate(prompt, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))[0]

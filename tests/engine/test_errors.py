@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from kvstore.engine import CheckpointError, LLMEngine, SamplingParams
+from kvstore.engine.config import EngineConfig
 from kvstore.errors import ConfigError
 from tests.engine.conftest import GREEDY, make_engine
 
@@ -118,11 +119,21 @@ def test_bad_engine_settings(llama_dir: Path) -> None:
     with pytest.raises(ConfigError, match="dtype"):
         make_engine(llama_dir, dtype="float32")
     with pytest.raises(ConfigError, match="daemon address"):
-        make_engine(llama_dir, store="redis://localhost", host_bytes=0)
+        make_engine(llama_dir, store_url="redis://localhost", host_bytes=0)
     with pytest.raises(ConfigError, match="store_token"):
         make_engine(llama_dir, store_token="s3cret")
     with pytest.raises(OSError):  # nothing listens there
-        make_engine(llama_dir, store="unix:///nonexistent/kvstore.sock", host_bytes=0)
+        make_engine(llama_dir, store_url="unix:///nonexistent/kvstore.sock", host_bytes=0)
+
+
+def test_store_with_an_address_is_the_old_spelling_of_store_url() -> None:
+    with pytest.warns(DeprecationWarning, match="spelled store_url=<address> now"):
+        config = EngineConfig(store="unix:///tmp/kvstore.sock")  # type: ignore[arg-type]
+    assert (config.store, config.store_url) == (None, "unix:///tmp/kvstore.sock")
+    with pytest.raises(ConfigError, match="give the daemon address once"), pytest.warns(DeprecationWarning):
+        EngineConfig(store="unix:///a.sock", store_url="unix:///b.sock")  # type: ignore[arg-type]
+    assert EngineConfig.build(None, host_bytes=0, disk_codec="int8").store_settings.changed_from() == [
+        "host_bytes", "disk_codec"]
 
 
 def test_random_model_runs_without_a_checkpoint() -> None:

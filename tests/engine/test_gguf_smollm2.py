@@ -202,9 +202,9 @@ def test_the_long_prefix_from_each_tier_gives_the_tokens_of_no_cache(
     else:
         daemon = DaemonProc(tmp_path / "data", "--max-namespaces", "1", host_mem="256MiB", disk="256MiB")
         try:
-            with smollm2(gguf_path, store=daemon.unix) as llm:
+            with smollm2(gguf_path, store_url=daemon.unix) as llm:
                 llm.generate([long], params)
-            with smollm2(gguf_path, store=daemon.unix) as llm:  # another engine, the daemon's host tier
+            with smollm2(gguf_path, store_url=daemon.unix) as llm:  # another engine, the daemon's host tier
                 out = llm.generate([long], params)[0]
         finally:
             daemon.stop()

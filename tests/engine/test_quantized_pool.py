@@ -86,7 +86,7 @@ def test_pool_formats_sharing_a_daemon_never_share_blocks(tmp_path: Path) -> Non
         found = {}
         namespaces = set()
         for dtype in ("int8", "fp8", "auto", "int8"):
-            with engine(dtype, host_bytes=0, store=daemon.unix) as llm:
+            with engine(dtype, host_bytes=0, store_url=daemon.unix) as llm:
                 out = llm.generate([PROMPT], GREEDY)[0]
                 found.setdefault(dtype, []).append(out.metrics.cached_tokens["host"])
                 namespaces.add(llm.namespace.id)
@@ -157,8 +157,8 @@ def test_a_daemon_whose_tier_cannot_keep_pages_refuses_them_clearly(tmp_path: Pa
     daemon = DaemonProc(tmp_path / "data", "--disk-codec", "int8", host_mem="64MiB", disk="64MiB")
     try:
         with pytest.raises(LayoutMismatchError, match="this daemon's disk_codec='int8' cannot hold blocks"):
-            engine("int8", host_bytes=0, store=daemon.unix)
-        with engine("auto", host_bytes=0, store=daemon.unix) as llm:  # values: the daemon's int8 tier takes them
+            engine("int8", host_bytes=0, store_url=daemon.unix)
+        with engine("auto", host_bytes=0, store_url=daemon.unix) as llm:  # values: the daemon's int8 tier takes them
             assert llm.generate([PROMPT], GREEDY)[0].token_ids
     finally:
         daemon.stop()

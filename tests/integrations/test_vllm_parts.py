@@ -34,21 +34,28 @@ def caches(num_blocks: int = 10, seed: int = 0) -> dict[str, torch.Tensor]:
 
 
 def test_settings_validate_and_never_show_the_token() -> None:
-    s = ConnectorSettings.from_extra_config({"store": "unix:///tmp/s.sock", "token": "sekrit", "host_bytes": "16MiB"})
+    s = ConnectorSettings.from_extra_config({"store_url": "unix:///tmp/s.sock", "token": "sekrit", "host_bytes": "16MiB"})
     assert s.is_daemon and s.store_settings.host_bytes == 16 << 20 and "sekrit" not in s.describe() + repr(s.describe())
     assert not ConnectorSettings.from_extra_config(None).is_daemon
     with pytest.raises(ConfigError, match=r"unknown kv_connector_extra_config keys \['stor'\]"):
         ConnectorSettings.from_extra_config({"stor": "unix:///x"})
-    with pytest.raises(ConfigError, match="store must be"):
-        ConnectorSettings(store="http://127.0.0.1:1")
+    with pytest.raises(ConfigError, match="store_url must be"):
+        ConnectorSettings(store_url="http://127.0.0.1:1")
     with pytest.raises(ConfigError, match="needs disk_bytes"):
-        ConnectorSettings(disk_path="/tmp/kv")
+        ConnectorSettings.from_extra_config({"disk_path": "/tmp/kv"})
     with pytest.raises(ConfigError, match="async_tiers"):
         ConnectorSettings(async_tiers=("tape",))
     with pytest.raises(ConfigError, match="async_when_idle must be true or false"):
         ConnectorSettings(async_when_idle="yes")  # type: ignore[arg-type]
     assert ConnectorSettings(async_tiers="remote").async_tiers == ("remote",)
     assert ConnectorSettings().async_tiers == ("disk", "remote")
+
+
+def test_the_old_store_key_still_names_the_daemon_and_warns(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level("WARNING", logger="kvstore.integrations.vllm"):
+        s = ConnectorSettings.from_extra_config({"store": "unix:///tmp/s.sock"})
+    assert s.store_url == "unix:///tmp/s.sock" and s.is_daemon
+    assert "key 'store' is spelled 'store_url' now" in caplog.text
 
 
 def test_every_store_setting_is_an_extra_config_key_and_hash_algo_is_one_setting(tmp_path: Path) -> None:
@@ -58,15 +65,18 @@ def test_every_store_setting_is_an_extra_config_key_and_hash_algo_is_one_setting
                                              promotion="never", remote_prefix="blue", hash_algo="xxh3_128")
     assert s.hash_algo == "xxh3_128" and "disk_codec" not in {f.name for f in fields(s)}
     assert ConnectorSettings(store_settings=StoreSettings(hash_algo="xxh3_128")).hash_algo == "xxh3_128"
-    assert ConnectorSettings(host_bytes="2MiB").store_settings == StoreSettings(host_bytes=2 << 20)
-    assert ConnectorSettings(hash_algo="xxh3_128").store_settings.hash_algo == "xxh3_128"  # what the store hashes with
+    assert ConnectorSettings.from_extra_config({"host_bytes": "2MiB"}).store_settings == StoreSettings(host_bytes=2 << 20)
+    assert "hash_algo" not in {f.name for f in fields(ConnectorSettings)}  # one setting: the store's
+    assert ConnectorSettings.from_extra_config({"hash_algo": "xxh3_128"}).store_settings.hash_algo == "xxh3_128"
     with pytest.raises(ConfigError, match=r"disk_codec must be one of"):
         ConnectorSettings.from_extra_config({"disk_codec": "zstd"})
 
 
 @pytest.mark.parametrize(("extra", "match"), [
-    ({"store": None}, "store must be"), ({"store": 5}, "store must be"), ({"store": "tcp://"}, "store must be"),
-    ({"store": "tcp://host"}, "store must be"), ({"store": "unix://"}, "store must be"),
+    ({"store_url": None}, "store_url must be"), ({"store_url": 5}, "store_url must be"),
+    ({"store_url": "tcp://"}, "store_url must be"), ({"store_url": "tcp://host"}, "store_url must be"),
+    ({"store_url": "unix://"}, "store_url must be"), ({"store": "unix://"}, "store_url must be"),
+    ({"store": "unix:///a", "store_url": "unix:///b"}, "has both 'store' and 'store_url'"),
     ({"async_tiers": 5}, "async_tiers must be"), ({"async_tiers": [None]}, "async_tiers must be"),
     ({"hash_algo": ["sha256"]}, "hash_algo must be"), ({"write_policy": ["write_back"]}, "write_policy must be"),
     ({"retry_s": float("nan")}, "retry_s must be a positive, finite"), ({"timeout_s": float("inf")}, "timeout_s"),
@@ -116,7 +126,8 @@ def test_paged_refuses_a_layout_whose_blocks_are_not_contiguous() -> None:
 
 
 def test_guarded_store_embedded_round_trip(tmp_path: Path) -> None:
-    settings = ConnectorSettings(host_bytes="1MiB", disk_path=str(tmp_path / "kv"), disk_bytes="1MiB")
+    settings = ConnectorSettings.from_extra_config({"host_bytes": "1MiB", "disk_path": str(tmp_path / "kv"),
+                                                    "disk_bytes": "1MiB"})
     store = GuardedStore(settings, LAYOUT, "m")
     keys = store.block_keys(list(range(24)), "")
     assert keys is not None and len(keys) == 3
@@ -143,7 +154,7 @@ def test_embedded_stores_of_two_nodes_share_blocks_through_a_remote_tier(tmp_pat
     redis = RedisServer.start(tmp_path / "redis")
     try:
         url = redis.url
-        settings = ConnectorSettings(host_bytes="1MiB", remote_url=url)
+        settings = ConnectorSettings.from_extra_config({"host_bytes": "1MiB", "remote_url": url})
         assert url not in settings.describe() and "remote tier" in settings.describe()
         writer = GuardedStore(settings, LAYOUT, "m")
         keys = writer.block_keys(list(range(24)), "")
@@ -152,7 +163,7 @@ def test_embedded_stores_of_two_nodes_share_blocks_through_a_remote_tier(tmp_pat
         assert writer.try_put(keys, blocks)
         writer.close()  # the last user of this process's store: it flushes to the remote tier
         # another node: its own (empty) local tiers, the same remote tier
-        reader = GuardedStore(ConnectorSettings(host_bytes="1MiB", remote_url=url), LAYOUT, "m")
+        reader = GuardedStore(ConnectorSettings.from_extra_config({"host_bytes": "1MiB", "remote_url": url}), LAYOUT, "m")
         assert reader.lookup(keys).tiers == ("remote",) * 3
         out = torch.empty_like(blocks)
         assert reader.fetch(keys, out).result(10).num_blocks == 3 and torch.equal(out, blocks)
@@ -163,7 +174,7 @@ def test_embedded_stores_of_two_nodes_share_blocks_through_a_remote_tier(tmp_pat
 
 def test_guarded_store_turns_a_dead_daemon_into_misses(tmp_path: Path) -> None:
     daemon = DaemonProc(tmp_path / "data", host_mem="2MiB", disk="2MiB")
-    store = GuardedStore(ConnectorSettings(store=daemon.unix, retry_s=30), LAYOUT, "m")
+    store = GuardedStore(ConnectorSettings(store_url=daemon.unix, retry_s=30), LAYOUT, "m")
     keys = store.block_keys(list(range(16)), "tenant-a")
     assert keys is not None
     blocks = torch.randn(2, *LAYOUT.block_shape)
@@ -182,7 +193,7 @@ def test_guarded_store_turns_a_dead_daemon_into_misses(tmp_path: Path) -> None:
     assert store.is_up and store.lookup(keys).num_blocks == 2  # the daemon kept them (write-through)
     store.close()
     daemon.stop()
-    never = GuardedStore(ConnectorSettings(store=f"unix://{tmp_path}/nothing.sock"), LAYOUT, "m")
+    never = GuardedStore(ConnectorSettings(store_url=f"unix://{tmp_path}/nothing.sock"), LAYOUT, "m")
     with pytest.raises(DaemonUnreachableError, match="tenant is unknown"):  # unknown while the daemon is down
         never.block_keys([1] * 16, "")
     assert never.tenant_for("salt") is None
@@ -195,7 +206,7 @@ def test_a_daemon_that_stops_answering_stalls_lookups_once_per_outage(tmp_path: 
     vLLM's scheduling thread: one waits out lookup_timeout_s, then every lookup misses at once
     while the reconnection retries in the background; after SIGCONT the hits come back."""
     daemon = DaemonProc(tmp_path / "data", host_mem="2MiB", disk="2MiB")
-    settings = ConnectorSettings(store=daemon.unix, retry_s=0.2, lookup_timeout_s=0.5)
+    settings = ConnectorSettings(store_url=daemon.unix, retry_s=0.2, lookup_timeout_s=0.5)
     store = GuardedStore(settings, LAYOUT, "m", timeout_s=settings.lookup_timeout_s)  # as the connector does
     try:
         keys = store.block_keys(list(range(16)), "")

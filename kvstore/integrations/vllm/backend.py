@@ -114,7 +114,7 @@ class GuardedStore:
         """
         with torch.inference_mode(False):
             if self.settings.is_daemon:
-                return connect(self.settings.store, self.settings.token, layout=self.layout,
+                return connect(self.settings.store_url, self.settings.token, layout=self.layout,
                                model_id=self.model_id, hash_algo=self.settings.hash_algo, timeout=self.timeout_s)
             return _open_embedded(self.settings, self.layout, self.model_id)
 

@@ -7,7 +7,7 @@ the model (identity.py). Load it with::
 
     KVTransferConfig(kv_connector="KVStoreConnector", kv_connector_module_path="kvstore.integrations.vllm",
                      kv_role="kv_both", kv_load_failure_policy="recompute",
-                     kv_connector_extra_config={"store": "unix:///run/kvstore/kvstore.sock"})
+                     kv_connector_extra_config={"store_url": "unix:///run/kvstore/kvstore.sock"})
 """
 
 from __future__ import annotations

@@ -5,9 +5,10 @@ Imports nothing from vLLM, so the settings can be checked (and documented) witho
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Mapping
-from dataclasses import InitVar, dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from kvstore.client.client import parse_address
@@ -16,14 +17,16 @@ from kvstore.errors import ConfigError
 from kvstore.services.common.sizes import parse_size
 
 TIERS = ("host", "disk", "remote")
-SHORTCUTS = ("host_bytes", "disk_path", "disk_bytes", "write_policy", "remote_url")  # keyword shortcuts
+# Old spellings of extra-config keys: still accepted, with a warning naming the new one.
+RENAMED = {"store": "store_url"}
+log = logging.getLogger("kvstore.integrations.vllm")
 _SIZES = ("host_bytes", "disk_bytes")
 _TEXT = ("disk_path", "remote_url", "remote_prefix")  # optional text settings: unset or a non-empty str
 
 
 def _fold(base: StoreSettings, values: Mapping[str, Any]) -> StoreSettings:
-    """``base`` with extra-config store keys over it: sizes may be text ("2GiB"), a disk path
-    needs a disk size. ConfigError naming the key (never a remote URL's value)."""
+    """``base`` with extra-config store keys over it: sizes may be text ("2GiB"). ConfigError
+    naming the key (never a remote URL's value)."""
     values = dict(values)
     for name in _TEXT:
         value = values.get(name, "")
@@ -36,10 +39,7 @@ def _fold(base: StoreSettings, values: Mapping[str, Any]) -> StoreSettings:
                 values[name] = parse_size(values[name])
             except ConfigError as exc:
                 raise ConfigError(f"{name}: {exc}") from None
-    settings = replace(base, **values)
-    if settings.disk_path is not None and settings.disk_bytes <= 0:
-        raise ConfigError(f"disk_path={str(settings.disk_path)!r} needs disk_bytes > 0")
-    return settings
+    return replace(base, **values)
 
 
 @dataclass(frozen=True)
@@ -47,22 +47,18 @@ class ConnectorSettings:
     """What ``kv_connector_extra_config`` may hold (every key optional).
 
     Attributes:
-        store: ``unix:///path/kvstore.sock`` or ``tcp://HOST:PORT`` of a kvstore daemon
+        store_url: ``unix:///path/kvstore.sock`` or ``tcp://HOST:PORT`` of a kvstore daemon
             (several vLLM processes share it), or "embedded" (default): a TieredStore in
-            this process, which needs the scheduler and the worker in one process.
+            this process, which needs the scheduler and the worker in one process. The key
+            ``store`` is its old spelling (accepted, with a warning).
         token: the daemon token (default: KVSTORE_TOKEN); it names the daemon-side tenant.
-        store_settings: the embedded store's tiers (kvstore.StoreSettings); ignored for a
-            daemon (``kvstore serve`` sets a daemon's). In the extra config every StoreSettings
-            field is a key of its own (``host_bytes``, ``disk_path``, ``disk_codec``,
-            ``remote_url``, ...; sizes as ints or text like ``"2GiB"``); ``remote_url`` is a
-            remote tier shared with other nodes (docs/remote.md).
-        host_bytes, disk_path, disk_bytes, write_policy, remote_url: keyword shortcuts for
-            those settings, folded into ``store_settings``; not attributes.
+        store_settings: the store's settings (kvstore.StoreSettings). In the extra config every
+            StoreSettings field is a key of its own (``host_bytes``, ``disk_path``,
+            ``disk_codec``, ``remote_url``, ``hash_algo``, ...; sizes as ints or text like
+            ``"2GiB"``). They build the embedded store; for a daemon (``kvstore serve`` sets its
+            tiers) only ``hash_algo`` applies: the namespace's key hash.
         model_id: the namespace's model identity, when the checkpoint path is not stable
             across machines (default: derived from vLLM's model config, see identity.py).
-        hash_algo: the key hash of the namespace, the daemon's or the embedded store's
-            ("sha256"; "xxh3_128" only where one tenant sends prompts); it is also
-            ``store_settings.hash_algo`` (a non-default value in either one sets both).
         async_tiers: loads touching one of these tiers ("host", "disk", "remote") run
             asynchronously (the request waits while others run); loads from the other tiers
             run inside the step that needs them.
@@ -78,51 +74,34 @@ class ConnectorSettings:
             scheduling thread: a daemon that stops answering stalls the engine this long, once.
     """
 
-    store: str = "embedded"
-    token: str | None = None
+    store_url: str = "embedded"
+    token: str | None = field(default=None, repr=False)
     store_settings: StoreSettings = field(default_factory=StoreSettings)
     model_id: str | None = None
-    hash_algo: str = "sha256"
     async_tiers: tuple[str, ...] = ("disk", "remote")
     async_when_idle: bool = False
     retry_s: float = 10.0
     timeout_s: float = 10.0
     lookup_timeout_s: float = 1.0
-    host_bytes: InitVar[int | str | None] = None
-    disk_path: InitVar[str | None] = None
-    disk_bytes: InitVar[int | str | None] = None
-    write_policy: InitVar[str | None] = None
-    remote_url: InitVar[str | None] = None
 
-    def __post_init__(self, host_bytes: int | str | None, disk_path: str | None, disk_bytes: int | str | None,
-                      write_policy: str | None, remote_url: str | None) -> None:
-        if not isinstance(self.store, str):
-            raise ConfigError(f"store must be 'embedded', unix:///path or tcp://host:port, got {self.store!r}")
-        if self.store != "embedded":
+    def __post_init__(self) -> None:
+        if not isinstance(self.store_url, str):
+            raise ConfigError(f"store_url must be 'embedded', unix:///path or tcp://host:port, got {self.store_url!r}")
+        if self.store_url != "embedded":
             try:
-                parse_address(self.store)
+                parse_address(self.store_url)
             except ValueError:
-                raise ConfigError(f"store must be 'embedded', unix:///path or tcp://host:port, "
-                                  f"got {self.store!r}") from None
+                raise ConfigError(f"store_url must be 'embedded', unix:///path or tcp://host:port, "
+                                  f"got {self.store_url!r}") from None
         if self.token is not None and not isinstance(self.token, str):
             raise ConfigError(f"token must be a string, got a {type(self.token).__name__}")  # never the value
         if self.model_id is not None and (not isinstance(self.model_id, str) or not self.model_id):
             raise ConfigError(f"model_id must be a non-empty string or unset, got {self.model_id!r}")
         if not isinstance(self.store_settings, StoreSettings):
             raise ConfigError(f"store_settings must be a StoreSettings, got {type(self.store_settings).__name__}")
-        shortcuts = dict(zip(SHORTCUTS, (host_bytes, disk_path, disk_bytes, write_policy, remote_url), strict=True))
-        given = {name: value for name, value in shortcuts.items() if value is not None}
-        settings = _fold(self.store_settings, given)
-        if self.hash_algo != settings.hash_algo:  # the one that is not the default sets both
-            default = StoreSettings().hash_algo
-            if self.hash_algo != default and settings.hash_algo != default:
-                raise ConfigError(f"hash_algo={self.hash_algo!r} and store_settings.hash_algo="
-                                  f"{settings.hash_algo!r} differ; give one")
-            if self.hash_algo == default:
-                object.__setattr__(self, "hash_algo", settings.hash_algo)
-            else:
-                settings = replace(settings, hash_algo=self.hash_algo)  # validates the name
-        object.__setattr__(self, "store_settings", settings)
+        settings = self.store_settings
+        if settings.disk_path is not None and settings.disk_bytes <= 0:
+            raise ConfigError(f"disk_path={str(settings.disk_path)!r} needs disk_bytes > 0")
         tiers = (self.async_tiers,) if isinstance(self.async_tiers, str) else self.async_tiers
         if not isinstance(tiers, list | tuple) or any(not isinstance(t, str) or t not in TIERS for t in tiers):
             raise ConfigError(f"async_tiers must be a list of tiers among {list(TIERS)}, got {self.async_tiers!r}")
@@ -136,23 +115,36 @@ class ConnectorSettings:
 
     @property
     def is_daemon(self) -> bool:
-        return self.store != "embedded"
+        return self.store_url != "embedded"
+
+    @property
+    def hash_algo(self) -> str:
+        """The namespace's key hash (``store_settings.hash_algo``)."""
+        return self.store_settings.hash_algo
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:
         """Build from the extra config dict: the connector's own keys, and the store settings
         by their StoreSettings names. ConfigError naming any key that is neither."""
         extra = dict(extra or {})
+        for old, new in RENAMED.items():
+            if old in extra:
+                if new in extra:
+                    raise ConfigError(f"kv_connector_extra_config has both {old!r} and {new!r}; {old!r} is the old "
+                                      f"spelling of {new!r}: give {new!r} once")
+                log.warning("kvstore: kv_connector_extra_config key %r is spelled %r now; the old key still "
+                            "works", old, new)
+                extra[new] = extra.pop(old)
         own = {f.name for f in fields(cls)} - {"store_settings"}
         known = own | set(StoreSettings.names())
         unknown = sorted(set(extra) - known)
         if unknown:
             raise ConfigError(f"unknown kv_connector_extra_config keys {unknown}; known: {sorted(known)}")
-        store = {name: extra.pop(name) for name in StoreSettings.names() if name in extra and name not in own}
+        store = {name: extra.pop(name) for name in StoreSettings.names() if name in extra}
         return cls(store_settings=_fold(StoreSettings(), store), **extra)
 
     def describe(self) -> str:
         """One log line; never the token."""
         if self.is_daemon:
-            return f"daemon {self.store}"
+            return f"daemon {self.store_url}"
         return f"embedded store ({self.store_settings.describe()})"

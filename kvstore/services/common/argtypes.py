@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -22,6 +23,22 @@ def positive(kind: type, what: str = "") -> Callable[[str], Any]:
         return value
 
     return parse
+
+
+class RenamedFlag(argparse.Action):
+    """The old spelling of a renamed flag: sets the new flag's destination and warns on stderr
+    (``add_argument("--old", dest="new", action=RenamedFlag, new_flag="--new")``)."""
+
+    def __init__(self, *args: Any, new_flag: str, **kwargs: Any) -> None:
+        self.new_flag = new_flag
+        kwargs.setdefault("help", f"old spelling of {new_flag} (warns)")
+        super().__init__(*args, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        print(f"kvstore: {option_string} is spelled {self.new_flag} now; the old flag still works",
+              file=sys.stderr)
+        setattr(namespace, self.dest, values)
 
 
 def port(text: str) -> int:

@@ -1,6 +1,6 @@
 """DaemonConfig: every knob of ``kvstore serve``, from flags and an optional TOML file.
 
-The store knobs are one StoreSettings (``store``; TOML keys are its field names, as for every
+The store knobs are one StoreSettings (``store_settings``; TOML keys are its field names, as for every
 service); the rest is the daemon's own: addresses, tokens, limits, the namespace split, and
 tenants' quotas (``default_quotas``, and ``[quotas.TENANT]`` tables: kvstore/policy/quotas.py).
 """
@@ -60,7 +60,7 @@ class DaemonConfig:
 
     Attributes:
         data_dir: the disk tier's directories (one per namespace) and nothing else.
-        store: the store settings every namespace's store is built from. ``host_bytes`` and
+        store_settings: the store settings every namespace's store is built from. ``host_bytes`` and
             ``disk_bytes`` are hard TOTALS: each of ``max_namespaces`` namespace slots gets an
             equal share (disk_bytes=0: no disk tier; host RAM cannot be 0, every put lands
             there). ``write_policy`` (default write_through: an acknowledged put is durable)
@@ -93,7 +93,7 @@ class DaemonConfig:
     """
 
     data_dir: Path = Path(".kvstore")
-    store: StoreSettings = DEFAULT_STORE
+    store_settings: StoreSettings = DEFAULT_STORE
     socket_path: str | None = None
     listen: str = "127.0.0.1:7470"
     http: str = "127.0.0.1:7471"
@@ -113,10 +113,10 @@ class DaemonConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "data_dir", Path(self.data_dir))
-        if not isinstance(self.store, StoreSettings):
-            raise ConfigError(f"store must be a StoreSettings, got {type(self.store).__name__}")
+        if not isinstance(self.store_settings, StoreSettings):
+            raise ConfigError(f"store_settings must be a StoreSettings, got {type(self.store_settings).__name__}")
         for name, reason in FIXED_SETTINGS.items():
-            if getattr(self.store, name) != getattr(DEFAULT_STORE, name):
+            if getattr(self.store_settings, name) != getattr(DEFAULT_STORE, name):
                 raise ConfigError(f"{name} is not a daemon setting: {reason}")
         if self.socket_path is None:
             object.__setattr__(self, "socket_path", str(self.data_dir / "kvstore.sock"))
@@ -132,8 +132,8 @@ class DaemonConfig:
             raise ConfigError(f"quotas must be a QuotaTable, got {type(self.quotas).__name__}")
         if not self.lease_s > 0 or not self.drain_s >= 0:
             raise ConfigError(f"lease_s must be > 0 and drain_s >= 0, got {self.lease_s}, {self.drain_s}")
-        if self.store.host_bytes < 4096 * self.max_namespaces:
-            raise ConfigError(f"host_bytes={self.store.host_bytes} leaves no slot for {self.max_namespaces} "
+        if self.store_settings.host_bytes < 4096 * self.max_namespaces:
+            raise ConfigError(f"host_bytes={self.store_settings.host_bytes} leaves no slot for {self.max_namespaces} "
                               "namespaces (every put lands in host RAM; leave it out for a tenth of RAM)")
         if self.kv_events:
             from kvstore.events.config import EventsConfig
@@ -164,11 +164,11 @@ class DaemonConfig:
 
     @property
     def host_bytes_per_namespace(self) -> int:
-        return self.store.host_bytes // self.max_namespaces
+        return self.store_settings.host_bytes // self.max_namespaces
 
     @property
     def disk_bytes_per_namespace(self) -> int:
-        return self.store.disk_bytes // self.max_namespaces
+        return self.store_settings.disk_bytes // self.max_namespaces
 
 
 SIZE_FIELDS = ("host_bytes", "disk_bytes")
@@ -179,7 +179,7 @@ EXPECTED = {bool: "true or false", int: "an integer", float: "a number", str: "a
 def config_keys() -> list[str]:
     """Every key a daemon TOML file may hold: DaemonConfig's own fields and the store
     settings the daemon takes (all of StoreSettings but FIXED_SETTINGS)."""
-    own = [f.name for f in fields(DaemonConfig) if f.name != "store"]
+    own = [f.name for f in fields(DaemonConfig) if f.name != "store_settings"]
     return own + [name for name in StoreSettings.names() if name not in FIXED_SETTINGS]
 
 
@@ -258,4 +258,4 @@ def load_config(path: str | os.PathLike[str] | None, overrides: dict[str, Any]) 
         settings["host_bytes"] = default_host_bytes()
     if "disk_bytes" not in settings:
         settings["disk_bytes"] = default_disk_bytes(Path(values.get("data_dir", DaemonConfig.data_dir)))
-    return DaemonConfig(store=replace(DEFAULT_STORE, **settings), **values)
+    return DaemonConfig(store_settings=replace(DEFAULT_STORE, **settings), **values)

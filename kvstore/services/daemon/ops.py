@@ -71,7 +71,7 @@ class HeldBlocks:
 
     views: list[memoryview]
     num_bytes: int
-    release: Callable[..., bool]  # release(blocking=True): see TieredStore.release_host
+    release: Callable[..., bool]  # release(blocking=True): see HostLeases.release
     let_go: bool = False  # release was called (or handed to a worker)
 
     def __len__(self) -> int:
@@ -230,7 +230,7 @@ class Ops(CacheOps):
                                 "(raise max_frame in the daemon's config)")
         state = self.registry.open(model_id, layout, hash_algo)
         state.store.know_tenant(principal.tenant)  # its blocks the remote tier delivers are filed under it
-        pool = state.store.shared_pool
+        pool = state.store.host_leases.shared_pool
         want_shm = field_of(meta, "shm", bool, False)
         session.principal, session.state = principal, state
         session.shm = bool(want_shm and pool and session.transport == "unix" and principal.shm and self.config.shm)
@@ -279,11 +279,11 @@ class Ops(CacheOps):
     def _hold_on_host(self, state: NamespaceState, keys: list[bytes]) -> HeldBlocks | None:
         """Hold ``keys`` in host RAM for a reply written straight from their slots, if host
         RAM holds every one (raw) and its pool is mapped here too; else None."""
-        pool = state.store.shared_pool
+        pool = state.store.host_leases.shared_pool
         if pool is None or not keys:
             return None
         try:
-            slots = state.store.acquire_host(keys, host_only=True)
+            slots = state.store.host_leases.acquire(keys, host_only=True)
         except KVStoreError:  # a host codec: slots hold encoded blocks
             return None
         if not slots:
@@ -291,10 +291,10 @@ class Ops(CacheOps):
         try:
             views = self._slot_views(state, pool, slots)
         except BaseException:
-            state.store.release_host(keys)
+            state.store.host_leases.release(keys)
             raise
         return HeldBlocks(views, len(keys) * state.layout.bytes_per_block,
-                          functools.partial(state.store.release_host, keys))
+                          functools.partial(state.store.host_leases.release, keys))
 
     def _slot_views(self, state: NamespaceState, pool: tuple[str, int, int], slots: list[int]) -> list[memoryview]:
         """The payloads of host ``slots`` in order, in this process's mapping of the pool:
@@ -327,7 +327,7 @@ class Ops(CacheOps):
             return None
         try:
             keys = self._keys(session, meta)[2]
-            pool = state.store.shared_pool
+            pool = state.store.host_leases.shared_pool
             n, payload = len(keys), state.layout.bytes_per_block
             if pool is None or n == 0 or data_len != n * payload or n > pool[2] // 2:
                 return None
@@ -335,7 +335,7 @@ class Ops(CacheOps):
             if held is None or any(held):
                 return None
             self._mapped_pool(state.id, pool)  # mapped before any slot is taken
-            slots = state.store.reserve_host(n, blocking=blocking)
+            slots = state.store.host_leases.reserve(n, blocking=blocking)
             if slots is None:
                 return None
         except (ProtocolError, KVStoreError, OSError, ValueError):
@@ -345,7 +345,7 @@ class Ops(CacheOps):
     def cancel_put(self, reserved: ReservedPut) -> None:
         """Give a reserved put's slots back (its connection closed before the data came)."""
         with contextlib.suppress(KVStoreError):
-            reserved.state.store.cancel_host(reserved.slots)
+            reserved.state.store.host_leases.cancel(reserved.slots)
 
     def _mapped_pool(self, namespace: str, pool: tuple[str, int, int]) -> MappedPool:
         with self._pools_lock:
@@ -374,10 +374,10 @@ class Ops(CacheOps):
         store, principal = data.state.store, session.principal
         assert principal is not None
         try:
-            if not store.commit_host(data.keys, data.slots, tenant=principal.tenant, blocking=blocking):
+            if not store.host_leases.commit(data.keys, data.slots, tenant=principal.tenant, blocking=blocking):
                 return None  # nothing was done: the slots stay reserved for the worker's try
         except BaseException:
-            store.cancel_host(data.slots)
+            store.host_leases.cancel(data.slots)
             raise
         data.state.count(principal.tenant, requests=1, put_blocks=len(data.keys), bytes_in=data.num_bytes)
         return {"num_blocks": len(data.keys)}, b""
@@ -411,15 +411,15 @@ class Ops(CacheOps):
                 if not blocking:  # giving the slots back waits for the store lock: a worker does
                     self.leases.put_back(lease)
                     return None
-                lease.state.store.cancel_host(lease.slots)
+                lease.state.store.host_leases.cancel(lease.slots)
                 raise ProtocolError(Code.BAD_REQUEST, f"{len(keys)} keys for a lease of {len(lease.slots)} slots")
             lease.keys = keys
         try:
-            if not lease.state.store.commit_host(lease.keys, lease.slots, tenant=lease.tenant, blocking=blocking):
+            if not lease.state.store.host_leases.commit(lease.keys, lease.slots, tenant=lease.tenant, blocking=blocking):
                 self.leases.put_back(lease)  # for the worker's try
                 return None
         except BaseException:
-            lease.state.store.cancel_host(lease.slots)
+            lease.state.store.host_leases.cancel(lease.slots)
             raise
         lease.state.count(lease.tenant, requests=1, put_blocks=len(lease.keys))
         out: dict[str, Any] = {"num_blocks": len(lease.keys)}
@@ -447,9 +447,9 @@ class Ops(CacheOps):
             raise ProtocolError(Code.BAD_REQUEST, f"kind must be 'read' or 'write', got {kind[:20]!r}")
         lease = self.leases.take(session.conn_id, field_of(meta, "lease", int), kind)
         if lease is not None and kind == "read":
-            lease.state.store.release_host(lease.keys)
+            lease.state.store.host_leases.release(lease.keys)
         elif lease is not None:
-            lease.state.store.cancel_host(lease.slots)
+            lease.state.store.host_leases.cancel(lease.slots)
         return {"valid": lease is not None}, b""
 
     def op_touch(self, session: Session, meta: dict[str, Any], data: bytes) -> Reply:
@@ -458,8 +458,8 @@ class Ops(CacheOps):
         state, tenant, keys = self._keys(session, meta)
         if not session.shm:
             raise ProtocolError(Code.BAD_REQUEST, "this connection has no shared-memory path")
-        slots = state.store.acquire_host(keys)
-        state.store.release_host(keys[: len(slots)])
+        slots = state.store.host_leases.acquire(keys)
+        state.store.host_leases.release(keys[: len(slots)])
         state.count(tenant, requests=1, get_blocks=len(slots))
         return {"num_blocks": len(slots)}, b""
 

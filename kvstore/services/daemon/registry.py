@@ -174,11 +174,11 @@ class Registry:
         if host < slot:
             raise ProtocolError(Code.CAPACITY, f"host share of {host} bytes per namespace is below one "
                                 f"{slot}-byte block of {ns.layout.fingerprint()}")
-        settings = replace(cfg.store, host_bytes=host, hash_algo=ns.hash_algo, disk_path=None, disk_bytes=0,
+        settings = replace(cfg.store_settings, host_bytes=host, hash_algo=ns.hash_algo, disk_path=None, disk_bytes=0,
                            write_policy="write_back")
-        disk_codec = get_codec(cfg.store.disk_codec)
+        disk_codec = get_codec(cfg.store_settings.disk_codec)
         for tier in ("host", "disk", "remote"):
-            codec = get_codec(getattr(cfg.store, f"{tier}_codec"))
+            codec = get_codec(getattr(cfg.store_settings, f"{tier}_codec"))
             try:
                 codec.encoded_bytes(ns.layout)
             except LayoutMismatchError as exc:  # e.g. an engine's quantized pages (uint8) under int8
@@ -190,7 +190,7 @@ class Registry:
             where.mkdir(parents=True, exist_ok=True)
             manifest = {"model_id": ns.model_id, "layout": layout_to_dict(ns.layout), "hash_algo": ns.hash_algo}
             (where / "namespace.json").write_text(json.dumps(manifest, indent=1) + "\n")
-            settings = replace(settings, disk_path=where / "disk", disk_bytes=disk, write_policy=cfg.store.write_policy)
+            settings = replace(settings, disk_path=where / "disk", disk_bytes=disk, write_policy=cfg.store_settings.write_policy)
         return settings.store_config(ns.layout, ns.model_id, shared_host=cfg.shm, pin_host_memory=False)
 
     def namespaces(self) -> list[NamespaceState]:
@@ -217,16 +217,16 @@ class Registry:
         out: dict[str, dict[str, Any]] = {}
         cfg = self.config
         if cfg is not None:
-            out["host"] = tier_stats(TierCounters(), cfg.store.host_bytes, 0, 0)
+            out["host"] = tier_stats(TierCounters(), cfg.store_settings.host_bytes, 0, 0)
             if cfg.disk_bytes_per_namespace >= PAGE:
-                out["disk"] = tier_stats(TierCounters(), cfg.store.disk_bytes, 0, 0)
-            for tier, codec_name in (("host", cfg.store.host_codec), ("disk", cfg.store.disk_codec)):
+                out["disk"] = tier_stats(TierCounters(), cfg.store_settings.disk_bytes, 0, 0)
+            for tier, codec_name in (("host", cfg.store_settings.host_codec), ("disk", cfg.store_settings.disk_codec)):
                 if tier in out:
                     out[tier].update(codec=codec_name, lossy=get_codec(codec_name).lossy)
-            if cfg.store.remote_url is not None:
+            if cfg.store_settings.remote_url is not None:
                 out["remote"] = dict(tier_stats(TierCounters(), 0, 0, 0), dropped=0, pending=0, nodes_up=0,
                                      round_trips=0, hint_hits=0, hint_misses=0, kept_used=0,
-                                     codec=cfg.store.remote_codec, lossy=get_codec(cfg.store.remote_codec).lossy)
+                                     codec=cfg.store_settings.remote_codec, lossy=get_codec(cfg.store_settings.remote_codec).lossy)
         configured = {"host", "disk"} & set(out)
         for state in self.namespaces():
             for tier, row in state.store.stats().items():

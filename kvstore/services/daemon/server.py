@@ -79,7 +79,7 @@ class Daemon:
         if cfg.kv_events:
             self._start_kv_events()
         await loop.run_in_executor(self.pool, self._reopen_existing)
-        if cfg.store.remote_url is not None:
+        if cfg.store_settings.remote_url is not None:
             await loop.run_in_executor(self.pool, self._probe_remote)
         if cfg.socket_path:
             self._servers.append(await self._start_unix(Path(cfg.socket_path)))
@@ -97,7 +97,7 @@ class Daemon:
         from the remote's counters later. The URL is shown without its password."""
         from kvstore.tiers.remote.url import parse_url
 
-        settings = self.config.store
+        settings = self.config.store_settings
         assert settings.remote_url is not None
         url = parse_url(settings.remote_url)
         errors = []

@@ -1,9 +1,9 @@
 """Shared-memory leases: a same-host client copies blocks straight from/to the host pool.
 
-A read lease holds blocks in host RAM (``TieredStore.acquire_host``) while the client copies
+A read lease holds blocks in host RAM (``HostLeases.acquire``) while the client copies
 their slots out; ``release`` tells the client whether the lease was still valid when it
 finished (if not, it discards what it copied). A write lease is a set of reserved free slots
-(``reserve_host``) the client fills; ``commit`` publishes them. Leases expire after
+(``HostLeases.reserve``) the client fills; ``commit`` publishes them. Leases expire after
 ``lease_s``: an expired read lease is released at once; an expired write lease's slots are
 quarantined for one more ``lease_s`` before they are reused, so a slow client that still
 writes cannot overwrite a published block (the client never starts a copy past its deadline).
@@ -92,7 +92,7 @@ class Leases:
         """Hold the leading run of ``keys`` that is (or can be brought) in host RAM."""
         self._claim(conn)
         try:
-            slots = state.store.acquire_host(keys)
+            slots = state.store.host_leases.acquire(keys)
         except BaseException:
             self._unclaim(conn)
             raise
@@ -111,10 +111,10 @@ class Leases:
                     evict: bool = True, *, blocking: bool = True) -> Lease | None:
         """Reserve one free host slot per key (CapacityError when none can be freed; with
         ``evict=False``, when fewer are free). Without ``blocking``: None instead of waiting
-        for the store lock (see TieredStore.reserve_host)."""
+        for the store lock (see HostLeases.reserve)."""
         self._claim(conn)
         try:
-            slots = state.store.reserve_host(len(keys), evict=evict, blocking=blocking)
+            slots = state.store.host_leases.reserve(len(keys), evict=evict, blocking=blocking)
         except BaseException:
             self._unclaim(conn)
             raise
@@ -155,9 +155,9 @@ class Leases:
             self.num_expired += len(dead)
         for lease in dead:
             if lease.kind == "read":
-                lease.state.store.release_host(lease.keys)
+                lease.state.store.host_leases.release(lease.keys)
         for lease in free:
-            lease.state.store.cancel_host(lease.slots)
+            lease.state.store.host_leases.cancel(lease.slots)
         return len(dead)
 
     def drop_connection(self, conn: int) -> None:
@@ -171,9 +171,9 @@ class Leases:
             self._quarantine = [lease for lease in self._quarantine if lease.conn != conn]
         for lease in mine:
             if lease.kind == "read":
-                lease.state.store.release_host(lease.keys)
+                lease.state.store.host_leases.release(lease.keys)
             else:
-                lease.state.store.cancel_host(lease.slots)
+                lease.state.store.host_leases.cancel(lease.slots)
 
     def __len__(self) -> int:
         with self._lock:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from kvstore import env
 from kvstore.config import StoreSettings
 from kvstore.errors import ConfigError, DaemonUnreachableError
-from kvstore.services.common.argtypes import port
+from kvstore.services.common.argtypes import RenamedFlag, port
 from kvstore.services.common.store_args import (
     add_store_arguments,
     store_flags_given,
@@ -23,7 +23,7 @@ from kvstore.services.common.store_args import (
 )
 
 if TYPE_CHECKING:
-    from kvstore.services.engine_server.config import ServeConfig
+    from kvstore.services.engine_server.config import EngineServerConfig
 
 # The embedded store's defaults: StoreSettings', and a 10 GiB disk tier once --disk-path names one.
 ENGINE_STORE = StoreSettings(disk_bytes=10 << 30)
@@ -43,22 +43,22 @@ def engine_store_settings(args: argparse.Namespace) -> StoreSettings:
     return replace(settings, disk_bytes=0)
 
 
-def serve_config(args: argparse.Namespace) -> ServeConfig:
-    """The ServeConfig of ``kvstore engine``'s arguments (ConfigError, CheckpointError or
+def serve_config(args: argparse.Namespace) -> EngineServerConfig:
+    """The EngineServerConfig of ``kvstore engine``'s arguments (ConfigError, CheckpointError or
     json.JSONDecodeError when they do not make one)."""
     from kvstore.engine.bundled import default_model
     from kvstore.layout import DTYPES_BY_NAME
     from kvstore.services.common.sizes import parse_size
-    from kvstore.services.engine_server.config import ServeConfig
+    from kvstore.services.engine_server.config import EngineServerConfig
 
     random_config = json.loads(args.random_config) if args.random_config else None
     if random_config is not None and not isinstance(random_config, dict):
         raise ConfigError("--random-config must be a JSON object")
     model = None if args.random_model else args.model or str(default_model())
-    return ServeConfig(
+    return EngineServerConfig(
         model=model, random_config=random_config, host=args.host,
-        port=args.port, served_model_name=args.served_model_name, store=args.store,
-        store_token=(args.store_token or env.token()) if args.store else None,
+        port=args.port, served_model_name=args.served_model_name, store_url=args.store_url,
+        store_token=(args.store_token or env.token()) if args.store_url else None,
         store_settings=engine_store_settings(args), tokens_file=args.tokens,
         router_token=args.router_token or env.router_token(),
         kv_events=args.kv_events, kv_events_replay=args.kv_events_replay,
@@ -105,7 +105,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1; off loopback needs "
                    "--tokens or --router-token)")
     p.add_argument("--port", type=port, default=8000, help="listen port (default 8000; 0: any free port)")
-    p.add_argument("--store", default=None, help="a kvstore daemon as the host/disk tiers: unix:///path or tcp://h:p")
+    p.add_argument("--store-url", default=None,
+                   help="a kvstore daemon as the host/disk tiers: unix:///path or tcp://h:p")
+    p.add_argument("--store", dest="store_url", action=RenamedFlag, new_flag="--store-url")
     p.add_argument("--store-token", default=None, help="the daemon token (default KVSTORE_TOKEN)")
     p.add_argument("--kv-cache", default="256MiB", help="device KV pool size (default 256MiB)")
     p.add_argument("--kv-cache-dtype", default="auto", metavar="{auto,float32,float16,bfloat16,int8,fp8}",
@@ -145,5 +147,5 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         p, defaults=ENGINE_STORE, shown={"host_bytes": "1GiB; 0: no store below the device pool",
                                          "disk_bytes": "10GiB with --disk-path"},
         description="The embedded store below the device pool (the same flags as kvstore serve's). With "
-        "--store, the daemon's tiers serve instead and these flags are refused: kvstore serve sets them.")
+        "--store-url, the daemon's tiers serve instead and these flags are refused: kvstore serve sets them.")
     p.set_defaults(func=run_engine)

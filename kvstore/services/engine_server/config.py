@@ -1,4 +1,4 @@
-"""ServeConfig: every knob of ``kvstore engine``, frozen and validated (the loopback rule too)."""
+"""EngineServerConfig: every knob of ``kvstore engine``, frozen and validated (the loopback rule too)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from kvstore.services.common.store_args import flag_of
 
 
 @dataclass(frozen=True)
-class ServeConfig:
+class EngineServerConfig:
     """Configuration of one ``kvstore engine`` process.
 
     Attributes:
@@ -23,10 +23,10 @@ class ServeConfig:
             the byte tokenizer), shaped by ``random_config`` (ModelConfig field overrides).
         host, port: where the HTTP API listens (port 0: any free port, printed at start).
         served_model_name: the ``model`` clients name (default: the directory or .gguf file name, or "random").
-        store: a daemon address (unix:// or tcp://) for the host and disk tiers, or None for an
-            embedded store built from ``store_settings``.
+        store_url: a daemon address (unix:// or tcp://) for the host and disk tiers, or None
+            for an embedded store built from ``store_settings``.
         store_settings: the embedded store's tiers (sizes, disk path, codecs, write policy,
-            promotion, remote tier; kvstore.StoreSettings). With ``store`` they stay the
+            promotion, remote tier; kvstore.StoreSettings). With ``store_url`` they stay the
             defaults: the daemon's own settings hold.
         store_token: the daemon token (None: KVSTORE_TOKEN).
         tokens_file: TOML mapping Bearer tokens to tenants (the daemon's format, docs/protocol.md).
@@ -43,7 +43,7 @@ class ServeConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     served_model_name: str | None = None
-    store: str | None = None
+    store_url: str | None = None
     store_token: str | None = field(default=None, repr=False)
     store_settings: StoreSettings = field(default_factory=StoreSettings)
     tokens_file: str | None = None
@@ -81,9 +81,9 @@ class ServeConfig:
         if not isinstance(self.store_settings, StoreSettings):
             raise ConfigError(f"store_settings must be a StoreSettings, got {type(self.store_settings).__name__}")
         changed = self.store_settings.changed_from()
-        if self.store is not None and changed:
+        if self.store_url is not None and changed:
             raise ConfigError(f"{', '.join(flag_of(name) for name in changed)} set the embedded store; with "
-                              "--store the daemon's tiers serve, set by kvstore serve")
+                              "--store-url the daemon's tiers serve, set by kvstore serve")
 
     @property
     def model_name(self) -> str:
@@ -100,8 +100,8 @@ class ServeConfig:
                                   device_write_policy=self.device_write_policy,
                                   prepack_weights=self.prepack_weights, cpu_decode_kernel=self.cpu_decode_kernel,
                                   seed=self.seed)
-        if self.store is not None:
-            kw.update(store=self.store, store_token=self.store_token)
+        if self.store_url is not None:
+            kw.update(store_url=self.store_url, store_token=self.store_token)
         else:
             kw.update(store_settings=self.store_settings)
         if self.model is None:
@@ -109,3 +109,14 @@ class ServeConfig:
         if self.kv_events is not None:
             kw.update(kv_events=self.kv_events, kv_events_replay=self.kv_events_replay)
         return kw
+
+
+def __getattr__(name: str) -> object:
+    """``ServeConfig``, the old name of ``EngineServerConfig`` (it configures ``kvstore engine``,
+    not ``kvstore serve``): still importable, with a DeprecationWarning."""
+    if name == "ServeConfig":
+        import warnings
+
+        warnings.warn("ServeConfig is named EngineServerConfig now", DeprecationWarning, stacklevel=2)
+        return EngineServerConfig
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

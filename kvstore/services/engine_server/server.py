@@ -21,7 +21,7 @@ from kvstore.policy.quotas import QuotaTable
 from kvstore.services.common.http import bind, freeze_start_heap, stop_on_signals, uvicorn_server, where
 from kvstore.services.engine_server.app import create_app
 from kvstore.services.engine_server.auth import Auth
-from kvstore.services.engine_server.config import ServeConfig
+from kvstore.services.engine_server.config import EngineServerConfig
 from kvstore.services.engine_server.loop import EngineLoop
 from kvstore.services.engine_server.state import ServerState
 from kvstore.services.engine_server.tokenizer import load_tokenizer
@@ -38,7 +38,7 @@ def kv_events_info(llm: Any) -> dict[str, Any]:
     return {"endpoint": info["endpoint"], "replay_endpoint": info["replay_endpoint"], "topic": info["topic"]}
 
 
-def build_state(config: ServeConfig) -> ServerState:
+def build_state(config: EngineServerConfig) -> ServerState:
     """Load the model, open the store, start the engine loop (the slow part of a start)."""
     from kvstore.engine.llm import LLMEngine
 
@@ -58,7 +58,7 @@ def build_state(config: ServeConfig) -> ServerState:
     return ServerState(loop, tokenizer, auth, config.model_name, kv_events_info(llm))
 
 
-async def run(config: ServeConfig) -> int:
+async def run(config: EngineServerConfig) -> int:
     aloop = asyncio.get_running_loop()
     stop = stop_on_signals(aloop)
     sock = bind(config.host, config.port)  # before the model loads: a taken port fails at once
@@ -90,7 +90,7 @@ async def run(config: ServeConfig) -> int:
     return 0
 
 
-def serve(config: ServeConfig) -> int:
+def serve(config: EngineServerConfig) -> int:
     """Run ``kvstore engine`` in this process until SIGTERM/SIGINT; returns the exit status."""
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     return asyncio.run(run(config))

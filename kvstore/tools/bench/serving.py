@@ -126,7 +126,7 @@ class Server:
             assert store is not None
             connector = {"kv_connector": "KVStoreConnector", "kv_connector_module_path": "kvstore.integrations.vllm",
                          "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-                         "kv_connector_extra_config": {"store": store}}
+                         "kv_connector_extra_config": {"store_url": store}}
             cmd += ["--distributed-executor-backend", "uni", "--kv-transfer-config", json.dumps(connector)]
         log = work / f"{which}-server-{port}.log"
         with log.open("wb") as out:

@@ -149,7 +149,7 @@ def run_arm(name: str, flood: bool, quotas: str, work: Workload, model: BenchMod
         daemon = Daemon(Path(tmp), host_bytes, quotas)
         try:
             llm = model.engine(dtype=torch.float32, block_size=BLOCK,
-                               kv_cache_bytes=device_blocks * _block_bytes(model), store=daemon.url,
+                               kv_cache_bytes=device_blocks * _block_bytes(model), store_url=daemon.url,
                                store_token=TOKENS["b"], fetch_policy="always")
             a = connect(daemon.url, TOKENS["a"], layout=llm.layout, model_id=llm.model_id) if flood else None
             flood_blocks = work.flood_tokens // BLOCK

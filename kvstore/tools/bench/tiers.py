@@ -20,10 +20,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvstore.store import writes
 from kvstore.config import StoreConfig
 from kvstore.services.common.argtypes import positive
-from kvstore.store import TieredStore
+from kvstore.store import TieredStore, writes
 from kvstore.store.levels import DiskLevel
 from kvstore.tools.bench.harness import (
     BENCH_LAYOUT,

@@ -67,7 +67,7 @@ def vllm_instance(model: Path, store: str | None, prefix_caching: bool) -> Any:
     if store is not None:
         kwargs["kv_transfer_config"] = KVTransferConfig(
             kv_connector="KVStoreConnector", kv_connector_module_path="kvstore.integrations.vllm",
-            kv_role="kv_both", kv_load_failure_policy="recompute", kv_connector_extra_config={"store": store})
+            kv_role="kv_both", kv_load_failure_policy="recompute", kv_connector_extra_config={"store_url": store})
     return LLM(model=str(model), dtype="float32", kv_cache_memory_bytes=256 << 20, distributed_executor_backend="uni",
                enforce_eager=True, enable_prefix_caching=prefix_caching, max_num_batched_tokens=4096,
                max_model_len=4096, seed=0, **kwargs)

@@ -175,7 +175,7 @@ def measure(args: argparse.Namespace, work: Path) -> Results:
         # torch.set_num_threads with a no-op for the whole process, and the engine's one-thread
         # worker (kvstore/engine/threads.py) sets its thread count when the engine is built.
         engines += [engine(enable_prefix_caching=False, host_bytes=0), engine(host_bytes=1 << 30),
-                    engine(store=daemon.url)]
+                    engine(store_url=daemon.url)]
         plain, host, over_daemon = engines
         r["async_scheduling"] = _speed(r, args, model.hf_dir(work), plain, prompts)
         _cached(r, args, model.hf_dir(work), host, over_daemon, daemon.url, prompts(1, args.prompt_tokens)[0])

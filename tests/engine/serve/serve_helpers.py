@@ -27,7 +27,7 @@ BLOCK = 4
 MAX_MODEL_LEN = 512
 ENGINE_ARGS = ["--random-model", "--random-config", json.dumps(TINY), "--block-size", str(BLOCK),
                "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache", "4MiB", "--seed", "3"]
-EMBEDDED_ARGS = ["--host-mem", "8MiB"]  # with --store the daemon's tiers serve: no store flags then
+EMBEDDED_ARGS = ["--host-mem", "8MiB"]  # with --store-url the daemon's tiers serve: no store flags then
 
 
 def stream_in_background(url: str, body: dict[str, Any]) -> tuple[threading.Thread, list[str]]:
@@ -88,7 +88,7 @@ class EngineServer(CliServer):
 
     def __init__(self, *args: str, model: str | None = None, env: dict[str, str] | None = None) -> None:
         which = ["--model", model, "--kv-cache", "4MiB"] if model else ENGINE_ARGS
-        store = [] if "--store" in args else EMBEDDED_ARGS
+        store = [] if "--store-url" in args else EMBEDDED_ARGS
         super().__init__(["engine", *which, *store, "--port", "0", *args], timeout=120, env=env)
         while time.monotonic() < self.deadline:  # ready means bound; /health means serving
             try:
@@ -146,10 +146,10 @@ class InProcessServer:
         from kvstore.config import StoreSettings
         from kvstore.services.common.http import bind, uvicorn_server, where
         from kvstore.services.engine_server.app import create_app
-        from kvstore.services.engine_server.config import ServeConfig
+        from kvstore.services.engine_server.config import EngineServerConfig
         from kvstore.services.engine_server.server import build_state
 
-        config = ServeConfig(random_config=TINY, port=0, store_settings=StoreSettings(host_bytes=8 << 20),
+        config = EngineServerConfig(random_config=TINY, port=0, store_settings=StoreSettings(host_bytes=8 << 20),
                              kv_cache_bytes=kv_cache_bytes, block_size=BLOCK, max_model_len=MAX_MODEL_LEN, seed=3)
         self.state = build_state(config)
         self.llm = self.state.loop.llm

@@ -142,10 +142,10 @@ def server(saved_by_transformers: Path) -> Iterator[str]:
     from kvstore.config import StoreSettings
     from kvstore.services.common.http import bind, uvicorn_server, where
     from kvstore.services.engine_server.app import create_app
-    from kvstore.services.engine_server.config import ServeConfig
+    from kvstore.services.engine_server.config import EngineServerConfig
     from kvstore.services.engine_server.server import build_state
 
-    state = build_state(ServeConfig(model=str(saved_by_transformers), port=0, kv_cache_bytes=1 << 20, block_size=4,
+    state = build_state(EngineServerConfig(model=str(saved_by_transformers), port=0, kv_cache_bytes=1 << 20, block_size=4,
                                     store_settings=StoreSettings(host_bytes=0)))
     sock = bind("127.0.0.1", 0)
     uvicorn = uvicorn_server(create_app(state))

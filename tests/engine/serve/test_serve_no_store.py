@@ -28,7 +28,7 @@ def held(daemon: DaemonProc, model_id: str, tokens: list[int]) -> int:
 
 def test_a_request_that_says_do_not_store_leaves_nothing_behind(tmp_path: Path) -> None:
     daemon = DaemonProc(tmp_path / "data", host_mem="8MiB", disk="16MiB")
-    server = EngineServer("--store", daemon.unix, "--device-write-policy", "write_through")
+    server = EngineServer("--store-url", daemon.unix, "--device-write-policy", "write_through")
     try:
         client = server.client()
         model_id = httpx.get(f"{server.url}/v1/kvstore/info").json()["namespace"]["model_id"]

@@ -1,5 +1,5 @@
 """``kvstore engine`` over lower tiers that outlive it: with ``--disk-path`` (the embedded
-store) or ``--store unix://...`` (a real ``kvstore serve`` daemon), SIGTERM writes the device
+store) or ``--store-url unix://...`` (a real ``kvstore serve`` daemon), SIGTERM writes the device
 cache back, and the next engine process serves the same prompt's prefix from those tiers."""
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def test_the_store_flags_build_the_embedded_store(tmp_path: Path) -> None:
 def test_daemon_tiers_serve_a_restarted_engine(tmp_path: Path) -> None:
     daemon = DaemonProc(tmp_path / "data", host_mem="8MiB", disk="16MiB")
     try:
-        tiers = restart_finds_the_prefix("--store", daemon.unix)
+        tiers = restart_finds_the_prefix("--store-url", daemon.unix)
         assert tiers["host"] + tiers["disk"] == 12 * BLOCK
     finally:
         daemon.kill9()
@@ -84,8 +84,8 @@ def test_a_running_engine_shares_its_prefix_through_the_daemon_at_once(tmp_path:
     device; A never stops or evicts. With --device-write-policy write_back, nothing reaches the
     daemon until A evicts, so B computes everything."""
     daemon = DaemonProc(tmp_path / "data", host_mem="8MiB", disk="16MiB")
-    servers = [EngineServer("--store", daemon.unix), EngineServer("--store", daemon.unix),
-               EngineServer("--store", daemon.unix, "--device-write-policy", "write_back")]
+    servers = [EngineServer("--store-url", daemon.unix), EngineServer("--store-url", daemon.unix),
+               EngineServer("--store-url", daemon.unix, "--device-write-policy", "write_back")]
     first, second, lazy = servers
     try:
         assert usage(first)["prompt_tokens_details"]["cached_tokens"] == 0

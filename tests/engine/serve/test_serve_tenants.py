@@ -18,7 +18,7 @@ import openai
 import pytest
 
 from kvstore.config import StoreSettings
-from kvstore.services.engine_server.config import ServeConfig
+from kvstore.services.engine_server.config import EngineServerConfig
 
 from serve_helpers import BLOCK, ROOT, EngineServer
 
@@ -76,8 +76,8 @@ def test_bad_tokens_get_401_and_secrets_stay_out(server: EngineServer) -> None:
 
 
 def test_secrets_stay_out_of_the_config_repr() -> None:
-    config = ServeConfig(store="unix:///tmp/kvstore.sock", store_token="store-secret-42", router_token=ROUTER)
-    embedded = ServeConfig(router_token=ROUTER,
+    config = EngineServerConfig(store_url="unix:///tmp/kvstore.sock", store_token="store-secret-42", router_token=ROUTER)
+    embedded = EngineServerConfig(router_token=ROUTER,
                            store_settings=StoreSettings(remote_url="redis://:pw-secret@127.0.0.1:6379"))
     assert config.router_token == ROUTER and embedded.store_settings.remote_url is not None
     text = repr(config) + repr(embedded)
@@ -103,20 +103,20 @@ def test_a_taken_port_is_a_clear_error() -> None:
 
 def test_a_store_daemon_that_does_not_answer_is_a_clear_error(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, "-m", "kvstore.cli", "engine", "--random-model", "--port", "0",
-                           "--store", "unix://nothing.sock"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+                           "--store-url", "unix://nothing.sock"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.startswith("kvstore engine: ") and "Traceback" not in proc.stderr
     assert f"tried the socket {tmp_path / 'nothing.sock'}" in proc.stderr and "is `kvstore serve` running?" in proc.stderr
 
 
 def test_the_tokens_files_tenants_get_equal_soft_shares_of_the_embedded_store(tmp_path: Path) -> None:
-    from kvstore.services.engine_server.config import ServeConfig
+    from kvstore.services.engine_server.config import EngineServerConfig
     from kvstore.services.engine_server.server import build_state
 
     tokens = tmp_path / "tokens.toml"
     tokens.write_text('[[tenant]]\nname = "acme"\ntokens = ["tok-acme"]\n\n'
                       '[[tenant]]\nname = "globex"\ntokens = ["tok-globex"]\n')
-    state = build_state(ServeConfig(model=None, random_config={"num_layers": 1}, tokens_file=str(tokens),
+    state = build_state(EngineServerConfig(model=None, random_config={"num_layers": 1}, tokens_file=str(tokens),
                                     kv_cache_bytes=1 << 20))
     try:
         store = state.loop.llm.store
