@@ -32,7 +32,7 @@ from pathlib import Path
 import pytest
 
 from kvstore.cli import build_parser
-from kvstore.engine.bundled import SMOLLM2_FILE, SMOLLM2_INSTALL, smollm2_gguf
+from kvstore.engine.checkpoint import SMOLLM2_FILE, SMOLLM2_INSTALL, smollm2_gguf
 
 from factories import require
 
@@ -95,7 +95,7 @@ def running_smollm2_engine(cwd: Path, _arg: str) -> AbstractContextManager[None]
 
 @contextmanager
 def hf_checkpoint(cwd: Path, path: str) -> Iterator[None]:
-    from kvstore.engine.loader import random_checkpoint, save_random_checkpoint
+    from kvstore.engine.checkpoint import random_checkpoint, save_random_checkpoint
 
     save_random_checkpoint(cwd / path, random_checkpoint(TINY_LLAMA, 0))
     yield

@@ -1,18 +1,17 @@
 """The daemon client's cache-management calls: prefetch, inspect, forget (docs/protocol.md).
 
-Mixed into ``StoreClient`` (its ``_call`` sends one request and reads its reply). Each acts
-on the connection's tenant, or with the admin token on the ``tenant`` named. Bad input is a
-ValueError before anything is sent: more keys than one request may carry, a TTL out of
-range (kvstore/store/pins.py).
+``StoreClient`` holds one ``ManagementCalls`` over its channel and hands these calls to it.
+Each acts on the connection's tenant, or with the admin token on the ``tenant`` named. Bad
+input is a ValueError before anything is sent: more keys than one request may carry.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from kvstore.api import MAX_KEYS, check_count
+from kvstore.client.channel import Channel
 from kvstore.results import BlockInfo, ForgetReport, PrefetchHandle
 
 FORGET_TIMEOUT_S = 600.0  # a forget sweeps the remote tier: it may take a while
@@ -20,41 +19,28 @@ STATUS_WAIT_S = 1.0  # the longest one prefetch_status request waits on the daem
 
 
 class ManagementCalls:
-    """Needs ``_call``, ``_keys_blob``, ``_key_batches``, ``max_keys``, ``tenant`` and ``_sock``."""
+    """``prefetch``, ``inspect`` and ``forget_tenant`` as requests on one channel."""
 
-    max_keys: int
-    tenant: str
-
-    def _call(self, meta: dict[str, Any], data: Any = b"", into: memoryview | None = None
-              ) -> tuple[dict[str, Any], bytes]:
-        raise NotImplementedError
-
-    def _keys_blob(self, keys: Sequence[bytes]) -> bytes:
-        raise NotImplementedError
-
-    def _key_batches(self, keys: Sequence[bytes]) -> list[Sequence[bytes]]:
-        raise NotImplementedError
-
-    def _with_timeout(self, timeout: float) -> contextlib.AbstractContextManager[None]:
-        raise NotImplementedError
+    def __init__(self, channel: Channel) -> None:
+        self._channel = channel
 
     def prefetch(self, keys: Sequence[bytes], *, tenant: str | None = None) -> PrefetchHandle:
         """Have the daemon bring the blocks up to its host RAM; returns at once. ``result()``
         asks the daemon (``prefetch_status``) until it is done. ``tenant``: another tenant's
         blocks (the admin token only)."""
-        limit = min(MAX_KEYS, self.max_keys)
+        limit = min(MAX_KEYS, self._channel.max_keys)
         if len(keys) > limit:
             raise ValueError(f"a prefetch names at most {limit} keys, got {len(keys)}; split it")
         check_count("prefetch", len(keys))
-        meta: dict[str, Any] = {"op": "prefetch", "keys": self._keys_blob(keys)}
+        meta: dict[str, Any] = {"op": "prefetch", "keys": self._channel.keys_blob(keys)}
         if tenant is not None:
             meta["tenant"] = tenant
-        reply = self._call(meta)[0]
+        reply = self._channel.call(meta)[0]
         prefetch_id = int(reply["prefetch"])
 
         def poll(wait_s: float) -> int | None:
-            status = self._call({"op": "prefetch_status", "prefetch": prefetch_id,
-                                 "wait_s": min(max(wait_s, 0.0), STATUS_WAIT_S)})[0]
+            status = self._channel.call({"op": "prefetch_status", "prefetch": prefetch_id,
+                                         "wait_s": min(max(wait_s, 0.0), STATUS_WAIT_S)})[0]
             return int(status["num_blocks"]) if status["done"] else None
 
         return PrefetchHandle(len(keys), poll)
@@ -63,11 +49,11 @@ class ManagementCalls:
         """Per key: the tiers holding its block in the daemon, codecs, stored sizes, pins."""
         check_count("inspect", len(keys))
         out: list[BlockInfo | None] = []
-        for batch in self._key_batches(keys):
-            meta: dict[str, Any] = {"op": "inspect", "keys": self._keys_blob(batch)}
+        for batch in self._channel.key_batches(keys):
+            meta: dict[str, Any] = {"op": "inspect", "keys": self._channel.keys_blob(batch)}
             if tenant is not None:
                 meta["tenant"] = tenant
-            for key, row in zip(batch, self._call(meta)[0]["blocks"], strict=True):
+            for key, row in zip(batch, self._channel.call(meta)[0]["blocks"], strict=True):
                 out.append(None if row is None else BlockInfo(
                     key, tuple(row["tiers"]), dict(row["codecs"]), dict(row["stored_bytes"]), row["tenant"],
                     int(row["pins"]), row["pin_expires_s"]))
@@ -80,18 +66,7 @@ class ManagementCalls:
         meta: dict[str, Any] = {"op": "forget"}
         if tenant is not None:
             meta["tenant"] = tenant
-        with self._with_timeout(timeout):
-            reply = self._call(meta)[0]
+        with self._channel.timeout(timeout):
+            reply = self._channel.call(meta)[0]
         return ForgetReport(reply["tenant"], dict(reply["deleted"]), int(reply["num_blocks"]),
                             int(reply["pins_released"]), tuple(reply["failures"]))
-
-
-@contextlib.contextmanager
-def socket_timeout(sock: Any, timeout: float) -> Iterator[None]:
-    """``sock``'s timeout raised to ``timeout`` for the block, then put back."""
-    before = sock.gettimeout()
-    sock.settimeout(max(timeout, before or 0.0))
-    try:
-        yield
-    finally:
-        sock.settimeout(before)

@@ -10,9 +10,9 @@ See docs/engine.md.
 
 from __future__ import annotations
 
+from kvstore.engine.checkpoint import CheckpointError
 from kvstore.engine.config import EngineConfig
 from kvstore.engine.llm import LLMEngine
-from kvstore.engine.loader import CheckpointError
 from kvstore.engine.sampling import SamplingParams
 from kvstore.engine.sequence import CompletionOutput, RequestMetrics, RequestOutput
 

@@ -27,7 +27,7 @@ class EngineConfig:
 
     Attributes:
         model: a Hugging Face checkpoint directory (config.json + *.safetensors) or a .gguf file
-            (converted once, kvstore.engine.model_cache), or None for a
+            (converted once, kvstore.engine.checkpoint.model_cache), or None for a
             small model with seeded random weights (see ``random_model``).
         device: "cpu" or "cuda" (or "cuda:N").
         dtype: weights and KV dtype: float32, float16 or bfloat16.

@@ -17,9 +17,9 @@ import torch
 from kvstore.api import BlockStore, KeyChain
 from kvstore.client.client import connect
 from kvstore.engine.block_manager import BlockManager
+from kvstore.engine.checkpoint import load_checkpoint, random_checkpoint
 from kvstore.engine.config import EngineConfig, pool_format
 from kvstore.engine.fetcher import Fetcher
-from kvstore.engine.loader import load_checkpoint, random_checkpoint
 from kvstore.engine.model import LlamaModel
 from kvstore.engine.runner import ModelRunner
 from kvstore.engine.sampling import SamplingParams

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from kvstore import kernels
 from kvstore.engine.attention import StepPlan, row_view
-from kvstore.engine.loader import CheckpointError, ModelConfig
+from kvstore.engine.checkpoint import CheckpointError, ModelConfig
 
 
 @dataclass

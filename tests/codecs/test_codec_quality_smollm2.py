@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.engine.bundled import SMOLLM2_FILE, SMOLLM2_INSTALL, smollm2_gguf
+from kvstore.engine.checkpoint import SMOLLM2_FILE, SMOLLM2_INSTALL, smollm2_gguf
 from kvstore.tools.bench import quality, quality_runs, quality_text
 from kvstore.tools.bench.models import BenchModel
 from kvstore.tools.bench.quality_runs import BLOCK, RAW, Greedy, NoCacheCheck, Perplexity

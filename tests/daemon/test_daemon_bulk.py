@@ -20,7 +20,7 @@ from test_daemon_frames import reply
 
 from kvstore import CapacityError, KVLayout, LayoutMismatchError
 from kvstore.protocol import HEADER, VERSION, encode, layout_to_dict
-from kvstore.services.daemon.connection import BULK_MAX_S, BULK_MIN, BulkPace
+from kvstore.services.daemon.bulk_io import BULK_MAX_S, BULK_MIN, BulkPace
 
 from daemon_helpers import LAYOUT, DaemonProc, blocks, prompt
 from factories import run_in_threads

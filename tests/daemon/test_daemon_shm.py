@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from kvstore import KVLayout
-from kvstore.client import client as client_module
+from kvstore.client import channel as client_module
 from kvstore.client.client import StoreClient
 from kvstore.client.pool_map import MappedPool
 from kvstore.protocol import Code, RemoteError
@@ -58,13 +58,13 @@ class CopyCounter:
 def count_calls(monkeypatch: pytest.MonkeyPatch, client: StoreClient) -> list[str]:
     """The ops of the requests ``client`` makes and waits for, appended as they are made."""
     ops: list[str] = []
-    real_call = client._call
+    real_call = client._channel.call
 
     def counting_call(meta: dict, *args: object, **kwargs: object) -> object:
         ops.append(meta["op"])
         return real_call(meta, *args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(client, "_call", counting_call)
+    monkeypatch.setattr(client._channel, "call", counting_call)
     return ops
 
 
@@ -159,7 +159,7 @@ def test_a_run_of_puts_pays_no_round_trip_of_its_own(tmp_path: Path, monkeypatch
         with d.connect(shm=True) as c:
             chains = [c.block_keys(prompt(10 + r, 8)) for r in range(4)]
             wire: list[str] = []  # what the client sent, and when it waited for a reply
-            real_encode, real_recv = client_module.encode, c._recv_reply
+            real_encode, real_recv = client_module.encode, c._channel.recv_reply
 
             def recording_encode(meta: dict, *args: object) -> bytes:
                 wire.append(meta["op"])
@@ -170,7 +170,7 @@ def test_a_run_of_puts_pays_no_round_trip_of_its_own(tmp_path: Path, monkeypatch
                 return real_recv(request_id)
 
             monkeypatch.setattr(client_module, "encode", recording_encode)
-            monkeypatch.setattr(c, "_recv_reply", recording_recv)
+            monkeypatch.setattr(c._channel, "recv_reply", recording_recv)
             for keys in chains:
                 c.put(keys, blocks(keys))
             # the first put reserves its slots and the next put's; each commit reserves the
@@ -237,15 +237,15 @@ def test_a_commit_the_daemon_refuses_is_never_published(tmp_path: Path) -> None:
             keys = c.block_keys(prompt(60, 4))
             # a lease the daemon no longer knows (as after a stall past lease_s): the bytes go
             # into free slots at the pool's end, the commit is refused with LEASE
-            c._write_leases.append((10**9, [250, 251, 252, 253], time.monotonic() + 60))
+            c._writes.leases.append((10**9, [250, 251, 252, 253], time.monotonic() + 60))
             c.put(keys, blocks(keys))
             assert c.num_lost_puts == 0  # not known yet: the reply has not been read
             assert c.lookup(keys).num_blocks == 0 and c.num_lost_puts == 4
             # a lease of 4 slots committed under 5 keys: BAD_REQUEST, raised by the next call
             five = c.block_keys(prompt(61, 5))
             lease = c._call({"op": "reserve", "keys": c._keys_blob(five[:4])})[0]
-            c._write_leases.clear()
-            c._write_leases.append((lease["lease"], [*lease["slots"], 254], time.monotonic() + 60))
+            c._writes.leases.clear()
+            c._writes.leases.append((lease["lease"], [*lease["slots"], 254], time.monotonic() + 60))
             c.put(five, blocks(five))
             with pytest.raises(RemoteError, match="an earlier shared-memory put failed: 5 keys") as info:
                 c.lookup(five)
@@ -262,10 +262,10 @@ def test_close_after_a_refused_commit_still_closes(tmp_path: Path) -> None:
     try:
         c = d.connect(shm=True)
         keys = c.block_keys(prompt(62, 4))
-        c._write_leases.append((10**9, [250, 251, 252, 253], time.monotonic() + 60))  # unknown to the daemon
+        c._writes.leases.append((10**9, [250, 251, 252, 253], time.monotonic() + 60))  # unknown to the daemon
         c.put(keys, blocks(keys))
         c.close()  # reads the refusal (a warning), and closes all the same
-        assert c.num_lost_puts == 4 and c._sock.fileno() == -1
+        assert c.num_lost_puts == 4 and c._channel.sock.fileno() == -1
         with d.connect(shm=True) as other:
             assert other.lookup(keys).num_blocks == 0
     finally:

@@ -3,6 +3,7 @@ dashboard in headless Chromium."""
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import socket
@@ -10,6 +11,8 @@ import subprocess
 import tempfile
 import threading
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -116,6 +119,61 @@ def test_admin_needs_the_admin_token(rest_daemon: DaemonProc) -> None:
     assert status == 200 and flushed["deleted"] >= 0
     with d.connect(ACME) as acme:
         assert acme.lookup(keys).num_blocks == 0
+
+
+def answer(url: str, body: Any, token: str | None = None) -> tuple[int, Any, Any]:
+    """A REST POST: its status, its JSON body and its headers, errors included."""
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
+                                 headers={"content-type": "application/json"})
+    if token:
+        req.add_header("authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(req, timeout=20) as r:
+            return r.status, json.loads(r.read()), r.headers
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read()), err.headers
+
+
+def test_admin_pin_and_evict_are_deprecated_aliases(tmp_path: Path) -> None:
+    """/v1/admin/pin and /v1/admin/evict answer as they did, and say they are deprecated: every
+    answer carries Deprecation and a Link to the successor, the schema marks them, and the
+    daemon logs one warning per route per process naming the route to use instead."""
+    tokens = tmp_path / "tokens.toml"
+    tokens.write_text(f'[[tenant]]\nname = "acme"\ntokens = ["{ACME}"]\n')
+    d = DaemonProc(tmp_path / "data", "--tokens", str(tokens), "--token", ADMIN)
+    try:
+        with d.connect(ACME) as acme:
+            keys = acme.block_keys(prompt(50, 2))
+            acme.put(keys, blocks(keys))
+        body = {"keys": [k.hex() for k in keys], "tenant": "acme"}
+        successors = {"pin": "/v1/cache/pin", "evict": "/v1/cache/delete"}
+        for route, successor in successors.items():
+            status, _, headers = answer(f"{d.http}/v1/admin/{route}", body)
+            assert status == 401  # errors are marked too
+            assert headers["Deprecation"] == "true" and headers["Link"] == f'<{successor}>; rel="successor-version"'
+        status, pinned, headers = answer(f"{d.http}/v1/admin/pin", body, ADMIN)
+        assert (status, pinned) == (200, {"pinned": 2}) and headers["Deprecation"] == "true"
+        assert answer(f"{d.http}/v1/admin/pin", {**body, "unpin": True}, ADMIN)[:2] == (200, {"unpinned": 2})
+        status, evicted, headers = answer(f"{d.http}/v1/admin/evict", body, ADMIN)
+        assert (status, evicted) == (200, {"evicted": 2})
+        assert headers["Link"] == '</v1/cache/delete>; rel="successor-version"'
+        status, _, headers = answer(f"{d.http}/v1/cache/delete", {"model": "test-model", "keys": body["keys"]}, ACME)
+        assert status == 200 and "Deprecation" not in headers  # the successor is not deprecated
+        paths = call(f"{d.http}/openapi.json")[1]["paths"]
+        assert paths["/v1/admin/pin"]["post"]["deprecated"] is True
+        assert paths["/v1/admin/evict"]["post"]["deprecated"] is True
+        assert "deprecated" not in paths["/v1/cache/pin"]["post"] and "deprecated" not in paths["/v1/admin/flush"]["post"]
+        assert d.stop() == 0
+        deadline = time.monotonic() + 10  # the daemon's last line: all its output was read
+        while "kvstore serve: stopped" not in d.output and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert "kvstore serve: stopped" in d.output
+        for route, successor in successors.items():
+            warning = f"POST /v1/admin/{route} is deprecated: use POST {successor} instead"
+            assert d.output.count(warning) == 1, d.output  # once per process, though used 3 and 2 times
+    finally:
+        if d.proc.poll() is None:
+            d.kill9()
 
 
 def test_metrics_health_openapi(rest_daemon: DaemonProc) -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from kvstore import KVLayout
-from kvstore.engine.loader import random_checkpoint
+from kvstore.engine.checkpoint import random_checkpoint
 from tests.daemon.daemon_helpers import ROOT, DaemonProc
 
 BLOCK = 4

@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from kvstore.engine import CheckpointError, LLMEngine, SamplingParams
-from kvstore.engine.loader import Checkpoint, load_checkpoint, random_checkpoint, save_random_checkpoint
-from kvstore.engine.model_cache import MANIFEST, convert_gguf
+from kvstore.engine.checkpoint import Checkpoint, load_checkpoint, random_checkpoint, save_random_checkpoint
+from kvstore.engine.checkpoint.model_cache import MANIFEST, convert_gguf
 
 from factories import require
 

@@ -20,9 +20,14 @@ import pytest
 import torch
 
 from kvstore.engine import LLMEngine, SamplingParams
-from kvstore.engine.bundled import SMOLLM2_FILE, SMOLLM2_INSTALL, smollm2_gguf
-from kvstore.engine.loader import load_checkpoint
-from kvstore.engine.model_cache import ConvertedGGUF, convert_gguf
+from kvstore.engine.checkpoint import (
+    SMOLLM2_FILE,
+    SMOLLM2_INSTALL,
+    ConvertedGGUF,
+    convert_gguf,
+    load_checkpoint,
+    smollm2_gguf,
+)
 from tests.daemon.daemon_helpers import DaemonProc
 
 from factories import require

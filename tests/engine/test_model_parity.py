@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from kvstore.engine import SamplingParams
-from kvstore.engine.loader import load_checkpoint
+from kvstore.engine.checkpoint import load_checkpoint
 from kvstore.kernels import cpu_rows
 from tests.engine.conftest import PROMPTS, hf_greedy_check, make_engine
 from tests.factories import require

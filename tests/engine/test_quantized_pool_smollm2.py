@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from kvstore.engine import LLMEngine, SamplingParams
-from kvstore.engine.bundled import SMOLLM2_FILE, SMOLLM2_INSTALL, smollm2_gguf
+from kvstore.engine.checkpoint import SMOLLM2_FILE, SMOLLM2_INSTALL, smollm2_gguf
 
 from factories import require
 

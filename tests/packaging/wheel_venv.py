@@ -50,8 +50,8 @@ def run(cmd: list[str | Path], cwd: Path, timeout: float,
 
 @dataclass
 class InstalledWheel:
-    """A fresh venv holding the wheel with its ``test`` extra; ``outside`` is a working directory
-    outside the checkout."""
+    """A fresh venv holding the wheel (with its ``test`` extra, or none: ``install_bare``);
+    ``outside`` is a working directory outside the checkout."""
 
     wheel: Path
     venv: Path
@@ -71,6 +71,10 @@ class InstalledWheel:
     def site_packages(self) -> Path:
         out = self.python_c("import sysconfig; print(sysconfig.get_paths()['purelib'])")
         return Path(out.strip())
+
+    def pip_install(self) -> list[str | Path]:
+        """The command line of ``pip install --quiet`` in the venv, packages to follow."""
+        return [self.python, "-m", "pip", "install", "--quiet"]
 
     def python_c(self, code: str, timeout: float = 120) -> str:
         """``python -c code`` in the venv, from ``outside``; its stdout."""
@@ -98,13 +102,8 @@ def build_wheel(work: Path) -> Path:
     return wheel
 
 
-def install(work: Path) -> InstalledWheel:
-    """Build the wheel, make a venv, install torch (pinned) and then ``wheel[test]``; the times
-    each step took are in ``install_seconds``."""
-    seconds: dict[str, float] = {}
-    t = time.monotonic()
-    wheel = build_wheel(work)
-    seconds["build wheel"] = time.monotonic() - t
+def _venv_with_torch(wheel: Path, work: Path, seconds: dict[str, float]) -> InstalledWheel:
+    """A fresh venv under ``work`` with torch (pinned) installed, the wheel not yet."""
     venv = work / "venv"
     outside = work / "outside"
     outside.mkdir()
@@ -112,10 +111,34 @@ def install(work: Path) -> InstalledWheel:
     run([sys.executable, "-m", "venv", venv], cwd=outside, timeout=300)
     seconds["venv"] = time.monotonic() - t
     installed = InstalledWheel(wheel, venv, outside, seconds)
-    pip: list[str | Path] = [installed.python, "-m", "pip", "install", "--quiet"]
     t = time.monotonic()
-    run([*pip, TORCH], cwd=outside, timeout=900)
+    run([*installed.pip_install(), TORCH], cwd=outside, timeout=900)
     seconds[TORCH] = time.monotonic() - t
+    return installed
+
+
+def install_bare(wheel: Path, work: Path) -> InstalledWheel:
+    """A fresh venv with torch (pinned, as ``install``) and then ``pip install <wheel>``, no
+    extra: kvstore as the vLLM connector's users install it."""
+    seconds: dict[str, float] = {}
+    installed = _venv_with_torch(wheel, work, seconds)
+    t = time.monotonic()
+    run([*installed.pip_install(), wheel], cwd=installed.outside, timeout=1800)
+    seconds["wheel"] = time.monotonic() - t
+    return installed
+
+
+def install(work: Path, wheel: Path | None = None) -> InstalledWheel:
+    """Build the wheel (unless given one), make a venv, install torch (pinned) and then
+    ``wheel[test]``; the times each step took are in ``install_seconds``."""
+    seconds: dict[str, float] = {}
+    if wheel is None:
+        t = time.monotonic()
+        wheel = build_wheel(work)
+        seconds["build wheel"] = time.monotonic() - t
+    installed = _venv_with_torch(wheel, work, seconds)
+    outside = installed.outside
+    pip = installed.pip_install()
     t = time.monotonic()
     run([*pip, f"{wheel}[test]"], cwd=outside, timeout=1800)
     seconds["wheel[test]"] = time.monotonic() - t

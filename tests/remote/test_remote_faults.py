@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 from kvstore.tiers.remote import RemoteTier, parse_url
-from kvstore.tiers.remote.topology import Topology, error_kind
+from kvstore.tiers.remote.nodes import error_kind
+from kvstore.tiers.remote.topology import Topology
 from kvstore.tools.bench.redis_local import RedisCluster, RedisServer, cli, free_port
 
 from remote_helpers import PAYLOAD, TrickleNode, keys, owner_port, payloads, tier

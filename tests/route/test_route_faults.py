@@ -24,7 +24,7 @@ from route_helpers import (
 )
 from starlette.responses import JSONResponse, Response
 
-from kvstore.services.router.policy import RouterConfig
+from kvstore.services.router.policy import RoutingPolicyConfig
 
 
 @pytest.fixture
@@ -227,7 +227,7 @@ def test_least_loaded_spreads_a_burst_between_two_load_reports() -> None:
     fakes[0].load["running_decode_seqs"] = 1  # a little busier when the burst comes
     for f in fakes:
         f.answer = completion(hold_s=0.5)
-    router = start_router(fakes, routing=RouterConfig(policy="least_loaded"), health_interval_s=5.0)
+    router = start_router(fakes, routing=RoutingPolicyConfig(policy="least_loaded"), health_interval_s=5.0)
     try:
         start = threading.Barrier(4)
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from kvstore.cli import main
-from kvstore.services.router.policy import RouterConfig
+from kvstore.services.router.policy import RoutingPolicyConfig
 from kvstore.tools.replay.route_sim import SimConfig, load_requests, simulate
 from kvstore.tools.replay.trace import ReplayError
 
@@ -37,10 +37,10 @@ def test_cache_aware_keeps_conversations_where_their_prefix_is(tmp_path: Path) -
     requests = load_requests(write_trace(tmp_path / "t.jsonl"))
     # 25 conversations x 16 blocks at the end: a quarter of them fits one replica, all do not.
     sim = SimConfig(num_replicas=4, capacity_blocks=100, prefill_tokens_per_s=50_000.0, decode_s_per_token=0.01)
-    results = {p: simulate(requests, sim, RouterConfig(policy=p))  # each checks index == caches
+    results = {p: simulate(requests, sim, RoutingPolicyConfig(policy=p))  # each checks index == caches
                for p in ("cache_aware", "round_robin", "least_loaded")}
     ceiling = simulate(requests, replace(sim, num_replicas=1, capacity_blocks=400, prefill_tokens_per_s=200_000.0),
-                       RouterConfig(policy="round_robin"))
+                       RoutingPolicyConfig(policy="round_robin"))
     aware, rr = results["cache_aware"], results["round_robin"]
     assert aware.cached_fraction >= 0.95 * ceiling.cached_fraction
     assert aware.cached_fraction >= 3 * rr.cached_fraction

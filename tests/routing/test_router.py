@@ -14,8 +14,8 @@ from kvstore.services.router.policy import (
     REMOTE,
     LoadReport,
     Router,
-    RouterConfig,
     RoutingError,
+    RoutingPolicyConfig,
 )
 
 BLOCK = 16
@@ -26,7 +26,7 @@ REPLICAS = ("a", "b", "c")
 
 
 def make_router(**config: object) -> Router:
-    router = Router(BLOCK, RouterConfig(**config), HASHER)  # type: ignore[arg-type]
+    router = Router(BLOCK, RoutingPolicyConfig(**config), HASHER)  # type: ignore[arg-type]
     for name in REPLICAS:
         router.add_replica(name)
     return router
@@ -180,9 +180,9 @@ def test_a_prefix_below_min_match_does_not_count() -> None:
 
 def test_bad_configuration_is_refused() -> None:
     with pytest.raises(ValueError, match="policy must be one of"):
-        RouterConfig(policy="random")
+        RoutingPolicyConfig(policy="random")
     with pytest.raises(ValueError, match="gate_ratio"):
-        RouterConfig(gate_ratio=0.5)
+        RoutingPolicyConfig(gate_ratio=0.5)
     with pytest.raises(ValueError, match="block size 16 != block_tokens 32"):
         Router(32, hasher=HASHER)
     with pytest.raises(RoutingError, match="no hasher"):

@@ -1,9 +1,9 @@
 """REST's tenant routes: usage and quotas per tenant (docs/rest.md, "Tenants: usage and quotas").
 
-- ``GET /v1/tenants`` (rest.py's route answers ``tenants_view``): per tenant its request
-  counters (the block protocol's), what it holds per tier and what that cost (usage:
-  kvstore/store/usage.py), and its quotas (kvstore/policy/quotas.py). The admin token (or an open store)
-  sees every tenant; a tenant token its own.
+- ``GET /v1/tenants``: per tenant its request counters (the block protocol's), what it holds
+  per tier and what that cost (usage: kvstore/store/usage.py), and its quotas
+  (kvstore/policy/quotas.py). The admin token (or an open store) sees every tenant; a tenant
+  token its own.
 - ``GET /v1/quotas``: the quotas in force, the same visibility.
 - ``PUT /v1/admin/quotas/{tenant}``: replace a tenant's quotas per tier at run time, in every
   namespace, no restart (admin only). 404 an unknown tenant; 422 a bad value (negative, a
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import FastAPI, HTTPException, Path
+from fastapi import APIRouter, HTTPException, Path
 from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, StrictStr
 
 from kvstore.errors import ConfigError
@@ -22,7 +22,7 @@ from kvstore.policy.quotas import TierQuota, parse_tiers
 from kvstore.services.common.sizes import parse_size
 from kvstore.services.common.tokens import Principal
 from kvstore.services.daemon.registry import COUNTERS, Registry
-from kvstore.services.daemon.rest import Admin, Reader
+from kvstore.services.daemon.rest_common import Admin, Reader, sees_all
 
 LimitValue = StrictInt | StrictFloat | StrictStr
 
@@ -38,10 +38,6 @@ class QuotaRequest(BaseModel):
     tiers: dict[str, LimitsBody | None] = Field(
         max_length=16, description='per tier ("host", "disk", or "*" for every tier): its limits; '
         "{} for none there, null to drop the tier's entry (the \"*\" one applies again)")
-
-
-def sees_all(registry: Registry, who: Principal) -> bool:
-    return who.admin or registry.tokens.is_open
 
 
 def tenants_view(registry: Registry, who: Principal) -> dict[str, Any]:
@@ -70,18 +66,23 @@ def _quotas_of(registry: Registry, tenant: str) -> dict[str, Any]:
     return {tier: q.as_dict() for tier, q in registry.quota_table.tenants.get(tenant, {}).items()}
 
 
-def add_tenant_routes(app: FastAPI) -> None:
-    """Register ``/v1/quotas`` and ``/v1/admin/quotas/{tenant}`` (registry in ``app.state``)."""
-    registry: Registry = app.state.registry
+def tenants_router(registry: Registry) -> APIRouter:
+    """``/v1/tenants``, ``/v1/quotas`` and ``/v1/admin/quotas/{tenant}`` over ``registry``."""
+    router = APIRouter()
 
-    @app.get("/v1/quotas")
+    @router.get("/v1/tenants")
+    def list_tenants(who: Reader) -> dict[str, Any]:
+        """Per tenant: request counters, usage per tier, quotas (a tenant token sees its own only)."""
+        return tenants_view(registry, who)
+
+    @router.get("/v1/quotas")
     def quotas(who: Reader) -> dict[str, Any]:
         """The quotas in force by tenant and tier (a tenant token: its own)."""
         if sees_all(registry, who):
             return {"quotas": registry.quota_table.as_dict()}
         return {"quotas": {who.tenant: _quotas_of(registry, who.tenant)}}
 
-    @app.put("/v1/admin/quotas/{tenant}")
+    @router.put("/v1/admin/quotas/{tenant}")
     def set_quota(tenant: Annotated[str, Path(min_length=1, max_length=255)], body: QuotaRequest,
                   who: Admin) -> dict[str, Any]:
         """Replace ``tenant``'s quotas in the tiers named, now, in every namespace."""
@@ -98,3 +99,5 @@ def add_tenant_routes(app: FastAPI) -> None:
             raise HTTPException(422, str(exc)) from None
         return {"tenant": tenant, "quotas": _quotas_of(registry, tenant),
                 "usage": registry.tenant_usage().get(tenant, {"tiers": {}, "blocks": 0, "bytes": 0})}
+
+    return router

@@ -34,8 +34,10 @@ from kvstore.services.common.net import parse_hostport
 from kvstore.services.common.tokens import Tokens
 from kvstore.services.daemon.config import DaemonConfig
 from kvstore.services.daemon.connection import Connection
-from kvstore.services.daemon.ops import Ops, Session
+from kvstore.services.daemon.dispatch import Dispatcher
+from kvstore.services.daemon.op_context import OpContext
 from kvstore.services.daemon.registry import Registry
+from kvstore.services.daemon.session import Session
 from kvstore.services.daemon.shm import Leases, leases_per_connection
 
 log = logging.getLogger("kvstore.services.daemon")
@@ -54,7 +56,7 @@ class Daemon:
                               "(--token, KVSTORE_TOKEN or a tokens file that defines one)")
         self.registry = Registry(config, tokens)
         self.leases = Leases(config.lease_s, max_per_conn=leases_per_connection(config.max_inflight))
-        self.ops = Ops(config, self.registry, self.leases)
+        self.ops = Dispatcher(OpContext(config, self.registry, self.leases))
         self.pool = ThreadPoolExecutor(max(4, 2 * (os.cpu_count() or 2)), thread_name_prefix="kvstore-op")
         self.addresses: list[str] = []
         self.num_inflight = 0
@@ -162,7 +164,7 @@ class Daemon:
         print(f"kvstore serve: kv events on {publisher.endpoint}{replay}", flush=True)
 
     async def _start_http(self, host: str, port: int) -> str:
-        from kvstore.services.daemon.rest import create_app
+        from kvstore.services.daemon.rest import create_app  # FastAPI loads only where REST is served
 
         sock = bind(host, port)  # TCP_NODELAY; a taken port is a ConfigError
         app = create_app(self.registry, admin_token=self.config.token, daemon=self)
@@ -240,7 +242,8 @@ class Daemon:
                 print(f"kvstore serve: INTEGRITY CHECK FAILED in {state.id}: {exc}", file=sys.stderr, flush=True)
 
     # ------------------------------------------------------------------------ connections
-    # Each connection is a kvstore.services.daemon.connection.Connection; these are its hooks.
+    # Each connection is a kvstore.services.daemon.connection.Connection; these are its hooks
+    # (the daemon is its ConnectionHost).
 
     @property
     def is_stopping(self) -> bool:

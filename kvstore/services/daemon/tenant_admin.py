@@ -1,7 +1,8 @@
 """Who may manage whose blocks, and forgetting a tenant in every namespace of the daemon.
 
-Both the block protocol (kvstore/services/daemon/cache_ops.py) and REST
-(kvstore/services/daemon/rest_cache.py) ask here:
+One home per management operation on the daemon's side: these rules are here; the block
+protocol's handlers are kvstore/services/daemon/manage_ops.py and REST's routes
+kvstore/services/daemon/rest_cache.py, and both ask here:
 
 - ``acting_tenant``: a tenant token acts on its own tenant only; the admin token (and an
   open daemon's anonymous caller, who is tenant ``""``) may name another. Naming a tenant

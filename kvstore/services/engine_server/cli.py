@@ -46,7 +46,7 @@ def engine_store_settings(args: argparse.Namespace) -> StoreSettings:
 def serve_config(args: argparse.Namespace) -> EngineServerConfig:
     """The EngineServerConfig of ``kvstore engine``'s arguments (ConfigError, CheckpointError or
     json.JSONDecodeError when they do not make one)."""
-    from kvstore.engine.bundled import default_model
+    from kvstore.engine.checkpoint import default_model
     from kvstore.layout import DTYPES_BY_NAME
     from kvstore.services.common.sizes import parse_size
     from kvstore.services.engine_server.config import EngineServerConfig
@@ -72,7 +72,7 @@ def serve_config(args: argparse.Namespace) -> EngineServerConfig:
 
 
 def run_engine(args: argparse.Namespace) -> int:
-    from kvstore.engine.loader import CheckpointError
+    from kvstore.engine.checkpoint import CheckpointError
     from kvstore.services.engine_server.server import serve
 
     try:

@@ -175,7 +175,7 @@ def load_tokenizer(model: str | Path | None, engine_tokenizer: Any) -> ServeToke
     """
     if model is None:
         return ByteTokenizer()
-    from kvstore.engine.loader import checkpoint_dir
+    from kvstore.engine.checkpoint import checkpoint_dir
 
     model_dir = checkpoint_dir(model)
     if engine_tokenizer is None:

@@ -13,11 +13,11 @@ from kvstore.services.router.policy.config import POLICIES
 
 def run_route(args: argparse.Namespace) -> int:
     from kvstore.services.router.config import RouteConfig
-    from kvstore.services.router.policy.config import RouterConfig
+    from kvstore.services.router.policy.config import RoutingPolicyConfig
     from kvstore.services.router.server import serve
 
     try:
-        routing = RouterConfig(policy=args.policy, gate_min_requests=args.gate_min_requests,
+        routing = RoutingPolicyConfig(policy=args.policy, gate_min_requests=args.gate_min_requests,
                                pending_ttl_s=args.pending_ttl, shared_remote=args.shared_remote)
         config = RouteConfig(tuple(args.replica or ()), host=args.host, port=args.port, tokens_file=args.tokens,
                              router_token=args.router_token or env.router_token(),

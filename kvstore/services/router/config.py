@@ -8,7 +8,7 @@ from urllib.parse import urlsplit
 from kvstore.errors import ConfigError
 from kvstore.services.common.net import is_loopback
 from kvstore.services.common.tokens import Tokens
-from kvstore.services.router.policy.config import RouterConfig
+from kvstore.services.router.policy.config import RoutingPolicyConfig
 
 
 @dataclass(frozen=True)
@@ -37,7 +37,7 @@ class RouteConfig:
     port: int = 8000
     tokens_file: str | None = None
     router_token: str | None = field(default=None, repr=False)
-    routing: RouterConfig = field(default_factory=RouterConfig)
+    routing: RoutingPolicyConfig = field(default_factory=RoutingPolicyConfig)
     health_interval_s: float = 0.25
     dead_after_s: float = 1.5
     connect_timeout_s: float = 1.0

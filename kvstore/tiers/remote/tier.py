@@ -2,8 +2,9 @@
 
 A dumb slot store like the others, except that the slots belong to Redis: the tier names keys
 (tiers.remote.naming), frames values (tiers.remote.codec), routes each key to its primary
-(tiers.remote.topology) and counts. It decides nothing about what to keep: Redis evicts on
-its own (``maxmemory`` + ``allkeys-lru``), and a block that vanished is a miss.
+(tiers.remote.slot_map), sends one pipeline per primary (tiers.remote.calls over
+tiers.remote.topology) and counts. It decides nothing about what to keep: Redis evicts on its
+own (``maxmemory`` + ``allkeys-lru``), and a block that vanished is a miss.
 
 It is a cache. No method raises for anything the remote does (timeouts, refused connections,
 CLUSTERDOWN, TRYAGAIN, OOM, MOVED, auth errors, garbage values): every failure is a counted
@@ -24,13 +25,14 @@ from typing import Any
 
 from kvstore.tiers.buffers import byte_view
 from kvstore.tiers.remote import codec
+from kvstore.tiers.remote.calls import RemoteCalls
 from kvstore.tiers.remote.counters import RemoteCounters
 from kvstore.tiers.remote.hints import HINT_TTL_S, Hints, KeptValues
 from kvstore.tiers.remote.info import NodeInfo, NodeInfoCache
 from kvstore.tiers.remote.naming import DEFAULT_PREFIX, MAX_RUN_LENGTH, block_name, check_prefix, name_pattern
 from kvstore.tiers.remote.reads import LOOKUP_GET_BYTES, RemoteReads
 from kvstore.tiers.remote.sweep import SweepResult, sweep_owner
-from kvstore.tiers.remote.topology import Command, NodeUnavailable, Topology, error_kind
+from kvstore.tiers.remote.topology import Topology
 from kvstore.tiers.remote.url import Node, RemoteURL, parse_url
 from kvstore.tiers.remote.writer import PendingWrite, Room, WriteBehind
 
@@ -91,10 +93,11 @@ class RemoteTier:
         self._topology = Topology(self.url, timeout_s, breaker_threshold=breaker_threshold,
                                   breaker_cooldown_s=breaker_cooldown_s)
         self._info = NodeInfoCache(self._topology)
+        self._calls = RemoteCalls(self._topology, self.counters, payload_bytes)
         self.on_stored: Callable[[list[bytes]], None] | None = None
         self._writer = WriteBehind(self._send, queue_blocks, batch_blocks,
                                    lambda n: self.counters.add(dropped=n))
-        self._reads = RemoteReads(self._ask, self.names, self.counters, self._layout, payload_bytes, hint_ttl_s,
+        self._reads = RemoteReads(self._calls.ask, self.names, self.counters, self._layout, payload_bytes, hint_ttl_s,
                                   lookup_get_bytes)
 
     def __repr__(self) -> str:
@@ -117,47 +120,6 @@ class RemoteTier:
             raise ValueError(f"with run_length={self.run_length} every block needs its group tag")
         if tags is not None and len(tags) != len(keys):
             raise ValueError(f"got {len(tags)} tags for {len(keys)} keys")
-
-    def _by_node(self, names: Sequence[bytes]) -> tuple[dict[Node, list[int]], list[int]]:
-        """Indices of ``names`` per owning primary, and those no known node owns."""
-        groups: dict[Node, list[int]] = {}
-        unowned: list[int] = []
-        for i, name in enumerate(names):
-            node = self._topology.owner(name)
-            if node is None:
-                unowned.append(i)
-            else:
-                groups.setdefault(node, []).append(i)
-        if unowned:
-            self.counters.error("unavailable", 1)
-        return groups, unowned
-
-    def _ask(self, names: Sequence[bytes], command: str, value_bytes: int | None = None) -> list[Any]:
-        """``command name`` for every name, one pipeline per node in parallel. Per name: the
-        reply, or the exception it failed with (each node failure counted once). With
-        ``value_bytes`` (GET only), values as ``Topology.run`` reads them."""
-        groups, unowned = self._by_node(names)
-        most = max(map(len, groups.values()), default=0)
-        replies = self._topology.run({n: [(command, names[i]) for i in idx] for n, idx in groups.items()},
-                                     value_bytes=value_bytes, transfer_bytes=most * (value_bytes or 0))
-        if any(not isinstance(reply.error, NodeUnavailable) for reply in replies.values()):
-            self.counters.add(round_trips=1)  # the nodes answer in parallel: one trip for the call
-        out: list[Any] = [None] * len(names)
-        for i in unowned:
-            out[i] = ConnectionError("no node owns this slot yet")
-        for node, idx in groups.items():
-            reply = replies[node]
-            if reply.results is None:
-                assert reply.error is not None
-                self.counters.error(error_kind(reply.error))
-                for i in idx:
-                    out[i] = reply.error
-                continue
-            for i, result in zip(idx, reply.results, strict=True):
-                if isinstance(result, BaseException):
-                    self.counters.error(error_kind(result))
-                out[i] = result
-        return out
 
     # ----------------------------------------------------------------------------- reads
 
@@ -281,60 +243,21 @@ class RemoteTier:
         return self._writer.num_pending
 
     def _send(self, items: list[PendingWrite]) -> int:
-        """EXISTS, then SET of the missing blocks, per node: each node's SETs follow its own
-        EXISTS replies at once (no wait for the slowest node). Returns how many were written."""
-        groups, unowned = self._by_node([item.name for item in items])
-
-        def missing(node: Node, held: list[Any]) -> list[int]:  # an error is not a 0: not sent
-            return [i for i, r in zip(groups[node], held, strict=True) if r == 0]
-
-        def sets(node: Node, held: list[Any]) -> list[Command]:
-            return [("SET", items[i].name, items[i].value) for i in missing(node, held)]
-
-        most = max((sum(len(items[i].value) for i in idx) for idx in groups.values()), default=0)
-        replies = self._topology.run({n: [("EXISTS", items[i].name) for i in idx] for n, idx in groups.items()},
-                                     then=sets, transfer_bytes=most)
-        stored: list[bytes] = []
-        written, failed = 0, len(unowned)
-        for node, idx in groups.items():
-            reply = replies[node]
-            if reply.results is None:  # the EXISTS pipeline failed: nothing sent
-                assert reply.error is not None
-                self.counters.error(error_kind(reply.error))
-                failed += len(idx)
-                continue
-            for result in reply.results:
-                if isinstance(result, BaseException):
-                    self.counters.error(error_kind(result))
-                    failed += 1
-            self.counters.add(skipped=sum(1 for r in reply.results if r == 1))
-            sent = missing(node, reply.results)
-            if sent and reply.followup is None:  # the SET pipeline failed
-                assert reply.error is not None
-                self.counters.error(error_kind(reply.error))
-                failed += len(sent)
-                continue
-            for i, result in zip(sent, reply.followup or (), strict=True):
-                if result is True:
-                    written += 1
-                    stored.append(items[i].key)
-                else:
-                    failed += 1
-                    if isinstance(result, BaseException):
-                        self.counters.error(error_kind(result))
-        self.counters.add(bytes_written=written * self.payload_bytes, dropped=failed)
+        """Write ``items`` now (``RemoteCalls.send``), note them held and tell ``on_stored``;
+        how many were written."""
+        stored = self._calls.send(items)
         self.hints.note(stored, True)
         if stored and self.on_stored is not None:
             try:
                 self.on_stored(stored)
             except Exception:
                 log.exception("remote tier on_stored callback failed")
-        return written
+        return len(stored)
 
     def delete(self, keys: Sequence[bytes], tags: Sequence[bytes] | None = None) -> None:
         """Remove blocks from the remote (best effort, failures counted)."""
         self._reads.forget(keys)
-        self._ask(self.names(keys, tags), "DEL")
+        self._calls.ask(self.names(keys, tags), "DEL")
 
     def forget_owner(self, owner: bytes, flush_timeout: float = 30.0) -> SweepResult:
         """Delete every value of this prefix whose header names ``owner``, on every primary

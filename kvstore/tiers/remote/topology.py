@@ -1,239 +1,71 @@
-"""Who owns which key, and one pipeline per owning node, the nodes in parallel.
+"""One pipeline per owning node, the nodes in parallel, under one deadline.
 
-For a cluster the slot map comes from ``CLUSTER SLOTS`` (asked of the known nodes and the
-seeds in turn); a ``MOVED`` reply fixes its slot at once and schedules a full refresh, so a
-reshard or failover converges without a storm of refreshes (at most one every
-``REFRESH_INTERVAL_S``, on a background thread: a request never waits for one). One server
-owns every key.
+``Topology`` is the remote tier's view of its nodes: who owns a key is its slot map's
+(tiers.remote.slot_map), each node's client and breaker are tiers.remote.nodes'; this module
+sends the commands.
 
-The slot map is first asked for by the first call that needs it (a store opens without
-waiting on the network; its first read pays the discovery, as a new engine process does once).
-
-Each node has its own ``redis.Redis`` client (socket timeouts on connect, send and receive;
-no retries: a cache's answer to a failure is a miss) and a circuit breaker. A pipeline of GETs
-(``run(..., value_bytes=N)``) is sent on one of that client's connections and its replies
-read by tiers.remote.replies, each value straight into memory of its own; every other
-pipeline is redis-py's. ``run`` sends one pipeline per node, all nodes at once (the caller's
-thread runs one, a small thread pool the others), under one deadline ``timeout_s`` after the
-call began, plus its values' time at ``TRANSFER_FLOOR`` (tiers.remote.deadline): every
-socket operation of the call ends by then, on every thread, so a node that stalls or trickles
-its reply is a timeout for this call, charged to its breaker once, by the thread that ran its
-pipeline. A pipeline the pool had not started by the deadline is cancelled: its node was
-never asked, so its breaker is not charged. Workers only return what they read, never write
-caller memory, so a late answer cannot land anywhere.
+A pipeline of GETs (``run(..., value_bytes=N)``) is sent on one of the node's client's
+connections and its replies read by tiers.remote.replies, each value straight into memory of
+its own; every other pipeline is redis-py's. ``run`` sends one pipeline per node, all nodes at
+once (the caller's thread runs one, a small thread pool the others), under one deadline
+``timeout_s`` after the call began, plus its values' time at ``TRANSFER_FLOOR``
+(tiers.remote.deadline): every socket operation of the call ends by then, on every thread, so a
+node that stalls or trickles its reply is a timeout for this call, charged to its breaker once,
+by the thread that ran its pipeline. A pipeline the pool had not started by the deadline is
+cancelled: its node was never asked, so its breaker is not charged. Workers only return what
+they read, never write caller memory, so a late answer cannot land anywhere.
 
 An ``ASK`` reply (a slot being migrated; this key already moved) is followed once, on the
 same thread and deadline: ``ASKING`` plus the command on the node it names. Only ``MOVED``
-changes the slot map: the slot's other keys are still on the node it names.
+changes the slot map.
 """
 
 from __future__ import annotations
 
 import contextlib
-import inspect
-import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import redis
-from redis.backoff import NoBackoff
-from redis.connection import Connection, SSLConnection
-from redis.crc import key_slot
-from redis.exceptions import (
-    AskError,
-    AuthenticationError,
-    AuthorizationError,
-    ClusterDownError,
-    MovedError,
-    OutOfMemoryError,
-    RedisError,
-    TryAgainError,
-)
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
-from redis.retry import Retry
+from redis.exceptions import AskError, MovedError, RedisError
 
-from kvstore.tiers.remote.breaker import OPEN, CircuitBreaker
-from kvstore.tiers.remote.deadline import DeadlineConnection, DeadlineSSLConnection, deadline, socket_of
+from kvstore.tiers.remote.breaker import CircuitBreaker
+from kvstore.tiers.remote.deadline import deadline, socket_of
+from kvstore.tiers.remote.nodes import Command, NodeClients, NodeReply, NodeUnavailable, Then
 from kvstore.tiers.remote.replies import GetReplies, Odd
+from kvstore.tiers.remote.slot_map import SlotMap
 from kvstore.tiers.remote.url import Node, RemoteURL
 
-NUM_SLOTS = 16384
 TRANSFER_FLOOR = 100e6  # bytes/s a node is allowed for a call's values on top of timeout_s (~1 Gbit/s)
-REFRESH_INTERVAL_S = 0.25
-READ_BYTES = 1 << 20  # socket reads of up to 1 MiB: a 192 KiB value in one or two recv calls
-Command = tuple[Any, ...]
-_DEADLINED = {Connection: DeadlineConnection, SSLConnection: DeadlineSSLConnection}  # redis-py's -> ours
-# no CLIENT SETINFO on connect (newer redis-py: driver_info=None; older: lib_name and lib_version None)
-_NO_SETINFO: dict[str, Any] = ({"driver_info": None} if "driver_info" in inspect.signature(redis.Redis).parameters
-                               else {"lib_name": None, "lib_version": None})
-
-
-class NodeUnavailable(Exception):
-    """A node was not asked: its breaker is open, no node owns the slot yet, or every worker
-    was busy until the call's deadline."""
-
-
-def error_kind(error: BaseException) -> str:
-    """The counter a failure goes to: timeout, connection, auth, cluster, oom, unavailable, other."""
-    if isinstance(error, NodeUnavailable):
-        return "unavailable"
-    if isinstance(error, (RedisTimeoutError, TimeoutError)):
-        return "timeout"
-    if isinstance(error, (AuthenticationError, AuthorizationError)):
-        return "auth"
-    if isinstance(error, (AskError, ClusterDownError, TryAgainError)):  # MovedError is an AskError
-        return "cluster"
-    if isinstance(error, OutOfMemoryError):
-        return "oom"
-    if isinstance(error, (RedisConnectionError, OSError)):
-        return "connection"
-    if isinstance(error, RedisError) and str(error).startswith(("NOAUTH", "WRONGPASS", "NOPERM")):
-        return "auth"
-    return "other"
-
-
-@dataclass(frozen=True)
-class NodeReply:
-    """What one node's pipeline gave: per command a result or an exception; or one error.
-    ``followup``: the results of the second pipeline ``run(then=...)`` asked for (None when
-    it asked for none or it failed: then ``error`` says why)."""
-
-    results: list[Any] | None
-    error: BaseException | None = None
-    followup: list[Any] | None = None
-
-
-Then = Callable[[Node, list[Any]], Sequence[Command]]
 
 
 class Topology:
-    """Thread-safe. Owns the per-node clients, breakers, the slot map and the worker pool."""
+    """Thread-safe. Owns the node clients, the slot map and the worker pool."""
 
     def __init__(self, url: RemoteURL, timeout_s: float, *, breaker_threshold: int = 3,
                  breaker_cooldown_s: float = 0.5, max_workers: int = 8) -> None:
         self.url, self.timeout_s = url, timeout_s
-        self._breaker_settings = (breaker_threshold, breaker_cooldown_s, max(5.0, breaker_cooldown_s))
-        self._lock = threading.Lock()
-        self._clients: dict[Node, redis.Redis] = {}
-        self._breakers: dict[Node, CircuitBreaker] = {}
-        self._slots: list[Node | None] = [None] * NUM_SLOTS
-        self._known: list[Node] = list(url.nodes)  # seeds, then every node CLUSTER SLOTS named
-        self._last_refresh = 0.0
-        self._refreshing = False
-        self.num_refreshes = 0
+        self.nodes = NodeClients(url, timeout_s, breaker_threshold=breaker_threshold,
+                                 breaker_cooldown_s=breaker_cooldown_s)
+        self.slots = SlotMap(url, self.nodes, timeout_s)
         self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="kvstore-remote")
-        self._refresher = ThreadPoolExecutor(1, thread_name_prefix="kvstore-remote-slots")
-        self._closed = False
-        self._discovery = threading.Lock()
-        self._discovered = not url.cluster  # the slot map asked for once (by the first call needing it)
-
-    # ----------------------------------------------------------------------------- owners
 
     def owner(self, name: bytes) -> Node | None:
         """The primary that owns ``name`` now, or None when no node is known to."""
-        if not self.url.cluster:
-            return self.url.nodes[0]
-        if not self._discovered:
-            self.discover()
-        node = self._slots[key_slot(name)]
-        if node is None:
-            self.invalidate()
-        return node
+        return self.slots.owner(name)
 
     def primaries(self) -> list[Node]:
         """The primaries the slot map names (the one server without a cluster)."""
-        if not self.url.cluster:
-            return [self.url.nodes[0]]
-        if not self._discovered:
-            self.discover()
-        return sorted({n for n in self._slots if n is not None})
-
-    def discover(self) -> None:
-        """Ask for the slot map now, once (callers meanwhile wait for this one). Best effort:
-        with no node up every key stays unowned, and later calls refresh in the background."""
-        with self._discovery:
-            if not self._discovered:
-                self._refresh()
-                self._discovered = True
-
-    def _owners(self) -> list[Node]:
-        return sorted({n for n in self._slots if n is not None})
-
-    def invalidate(self) -> None:
-        """Ask for a slot map refresh (at most one every REFRESH_INTERVAL_S, in the background)."""
-        if not self.url.cluster:
-            return
-        with self._lock:
-            if self._closed or self._refreshing or time.monotonic() - self._last_refresh < REFRESH_INTERVAL_S:
-                return
-            self._refreshing = True
-        with contextlib.suppress(RuntimeError):  # shut down meanwhile
-            self._refresher.submit(self._refresh)
-
-    def _refresh(self) -> None:
-        try:
-            with self._lock:
-                candidates = list(dict.fromkeys(self._owners() + self._known))
-            for node in sorted(candidates, key=lambda n: self.breaker(n).state == OPEN):
-                try:
-                    with deadline(time.monotonic() + self.timeout_s):
-                        reply = self.client(node).execute_command("CLUSTER", "SLOTS")
-                except RedisError:
-                    continue
-                slots, named = _parse_slots(reply, node)
-                if named:
-                    with self._lock:
-                        self._slots = slots
-                        self._known = list(dict.fromkeys(self._known + named))
-                        self.num_refreshes += 1
-                    return
-        finally:
-            with self._lock:
-                self._last_refresh, self._refreshing = time.monotonic(), False
-
-    def moved(self, error: MovedError) -> None:
-        """A MOVED reply names the slot's new owner: use it now, refresh the rest later."""
-        if self.url.cluster and 0 <= error.slot_id < NUM_SLOTS:
-            self._slots[error.slot_id] = (error.host, int(error.port))
-        self.invalidate()
-
-    # ----------------------------------------------------------------------------- clients
+        return self.slots.primaries()
 
     def client(self, node: Node) -> redis.Redis:
-        with self._lock:
-            client = self._clients.get(node)
-            if client is None:
-                u = self.url
-                # RESP2 and no CLIENT SETINFO: a new connection sends nothing before its first
-                # command (AUTH and SELECT only where the URL asks), so a fresh store's first
-                # call pays one TCP connect per node, not three more round trips
-                client = redis.Redis(
-                    host=node[0], port=node[1], db=u.db, username=u.username, password=u.password,
-                    ssl=u.tls, socket_timeout=self.timeout_s, socket_connect_timeout=self.timeout_s,
-                    retry=Retry(NoBackoff(), 0), health_check_interval=0, socket_read_size=READ_BYTES,
-                    protocol=2, **_NO_SETINFO,
-                )
-                # the same connections with their sockets under the call's deadline (no
-                # connection exists yet: the pool makes them on first use)
-                pool = client.connection_pool
-                assert pool.connection_class in _DEADLINED, pool.connection_class
-                pool.connection_class = _DEADLINED[pool.connection_class]
-                self._clients[node] = client
-            return client
+        return self.nodes.client(node)
 
     def breaker(self, node: Node) -> CircuitBreaker:
-        with self._lock:
-            found = self._breakers.get(node)
-            if found is None:
-                found = self._breakers[node] = CircuitBreaker(*self._breaker_settings)
-            return found
-
-    # ----------------------------------------------------------------------------- pipelines
+        return self.nodes.breaker(node)
 
     def run(self, batches: dict[Node, Sequence[Command]], then: Then | None = None,
             value_bytes: int | None = None, transfer_bytes: int = 0) -> dict[Node, NodeReply]:
@@ -292,7 +124,7 @@ class Topology:
                 self.client(node).ping()
         except (RedisError, OSError):
             breaker.failure()
-            self.invalidate()
+            self.slots.invalidate()
             return
         breaker.success()
 
@@ -343,10 +175,10 @@ class Topology:
             results = pipe.execute(raise_on_error=False)
         except (RedisError, OSError) as e:
             breaker.failure()
-            self.invalidate()
+            self.slots.invalidate()
             return e
         breaker.success()
-        self._redirected(results)
+        self.slots.redirected(results)
         return list(results)
 
     def _send_gets(self, node: Node, commands: Sequence[Command], value_bytes: int) -> list[Any] | BaseException:
@@ -359,7 +191,7 @@ class Topology:
             connection = pool.get_connection()
         except (RedisError, OSError) as e:
             breaker.failure()
-            self.invalidate()
+            self.slots.invalidate()
             return e
         try:
             connection.send_packed_command(connection.pack_commands(commands), check_health=False)
@@ -371,29 +203,17 @@ class Topology:
             if not isinstance(e, (RedisError, OSError)):
                 raise
             breaker.failure()
-            self.invalidate()
+            self.slots.invalidate()
             return e
         pool.release(connection)
         breaker.success()
-        self._redirected(results)
+        self.slots.redirected(results)
         return results
 
-    def _redirected(self, results: Sequence[Any]) -> None:
-        for result in results:
-            if isinstance(result, MovedError):  # the slot lives elsewhere now
-                self.moved(result)
-            elif isinstance(result, (ClusterDownError, TryAgainError)):
-                self.invalidate()
-
     def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            clients = list(self._clients.values())
-        self._refresher.shutdown(wait=False, cancel_futures=True)
+        self.slots.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
-        for client in clients:
-            with contextlib.suppress(RedisError):
-                client.close()
+        self.nodes.close()
 
 
 def _as_value(result: Any, value_bytes: int) -> Any:
@@ -402,18 +222,3 @@ def _as_value(result: Any, value_bytes: int) -> Any:
         view = memoryview(result)
         return view if len(view) == value_bytes else Odd(view, len(view))
     return result
-
-
-def _parse_slots(reply: Any, asked: Node) -> tuple[list[Node | None], list[Node]]:
-    """CLUSTER SLOTS -> (owner per slot, every node named). Empty host means the asked one."""
-    slots: list[Node | None] = [None] * NUM_SLOTS
-    named: list[Node] = []
-    for entry in reply or ():
-        start, end, primary, *replicas = entry
-        nodes = []
-        for item in (primary, *replicas):
-            host = item[0].decode() if isinstance(item[0], bytes) else str(item[0])
-            nodes.append((host or asked[0], int(item[1])))
-        named += nodes
-        slots[int(start) : int(end) + 1] = [nodes[0]] * (int(end) - int(start) + 1)
-    return slots, named

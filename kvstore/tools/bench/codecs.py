@@ -4,7 +4,7 @@ In one run, on real-shaped random KV (Gaussian, with outlier channels in K): enc
 decode throughput per codec vs a plain torch copy of the same blocks; a cold disk read of a
 2,048-token prefix with int8 vs raw; the TTFT of that prefix from disk with int8 vs raw,
 through the engine; the error figures; and byte-shuffle + zlib's ratio and speed (the lossless
-candidate). Results go to stdout and the codecs section of docs/benchmarks.md.
+candidate). Results go to stdout (and, with ``--write PATH``, to the codecs section of PATH).
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from kvstore.tools.bench.harness import (
     interleaved,
     machine,
     scratch_dir,
-    write_section,
 )
+from kvstore.tools.bench.output import add_output_arguments, publish
 
 LOSSY = ("int8", "int8-fp32", "fp8", "int4-rot", "int4-norot")
 
@@ -249,9 +249,7 @@ def run(args: argparse.Namespace) -> int:
             print("TTFT from disk through the engine, int8 vs raw ...", flush=True)
             tt = bench_ttft(args.blocks * 16, max(2, args.repeat // 2), tmp)
     text = render(tp, sz, errs, disk, tt, args.blocks, args.repeat)
-    print(text)
-    if not args.no_write:
-        write_section("codecs", text)
+    publish(args, "codecs", text)
     return 0
 
 
@@ -262,5 +260,5 @@ def register_target(targets: argparse._SubParsersAction) -> None:
     p.add_argument("--dir", help="where the scratch disk tiers go (default: current directory; not tmpfs)")
     p.add_argument("--no-engine", action="store_true", help="skip the TTFT runs through the engine")
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (default: torch's own)")
-    p.add_argument("--no-write", action="store_true", help="print only; leave docs/ untouched")
+    add_output_arguments(p)
     p.set_defaults(func=run)

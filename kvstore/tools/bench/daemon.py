@@ -33,8 +33,8 @@ from kvstore.tools.bench.harness import (
     best_of,
     machine,
     start_service,
-    write_section,
 )
+from kvstore.tools.bench.output import add_output_arguments, publish
 
 NUM_BLOCKS = 64
 RUN = 8  # shared-memory puts timed back to back
@@ -256,10 +256,7 @@ def run_daemon_bench(args: argparse.Namespace) -> int:
         return 2
     rows = run(args.repeat, pin)
     text = render(rows, machine(), pin)
-    print(text)
-    if not args.no_write:
-        section = "daemon-pinned" if pin else "daemon"
-        write_section(section, text)
+    publish(args, "daemon-pinned" if pin else "daemon", text)
     return 0
 
 
@@ -267,7 +264,7 @@ def register_target(targets: argparse._SubParsersAction) -> None:
     """Add ``daemon`` to ``kvstore bench``'s targets."""
     p = targets.add_parser("daemon", help="daemon get/put/lookup vs redis-server and memcpy")
     p.add_argument("--repeat", type=positive(int), default=25, help="repetitions; the best is kept (default 25)")
-    p.add_argument("--no-write", action="store_true", help="print only; leave docs/ untouched")
+    add_output_arguments(p)
     p.add_argument("--pin", action="store_true",
                    help="run the daemon and redis-server on the last CPU, the clients and baselines on the "
                         "others (what the daemon costs with a core of its own)")

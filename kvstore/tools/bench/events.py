@@ -24,7 +24,8 @@ from kvstore.events.config import EventsConfig
 from kvstore.events.publisher import EventPublisher
 from kvstore.events.subscriber import Subscriber
 from kvstore.services.common.argtypes import positive
-from kvstore.tools.bench.harness import Row, machine, ratio_text, write_section
+from kvstore.tools.bench.harness import Row, machine, ratio_text
+from kvstore.tools.bench.output import add_output_arguments, publish
 
 TINY = dict(num_layers=2, hidden_size=64, intermediate_size=128, head_dim=16, vocab_size=128)
 NUM_E2E = 20_000
@@ -173,9 +174,7 @@ def run_events_bench(args: argparse.Namespace) -> int:
     print("end to end ...", flush=True)
     e2e_row = bench_end_to_end(max(1, args.repeat // 2))
     text = render([engine_row, producer_row, e2e_row], spread)
-    print(text)
-    if not args.no_write:
-        write_section("events", text)
+    publish(args, "events", text)
     return 0
 
 
@@ -183,5 +182,5 @@ def register_target(targets: argparse._SubParsersAction) -> None:
     """Add ``events`` to ``kvstore bench``'s targets."""
     p = targets.add_parser("events", help="KV events: engine overhead, producer call, end to end vs raw ZeroMQ")
     p.add_argument("--repeat", type=positive(int), default=7, help="repetitions; the best is kept (default 7)")
-    p.add_argument("--no-write", action="store_true", help="print only; leave docs/ untouched")
+    add_output_arguments(p)
     p.set_defaults(func=run_events_bench)

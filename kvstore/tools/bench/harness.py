@@ -1,5 +1,7 @@
 """What every ``kvstore bench`` target shares: result rows, ratios that never round a miss up, the
-machine's description, timing loops, page-cache drops, and the sections of docs/benchmarks.md.
+machine's description, timing loops, page-cache drops, scratch folders and services.
+
+Where results go (stdout, and a file only with ``--write``) is bench.output's.
 """
 
 from __future__ import annotations
@@ -30,8 +32,10 @@ def _docs_dir() -> Path:
     return checkout if (checkout / "benchmarks.md").exists() else Path.cwd() / "docs"
 
 
+# Read only: what benchmarks and kvstore replay read from the project's docs (the quality
+# bench's perplexity text, the bandwidths ``kvstore bench tiers --write docs/benchmarks.md``
+# measured in bench_tiers.json). Nothing writes here unless --write names it (bench.output).
 DOCS = _docs_dir()
-
 
 
 @dataclass
@@ -182,14 +186,3 @@ def render(rows: list[Row], where: str) -> str:
                      f"| {ratio} | {r.target} | {'yes' if met else 'NO'} |")
     return "\n".join(lines)
 
-
-def write_section(name: str, text: str, path: Path = DOCS / "benchmarks.md") -> None:
-    """Replace the text between ``<!-- bench:NAME:start -->`` and its end marker, and say so."""
-    start, end = f"<!-- bench:{name}:start -->", f"<!-- bench:{name}:end -->"
-    doc = path.read_text() if path.exists() else f"# Benchmarks\n\n{start}\n{end}\n"
-    if start not in doc:
-        doc += f"\n{start}\n{end}\n"
-    head, rest = doc.split(start, 1)
-    _, tail = rest.split(end, 1)
-    path.write_text(f"{head}{start}\n{text}\n{end}{tail}")
-    print(f"wrote {path} ({name} section)")

@@ -16,9 +16,8 @@ from typing import Any
 
 import torch
 
-from kvstore.engine.bundled import default_model
+from kvstore.engine.checkpoint import ModelConfig, checkpoint_dir, default_model, read_model_config
 from kvstore.engine.llm import LLMEngine
-from kvstore.engine.loader import ModelConfig, checkpoint_dir, read_model_config
 from kvstore.layout import KVLayout
 from kvstore.tools.bench.tiny_llama import save_tiny_llama
 

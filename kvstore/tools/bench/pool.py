@@ -27,13 +27,14 @@ import torch
 
 from kvstore.codecs import CODECS
 from kvstore.config import StoreSettings
+from kvstore.engine.checkpoint import CheckpointError
 from kvstore.engine.llm import LLMEngine
-from kvstore.engine.loader import CheckpointError
 from kvstore.engine.sampling import SamplingParams
 from kvstore.services.common.argtypes import positive
 from kvstore.services.common.sizes import parse_size
-from kvstore.tools.bench.harness import drop_page_cache, machine, ratio_text, scratch_dir, write_section
+from kvstore.tools.bench.harness import drop_page_cache, machine, ratio_text, scratch_dir
 from kvstore.tools.bench.models import BenchModel, add_model_arguments
+from kvstore.tools.bench.output import add_output_arguments, publish
 
 BLOCK = 16
 FORMATS = ("float16", "int8", "fp8")
@@ -214,9 +215,7 @@ def run(args: argparse.Namespace) -> int:
         print("cold-disk TTFT per disk codec ...", flush=True)
         disk = bench_disk_codecs(args, tmp)
     text = render(d, cap, disk, args)
-    print(text)
-    if not args.no_write:
-        write_section("pool", text)
+    publish(args, "pool", text)
     return 0
 
 
@@ -232,5 +231,5 @@ def register_target(targets: argparse._SubParsersAction) -> None:
                    help="lower-tier codecs timed against raw on a cold disk, comma-separated (default int8)")
     p.add_argument("--repeat", type=positive(int), default=3, help="repetitions; the best is kept (default 3)")
     p.add_argument("--dir", help="where the scratch disk tiers go (default: current directory; not tmpfs)")
-    p.add_argument("--no-write", action="store_true", help="print only; leave docs/ untouched")
+    add_output_arguments(p)
     p.set_defaults(func=run)

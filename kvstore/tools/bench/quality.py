@@ -25,11 +25,12 @@ from dataclasses import replace
 import torch
 
 from kvstore.codecs import CODECS, get_codec
-from kvstore.engine.loader import CheckpointError
+from kvstore.engine.checkpoint import CheckpointError
 from kvstore.kernels import PAGE_CODES, packed_head_dim
 from kvstore.services.common.argtypes import positive
-from kvstore.tools.bench.harness import machine, write_section
+from kvstore.tools.bench.harness import machine
 from kvstore.tools.bench.models import BenchModel, add_model_arguments
+from kvstore.tools.bench.output import add_output_arguments, publish
 from kvstore.tools.bench.quality_runs import (
     BLOCK,
     POOL,
@@ -195,9 +196,7 @@ def run(args: argparse.Namespace) -> int:
             llm.close()
     text = render(model, prompts, greedy, args.tokens, ppl, check, (len(tokens), files, sha),
                   (args.context, args.scored, num_windows), time.perf_counter() - start)
-    print(text)
-    if not args.no_write:
-        write_section("quality", text)
+    publish(args, "quality", text)
     return 0
 
 
@@ -238,5 +237,5 @@ def register_target(targets: argparse._SubParsersAction) -> None:
                    help=f"tokens of each window from the host tier, a multiple of {BLOCK} (default 512)")
     p.add_argument("--scored", type=positive(int), default=512, help="scored tokens per window (default 512)")
     p.add_argument("--group", type=positive(int), default=2, help="windows per batch (default 2)")
-    p.add_argument("--no-write", action="store_true", help="print only; leave docs/ untouched")
+    add_output_arguments(p)
     p.set_defaults(func=run)

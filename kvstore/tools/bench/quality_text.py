@@ -7,7 +7,7 @@ import hashlib
 from collections.abc import Callable
 from pathlib import Path
 
-from kvstore.engine.loader import CheckpointError, checkpoint_dir
+from kvstore.engine.checkpoint import CheckpointError, checkpoint_dir
 from kvstore.services.engine_server.tokenizer import ServeTokenizer, load_tokenizer
 from kvstore.tools.bench.harness import DOCS
 from kvstore.tools.bench.models import BenchModel

@@ -31,11 +31,12 @@ from typing import Any
 
 import torch
 
-from kvstore.engine.loader import CheckpointError
+from kvstore.engine.checkpoint import CheckpointError
 from kvstore.services.common.argtypes import positive
 from kvstore.tiers.remote import RemoteTier, group_tags
-from kvstore.tools.bench.harness import BENCH_LAYOUT, Row, machine, render, write_section
+from kvstore.tools.bench.harness import BENCH_LAYOUT, Row, machine, render
 from kvstore.tools.bench.models import BenchModel, add_model_arguments
+from kvstore.tools.bench.output import add_output_arguments, publish
 from kvstore.tools.bench.redis_local import MIB, RedisCluster, need_binaries
 from kvstore.tools.bench.remote_store import Baseline, bench_store, interleave, paired_ratio, render_store
 
@@ -262,9 +263,7 @@ def run_remote_bench(args: argparse.Namespace) -> int:
         finally:
             cluster.close()
     text = render_remote(rows, sweep, spread, machine(), store_detail)
-    print(text)
-    if not args.no_write:
-        write_section("remote", text)
+    publish(args, "remote", text)
     return 0
 
 
@@ -277,6 +276,6 @@ def register_target(targets: argparse._SubParsersAction) -> None:
     p.add_argument("--prompt-tokens", type=positive(int), default=2048, help="TTFT prompt length (default 2048)")
     p.add_argument("--ttft-repeat", type=positive(int), default=2, help="TTFT runs per side; the best is kept (default 2)")
     p.add_argument("--no-ttft", action="store_true", help="skip the engine TTFT measurement")
-    p.add_argument("--no-write", action="store_true", help="print only; leave docs/ untouched")
+    add_output_arguments(p)
     p.set_defaults(func=run_remote_bench)
 

@@ -29,16 +29,18 @@ from kvstore.services.router.policy.config import (
     LEAST_LOADED,
     POLICIES,
     ROUND_ROBIN,
-    RouterConfig,
+    RoutingPolicyConfig,
 )
 from kvstore.services.router.policy.router import Router
 from kvstore.services.router.policy.tiers import GPU
-from kvstore.tools.bench.harness import DOCS
+from kvstore.tools.bench import extras
+from kvstore.tools.bench.output import add_output_arguments, check_plot, image_line, plot_path, publish
 from kvstore.tools.replay.route_sim import SimConfig, SimResult, load_requests, simulate
 from kvstore.tools.replay.trace import ReplayError
 
 BENCH_NAMESPACE = Namespace("bench-route", KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, block_size=16,
                                                      dtype=torch.float16))
+PLOT = "bench_route.png"  # the plot's name beside --write (under img/)
 
 
 def replay_rows(path: str, capacities: list[int], sim: SimConfig) -> list[dict[str, Any]]:
@@ -49,8 +51,8 @@ def replay_rows(path: str, capacities: list[int], sim: SimConfig) -> list[dict[s
         config = replace(sim, capacity_blocks=capacity)
         ceiling = simulate(requests, replace(config, num_replicas=1, capacity_blocks=sim.num_replicas * capacity,
                                              prefill_tokens_per_s=sim.num_replicas * sim.prefill_tokens_per_s),
-                           RouterConfig(policy=ROUND_ROBIN))
-        results = {p: simulate(requests, config, RouterConfig(policy=p)) for p in POLICIES}
+                           RoutingPolicyConfig(policy=ROUND_ROBIN))
+        results = {p: simulate(requests, config, RoutingPolicyConfig(policy=p)) for p in POLICIES}
         base = results[ROUND_ROBIN].cached_fraction
         for result in results.values():
             rows.append(_row(capacity, result, base, ceiling.cached_fraction))
@@ -80,7 +82,7 @@ def _window_spread(samples: np.ndarray, window_s: int = 300) -> list[float]:
 def decision_time(num_blocks: int, num_replicas: int, prompt_tokens: int, rounds: int) -> dict[str, Any]:
     """Route ``rounds`` prompts over an index of ``num_blocks``; percentiles in microseconds."""
     hasher = BlockHasher(BENCH_NAMESPACE)
-    router = Router(16, RouterConfig(), hasher)
+    router = Router(16, RoutingPolicyConfig(), hasher)
     names = [f"replica-{i}" for i in range(num_replicas)]
     for name in names:
         router.add_replica(name)
@@ -168,11 +170,8 @@ def render(rows: list[dict[str, Any]], timing: list[dict[str, Any]], sim: SimCon
 
 
 def plot(rows: list[dict[str, Any]], path: Path, capacity: int) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    """Cached fraction per capacity and the load spread at ``capacity`` (matplotlib: the ``bench`` extra)."""
+    plt = extras.pyplot("kvstore bench route's plot")
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
     caps = sorted({r["capacity"] for r in rows})
     for policy, style in ((CACHE_AWARE, "o-"), (ROUND_ROBIN, "s-"), (LEAST_LOADED, "^-")):
@@ -201,8 +200,10 @@ def plot(rows: list[dict[str, Any]], path: Path, capacity: int) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvstore.tools.bench.harness import machine, write_section
+    from kvstore.tools.bench.harness import machine
 
+    if not check_plot(args, PLOT, "kvstore bench route"):
+        return 2
     sim = SimConfig(num_replicas=args.replicas, prefill_tokens_per_s=args.prefill_tokens_per_s,
                     decode_s_per_token=args.decode_ms_per_token / 1e3)
     try:
@@ -214,12 +215,13 @@ def run(args: argparse.Namespace) -> int:
     print("decision time ...", flush=True)
     timing = [decision_time(args.index_blocks, 8, 2048, args.rounds) for _ in range(args.repeat)]
     text = render(rows, timing, sim, Path(args.trace).name, machine())
-    print(text)
-    if not args.no_write:
-        image = DOCS / "img" / "bench_route.png"
+    image = plot_path(args, PLOT)
+    if image is not None:
+        image.parent.mkdir(parents=True, exist_ok=True)
         plot(rows, image, args.capacity[len(args.capacity) // 2])
-        write_section("route", text + f"\n\n![cached fraction and load spread]({image.relative_to(DOCS)})")
         print(f"wrote {image}")
+        text += "\n\n" + image_line(args, image, "cached fraction and load spread")
+    publish(args, "route", text)
     return 0
 
 
@@ -234,5 +236,5 @@ def register_target(targets: argparse._SubParsersAction) -> None:
     p.add_argument("--index-blocks", type=positive(int), default=1_000_000, help="indexed blocks for the timing (1M)")
     p.add_argument("--rounds", type=positive(int), default=2000, help="decisions timed per run (default 2000)")
     p.add_argument("--repeat", type=positive(int), default=3, help="timing runs (default 3)")
-    p.add_argument("--no-write", action="store_true", help="print only; leave docs/ untouched")
+    add_output_arguments(p, plot=PLOT)
     p.set_defaults(func=run)

@@ -27,9 +27,10 @@ from typing import Any
 
 import numpy as np
 
-from kvstore.engine.loader import CheckpointError
+from kvstore.engine.checkpoint import CheckpointError
 from kvstore.services.common.argtypes import positive
 from kvstore.tools.bench.models import BenchModel, add_model_arguments
+from kvstore.tools.bench.output import add_output_arguments, publish
 from kvstore.tools.bench.ports import free_port_pair
 
 RANDOM_MODEL = {"num_layers": 4, "hidden_size": 256, "intermediate_size": 512, "num_heads": 4, "num_kv_heads": 2,
@@ -104,7 +105,7 @@ def run_once(replicas: list[_Process], policy: str, salt: str, args: argparse.Na
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvstore.tools.bench.harness import machine, write_section
+    from kvstore.tools.bench.harness import machine
 
     try:
         model = BenchModel.from_args(args, random=RANDOM_MODEL)
@@ -132,9 +133,7 @@ def run(args: argparse.Namespace) -> int:
         for r in replicas:
             r.stop()
     text = render(results, args, machine())
-    print(text)
-    if not args.no_write:
-        write_section("route-live", text)
+    publish(args, "route-live", text)
     return 0
 
 
@@ -170,5 +169,5 @@ def register_target(targets: argparse._SubParsersAction) -> None:
     p.add_argument("--turns", type=positive(int), default=5, help="turns per chat (default 5)")
     p.add_argument("--max-tokens", type=positive(int), default=8, help="tokens generated per turn (default 8)")
     p.add_argument("--repeat", type=positive(int), default=2, help="runs per policy, alternating (default 2)")
-    p.add_argument("--no-write", action="store_true", help="print only; leave docs/ untouched")
+    add_output_arguments(p)
     p.set_defaults(func=run)

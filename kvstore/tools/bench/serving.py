@@ -1,41 +1,34 @@
 """``kvstore bench serving``: ``kvstore engine`` against vLLM's OpenAI server, both driven over
 HTTP by vLLM's own benchmark client (``vllm.benchmarks.serve``), the same model and the same CPU.
+(``--overflow`` runs the other serving benchmark instead: bench.serving_overflow.)
 
 The servers run one at a time, each as its own process, in rounds whose first server
 alternates. Each round runs every workload against the server up: vLLM's ``prefix_repetition``
 dataset (prompts made of a few long shared prefixes and short suffixes), once at a fixed request
 rate (the TTFT that users see when the prefix cache matters) and once per concurrency level with
-as many requests in flight as that (TPOT and output throughput under load). vLLM is imported
-only when the benchmark runs; run it from a venv with vLLM (that of ``make test-vllm``).
+as many requests in flight as that (TPOT and output throughput under load). The servers and
+the client are bench.serving_servers'. vLLM is imported only when the benchmark runs; run it
+from a venv with vLLM (that of ``make test-vllm``).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import random
-import shutil
 import statistics
-import subprocess
-import sys
-import tempfile
-import time
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from kvstore.services.common.argtypes import positive
-from kvstore.tools.bench.harness import machine, ratio_text, scratch_dir, start_service, write_section
+from kvstore.tools.bench import serving_overflow as overflow
+from kvstore.tools.bench.harness import machine, ratio_text, scratch_dir
 from kvstore.tools.bench.models import add_model_arguments
-from kvstore.tools.bench.vllm import Daemon, loaded_from, prepare
+from kvstore.tools.bench.output import add_output_arguments, publish
+from kvstore.tools.bench.serving_servers import SERVED, Server, run_client
+from kvstore.tools.bench.vllm import loaded_from, prepare
 
-SERVED = "bench"  # the model name both servers answer to
 SERVERS = ("kvstore", "vllm")
 TPOT_TARGET = 0.8  # kvstore's TPOT speed and output throughput, at least this share of vLLM's
 TTFT_TARGET = 1.25  # kvstore's mean TTFT at most this many times vLLM's
-START_TIMEOUT_S = 600.0  # vLLM compiles its model at start: minutes on a small CPU
 
 
 @dataclass(frozen=True)
@@ -74,84 +67,6 @@ def workloads(args: argparse.Namespace) -> list[Workload]:
     return [paced, *loaded]
 
 
-def _errors(log: Path) -> str:
-    """The lines of a server's log that name an error (its root cause among them), else its end."""
-    lines = log.read_text(errors="replace").splitlines()
-    named = [line for line in lines if "Error" in line or "error:" in line]
-    return "\n".join(named[-6:]) if named else "\n".join(lines[-20:])
-
-
-def _wait_for_http(url: str, proc: subprocess.Popen[Any], log: Path) -> None:
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"vLLM's server exited ({proc.returncode}):\n{_errors(log)}")
-        try:
-            with urllib.request.urlopen(url, timeout=2):
-                return
-        except OSError:
-            time.sleep(1.0)
-    raise RuntimeError(f"vLLM's server did not answer {url} in {START_TIMEOUT_S:.0f} s:\n{_errors(log)}")
-
-
-class Server:
-    """One server process, up for a round of workloads: ``kvstore`` (``kvstore engine``),
-    ``vllm`` (vLLM's OpenAI server) or ``vllm+kvstore`` (the same with kvstore's connector on the
-    daemon at ``store``). ``kv_bytes``: the device KV pool of either server (None: ``--kv-cache-gib``)."""
-
-    def __init__(self, which: str, args: argparse.Namespace, work: Path, port: int, kv_bytes: int | None = None,
-                 store: str | None = None, max_model_len: int | None = None) -> None:
-        model = args.bench_model
-        self.base_url = f"http://127.0.0.1:{port}"
-        self.proc: subprocess.Popen[Any]
-        kv_cache = str(kv_bytes if kv_bytes is not None else args.kv_cache_gib << 30)
-        if which == "kvstore":
-            # the random model as saved for vLLM: then both servers and the client share its tokenizer
-            served = model.server_args() if model.path else ["--model", str(model.hf_dir(work))]
-            cmd = [sys.executable, "-m", "kvstore.cli", "engine", *served, "--port", str(port),
-                   "--served-model-name", SERVED, "--kv-cache", kv_cache, "--host-mem", f"{args.host_gib}GiB"]
-            self.proc, _ = start_service(cmd, "kvstore engine")
-            return
-        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model.hf_dir(work)),
-               "--port", str(port), "--host", "127.0.0.1", "--served-model-name", SERVED, "--dtype", "float32",
-               "--uvicorn-log-level", "warning"]
-        cmd += ["--kv-cache-memory-bytes", kv_cache]
-        env = dict(os.environ)
-        env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the server runs its engine core as vLLM ships it
-        if max_model_len is not None:  # vLLM refuses a KV cache smaller than one sequence of the model's length
-            cmd += ["--max-model-len", str(max_model_len)]
-        if args.enforce_eager:
-            cmd.append("--enforce-eager")
-        if which == "vllm+kvstore":
-            assert store is not None
-            connector = {"kv_connector": "KVStoreConnector", "kv_connector_module_path": "kvstore.integrations.vllm",
-                         "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-                         "kv_connector_extra_config": {"store_url": store}}
-            cmd += ["--distributed-executor-backend", "uni", "--kv-transfer-config", json.dumps(connector)]
-        log = work / f"{which}-server-{port}.log"
-        with log.open("wb") as out:
-            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
-        _wait_for_http(f"{self.base_url}/v1/models", self.proc, log)
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-
-
-def run_client(flags: list[str]) -> dict[str, Any]:
-    """vLLM's benchmark client, in this process, as its command line would run it."""
-    from vllm.benchmarks.serve import add_cli_args, main
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-
-    parser = FlexibleArgumentParser()
-    add_cli_args(parser)
-    return main(parser.parse_args(flags))
-
-
 def measure(args: argparse.Namespace, work: Path) -> dict[tuple[str, str], list[dict[str, float]]]:
     """Per (server, workload): one dict of the client's figures per round."""
     tokenizer = args.bench_model.hf_dir(work)
@@ -174,126 +89,6 @@ def measure(args: argparse.Namespace, work: Path) -> dict[tuple[str, str], list[
             finally:
                 server.stop()
     return results
-
-
-OVERFLOW_SERVERS = ("kvstore", "vllm", "vllm+kvstore")
-OVERFLOW_TARGET = 2.0  # kvstore's mean TTFT of returning users at least this many times lower than vLLM's
-TURN_TOKENS = 32  # the new turn a returning user adds to their history
-
-
-SHAREGPT_MAX_PROMPT = 1024  # vLLM's client drops ShareGPT prompts longer than this (its tokenizer's count)
-
-
-def overflow_files(args: argparse.Namespace, work: Path) -> tuple[Path, Path]:
-    """Two files of vLLM's ``sharegpt`` dataset (its JSON loader; the ``custom`` one needs
-    pandas): each user's history, then the same history with a new turn. The text is random
-    token ids decoded by the model's tokenizer; each return stays within the prompt length the
-    client keeps (``run`` checks that ``--history-tokens`` leaves room for the turn).
-    """
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(args.bench_model.hf_dir(work))
-    rng = random.Random(0)
-    low = min(256, tokenizer.vocab_size // 2)  # clear of the special tokens at the vocabulary's start
-
-    def text(n: int) -> str:
-        return str(tokenizer.decode([rng.randrange(low, tokenizer.vocab_size) for _ in range(n)]))
-
-    def count(prompt: str) -> int:
-        return len(tokenizer(prompt).input_ids)
-
-    histories, returns = [], []
-    for _ in range(args.users):
-        history, turn = text(args.history_tokens), text(TURN_TOKENS)
-        while count(history + turn) > SHAREGPT_MAX_PROMPT - 8:  # decoding and encoding again may merge or split
-            history = history[: int(len(history) * 0.95)]
-        histories.append(history)
-        returns.append(history + turn)
-    files = (work / "histories.json", work / "returns.json")
-    for path, prompts in zip(files, (histories, returns), strict=True):
-        path.write_text(json.dumps([{"conversations": [{"from": "human", "value": p}, {"from": "gpt", "value": "."}]}
-                                    for p in prompts]))
-    return files
-
-
-def overflow_pool_bytes(args: argparse.Namespace) -> int:
-    """A device pool that holds ``--pool-users`` users' conversations (with room to spare for
-    tokenization's drift and the block rounding), in bytes of fp32 KV."""
-    c = args.bench_model.config
-    per_token = c.num_layers * 2 * c.num_kv_heads * c.head_dim * 4
-    tokens = args.history_tokens + TURN_TOKENS + args.output_tokens + 160
-    # at least two sequences of the longest prompt vLLM's client sends: vLLM refuses a cache short of one,
-    # counted in its blocks of 128 tokens and with some margin of its own
-    return max(args.pool_users * tokens, 2 * (SHAREGPT_MAX_PROMPT + args.output_tokens)) * per_token
-
-
-def measure_overflow(args: argparse.Namespace, work: Path) -> dict[str, dict[str, float]]:
-    """Per server: the client's figures for the returning users (the second pass)."""
-    histories, returns = overflow_files(args, work)
-    tokenizer = args.bench_model.hf_dir(work)
-    kv_bytes = overflow_pool_bytes(args)
-    results: dict[str, dict[str, float]] = {}
-    for which in OVERFLOW_SERVERS:
-        daemon, server, sockets = None, None, None
-        try:
-            if which == "vllm+kvstore":  # the socket in a short directory of its own: the scratch one may be deep
-                sockets = Path(tempfile.mkdtemp(prefix="kvstore-bench-"))
-                daemon = Daemon(work / "daemon", host_mem=f"{args.host_gib}GiB", socket=sockets / "kv.sock")
-                daemon.start()
-            print(f"overflow: starting {which}'s server", flush=True)
-            server = Server(which, args, work, args.port, kv_bytes=kv_bytes, store=daemon.url if daemon else None,
-                            max_model_len=SHAREGPT_MAX_PROMPT + args.output_tokens)
-            for path, concurrency in ((histories, 4), (returns, 1)):
-                flags = ["--backend", "openai", "--base-url", server.base_url, "--endpoint", "/v1/completions",
-                         "--model", SERVED, "--tokenizer", str(tokenizer), "--dataset-name", "sharegpt",
-                         "--dataset-path", str(path), "--sharegpt-output-len", str(args.output_tokens),
-                         "--disable-shuffle",
-                         "--num-prompts", str(args.users), "--max-concurrency", str(concurrency), "--ignore-eos",
-                         "--temperature", "0", "--disable-tqdm", "--seed", "0"]
-                r = run_client(flags)
-                if r["completed"] != args.users or r.get("failed", 0):
-                    raise RuntimeError(f"{which}: {r['completed']} of {args.users} requests served")
-            results[which] = {k: float(r[k]) for k in ("mean_ttft_ms", "median_ttft_ms", "mean_tpot_ms")}
-            print(f"  {which}: returning users: " + ", ".join(f"{k} {v:.1f}" for k, v in results[which].items()),
-                  flush=True)
-        finally:
-            if server is not None:
-                server.stop()
-            if daemon is not None:
-                daemon.stop()
-            if sockets is not None:
-                shutil.rmtree(sockets, ignore_errors=True)
-    return results
-
-
-def render_overflow(results: dict[str, dict[str, float]], args: argparse.Namespace) -> str:
-    ours = results["kvstore"]["mean_ttft_ms"]
-    lines = [
-        "### Conversations that overflow the device pool (`kvstore bench serving --overflow`)",
-        "",
-        f"{args.users} users, each with a {args.history_tokens}-token history, come back once each, in the "
-        f"order they first came, with a {TURN_TOKENS}-token turn ({args.output_tokens} output tokens). Every "
-        f"server's device KV pool holds {args.pool_users} conversations ({overflow_pool_bytes(args) / 2**20:.0f} "
-        "MiB), so by the time a user returns their history has left it. Lower tiers: the engine's host tier and, for "
-        f"vLLM with kvstore's connector, a `kvstore serve` daemon's host tier ({args.host_gib} GiB each). vLLM's "
-        "client sends the histories 4 at a time, then the returns one at a time (the TTFT below is theirs), vLLM's "
-        "`sharegpt` dataset loader in its file's order. One run of each server.",
-        "",
-        "| server | mean TTFT, returning users | median TTFT | mean TPOT | kvstore's mean TTFT lower by | target | met |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for which, label, want in (("kvstore", "kvstore engine", None), ("vllm", "vLLM, no connector", OVERFLOW_TARGET),
-                               ("vllm+kvstore", "vLLM + kvstore's connector", 1.0)):
-        r = results[which]
-        if want is None:
-            ratio, target, met = "-", "-", "-"
-        else:
-            speed = r["mean_ttft_ms"] / ours
-            ratio, target = f"{ratio_text(speed, want)}x", f">= {want:g}x"
-            met = "yes" if speed >= want else "NO"
-        lines.append(f"| {label} | {r['mean_ttft_ms']:.1f} ms | {r['median_ttft_ms']:.1f} ms | {r['mean_tpot_ms']:.1f} ms "
-                     f"| {ratio} | {target} | {met} |")
-    return "\n".join(lines)
 
 
 def _spread(values: list[float]) -> str:
@@ -349,21 +144,16 @@ def render(results: dict[tuple[str, str], list[dict[str, float]]], args: argpars
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.overflow and args.history_tokens + TURN_TOKENS + 16 > SHAREGPT_MAX_PROMPT:
-        print(f"kvstore bench serving: --history-tokens {args.history_tokens} leaves no room for a {TURN_TOKENS}-token "
-              f"turn: a returning user's prompt must stay within {SHAREGPT_MAX_PROMPT} tokens (vLLM's client drops "
-              "longer ShareGPT prompts)", file=sys.stderr)
+    if args.overflow and not overflow.check_arguments(args):
         return 2
     if not prepare(args, "kvstore bench serving"):
         return 2
     with scratch_dir(args.dir, "serving") as work:
         if args.overflow:
-            name, text = "serving-overflow", render_overflow(measure_overflow(args, work), args)
+            name, text = "serving-overflow", overflow.render_overflow(overflow.measure_overflow(args, work), args)
         else:
             name, text = "serving", render(measure(args, work), args)
-    print(text)
-    if not args.no_write:
-        write_section(name, text)
+    publish(args, name, text)
     return 0
 
 
@@ -395,15 +185,7 @@ def register_target(targets: argparse._SubParsersAction) -> None:
     p.add_argument("--host-gib", type=positive(int), default=4,
                    help="host RAM of the engine's store and of the connector's daemon (default 4 GiB)")
     p.add_argument("--enforce-eager", action="store_true", help="vLLM without torch.compile (quick runs, tests)")
-    over = p.add_argument_group("the pool-overflow workload (--overflow: instead of the workloads above)")
-    over.add_argument("--overflow", action="store_true",
-                      help="users whose conversations together overflow the device pool come back: kvstore engine, "
-                      "vLLM, and vLLM with kvstore's connector (its own section of docs/benchmarks.md)")
-    over.add_argument("--users", type=positive(int), default=32, help="conversations (default 32)")
-    over.add_argument("--history-tokens", type=positive(int), default=960,
-                      help="tokens of each history (default 960; with the turn within vLLM's client's 1,024)")
-    over.add_argument("--pool-users", type=positive(int), default=8,
-                      help="conversations the device pool holds (default 8)")
+    overflow.add_arguments(p)
     p.add_argument("--dir", help="where the scratch files go (default: current directory)")
-    p.add_argument("--no-write", action="store_true", help="print only; leave docs/ untouched")
+    add_output_arguments(p)
     p.set_defaults(func=run)

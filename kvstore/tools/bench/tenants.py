@@ -35,12 +35,13 @@ from typing import Any
 
 import torch
 
-from kvstore.engine.loader import CheckpointError
+from kvstore.engine.checkpoint import CheckpointError
 from kvstore.errors import ConfigError
 from kvstore.services.common.argtypes import positive
 from kvstore.services.common.sizes import format_size, parse_size
-from kvstore.tools.bench.harness import machine, start_service, write_section
+from kvstore.tools.bench.harness import machine, start_service
 from kvstore.tools.bench.models import BenchModel, add_model_arguments
+from kvstore.tools.bench.output import add_output_arguments, publish
 
 BLOCK = 16
 # --random-model: 8 layers, 2 KV heads of 64, float32: 128 KiB per 16-token block (a 2k prompt: 16 MiB)
@@ -261,9 +262,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"round {round_ + 1}/{args.rounds}: {name} ...", file=sys.stderr, flush=True)
             results[i].merge(run_arm(name, flood, quotas, work, model, host_bytes, device_blocks))
     text = render(results, work, model, host_bytes, device_blocks, machine())
-    print(text)
-    if not args.no_write:
-        write_section("tenants", text)
+    publish(args, "tenants", text)
     return 0
 
 
@@ -292,5 +291,5 @@ def register_target(targets: argparse._SubParsersAction) -> None:
     p.add_argument("--rounds", type=positive(int), default=2, help="runs of each arm, interleaved (default 2)")
     add_model_arguments(p)
     p.add_argument("--tiny", action="store_true", help="a 2-layer random model (tests: seconds, not minutes)")
-    p.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
+    add_output_arguments(p)
     p.set_defaults(func=run)

@@ -1,8 +1,10 @@
 """``kvstore bench tiers``: each tier against the plain baseline it must approach, in one run.
 
 Every result is a ratio against a baseline measured in the same process on the same machine,
-best of several repetitions (machines are shared and noisy). Results go to stdout, to the
-tiers section of docs/benchmarks.md and to docs/bench_tiers.json (read by ``kvstore replay``).
+best of several repetitions (machines are shared and noisy). Results go to stdout; with
+``--write PATH``, to the tiers section of PATH, and the measured read bandwidths to
+bench_tiers.json beside it (``--write docs/benchmarks.md``: docs/bench_tiers.json, which
+``kvstore replay`` and ``kvstore bench engine`` read).
 """
 
 from __future__ import annotations
@@ -26,7 +28,6 @@ from kvstore.store import TieredStore, writes
 from kvstore.store.levels import DiskLevel
 from kvstore.tools.bench.harness import (
     BENCH_LAYOUT,
-    DOCS,
     CacheFlush,
     Row,
     best_of,
@@ -36,8 +37,8 @@ from kvstore.tools.bench.harness import (
     machine,
     render,
     scratch_dir,
-    write_section,
 )
+from kvstore.tools.bench.output import add_output_arguments, beside_write, publish
 
 
 def bench_host(num_blocks: int, repeat: int) -> list[Row]:
@@ -247,17 +248,17 @@ def run_tiers(args: argparse.Namespace) -> int:
         rows += bench_keys(32 * 1024, args.repeat)
     rows += beside
     text = render(rows, machine())
-    print(text)
-    if not args.no_write:
-        write_section("tiers", text)
+    publish(args, "tiers", text)
+    bandwidths = beside_write(args, "bench_tiers.json")
+    if bandwidths is not None:
         host_get, disk_read = rows[1], rows[3]
         gbps = {
             "host_read_gbps": args.host_blocks * BENCH_LAYOUT.bytes_per_block / host_get.ours_s / 1e9,
             "disk_read_gbps": args.disk_blocks * BENCH_LAYOUT.bytes_per_block / disk_read.ours_s / 1e9,
             "machine": machine(),
         }
-        (DOCS / "bench_tiers.json").write_text(json.dumps(gbps, indent=2) + "\n")
-        print(f"wrote {DOCS / 'bench_tiers.json'}")
+        bandwidths.write_text(json.dumps(gbps, indent=2) + "\n")
+        print(f"wrote {bandwidths}")
     return 0
 
 
@@ -270,5 +271,5 @@ def register_target(targets: argparse._SubParsersAction) -> None:
                        help="seconds of gets beside a putting thread, both sides together (default 8)")
     tiers.add_argument("--dir", help="where to create the scratch disk tier (default: current directory; "
                        "must not be tmpfs for O_DIRECT)")
-    tiers.add_argument("--no-write", action="store_true", help="print only; leave docs/ untouched")
+    add_output_arguments(tiers, beside="bench_tiers.json")
     tiers.set_defaults(func=run_tiers)

@@ -1,6 +1,6 @@
 """A random Llama checkpoint directory vLLM (or transformers) can load, made without a hub.
 
-Weights come from ``kvstore.engine.loader.random_checkpoint`` (seeded), the tokenizer is word-level:
+Weights come from ``kvstore.engine.checkpoint.random_checkpoint`` (seeded), the tokenizer is word-level:
 the text ``"t0 t17 t5"`` is the token ids ``[0, 17, 5]``, so prompts can be written as text
 or as ids and mean the same thing. Used by the vLLM tests, ``kvstore bench vllm`` and the
 ``vllm serve`` example in docs/vllm.md.
@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from kvstore.engine.loader import random_checkpoint, save_random_checkpoint
+from kvstore.engine.checkpoint import random_checkpoint, save_random_checkpoint
 
 # Small enough that a vLLM start and a 1,000-token prefill take a fraction of a second.
 TEST_MODEL: dict[str, Any] = dict(num_layers=2, hidden_size=128, intermediate_size=256, num_heads=4,

@@ -25,10 +25,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvstore.engine.loader import CheckpointError
+from kvstore.engine.checkpoint import CheckpointError
 from kvstore.services.common.argtypes import positive
-from kvstore.tools.bench.harness import drop_page_cache, machine, scratch_dir, start_service, write_section
+from kvstore.tools.bench.harness import drop_page_cache, machine, scratch_dir, start_service
 from kvstore.tools.bench.models import BenchModel, add_model_arguments
+from kvstore.tools.bench.output import add_output_arguments, publish
 
 BLOCK = 128  # vLLM's CPU block
 
@@ -269,9 +270,7 @@ def run(args: argparse.Namespace) -> int:
     with scratch_dir(args.dir, "vllm") as work:
         r = measure(args, work)
     text = render(r, args)
-    print(text)
-    if not args.no_write:
-        write_section("vllm", text)
+    publish(args, "vllm", text)
     return 0
 
 
@@ -282,5 +281,5 @@ def register_target(targets: argparse._SubParsersAction) -> None:
     p.add_argument("--repeat", type=positive(int), default=5, help="repetitions; the best is kept (default 5)")
     p.add_argument("--rounds", type=positive(int), default=3, help="alternating rounds of the miss comparison (default 3)")
     p.add_argument("--dir", help="where the scratch daemon data goes (default: current directory; not tmpfs)")
-    p.add_argument("--no-write", action="store_true", help="print only; leave docs/ untouched")
+    add_output_arguments(p)
     p.set_defaults(func=run)

@@ -5,142 +5,35 @@ Rows: prefill of a prompt nothing caches, decode at batch 1 and 16, the TTFT of 
 prefix (the engine's host tier against vLLM with kvstore's connector on a ``kvstore serve``
 daemon's host tier, vLLM's own prefix cache off), and for reference the engine over the same
 daemon and each engine's own warm prefix cache. A torch profile of a prefill and of a few decode
-steps of each says where the time goes. vLLM is imported only when the benchmark runs.
+steps of each says where the time goes (the sides and their timing: bench.vs_vllm_sides). vLLM
+is imported only when the benchmark runs.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import itertools
 import time
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
 from kvstore.engine.llm import LLMEngine
 from kvstore.engine.sampling import SamplingParams
 from kvstore.services.common.argtypes import positive
-from kvstore.tools.bench.harness import machine, ratio_text, scratch_dir, write_section
+from kvstore.tools.bench.harness import machine, ratio_text, scratch_dir
 from kvstore.tools.bench.models import BenchModel, add_model_arguments
+from kvstore.tools.bench.output import add_output_arguments, publish
 from kvstore.tools.bench.vllm import BLOCK as VLLM_BLOCK
 from kvstore.tools.bench.vllm import Daemon, loaded_from, prepare, vllm_instance, vllm_ttft
+from kvstore.tools.bench.vs_vllm_sides import Ours, Theirs, decode_rate, profile_decode, profiled, ttft
 
 BLOCK = 16  # the engine's block, as in bench engine
 TARGET = 0.8  # prefill and decode: kvstore's speed at least this share of vLLM's
 TOP_OPS = 5  # ops named per profiled side
-
-
-class Side(Protocol):
-    """One engine as the decode loop drives it: queue prompts, step, see each request's tokens."""
-
-    def add(self, prompts: list[list[int]], max_tokens: int) -> None: ...
-
-    def step(self) -> dict[str, int]:
-        """One engine step; the number of tokens so far of each request that progressed."""
-        ...
-
-    def busy(self) -> bool: ...
-
-
-class Ours:
-    """The kvstore engine as a ``Side``."""
-
-    def __init__(self, engine: LLMEngine) -> None:
-        self.engine = engine
-
-    def add(self, prompts: list[list[int]], max_tokens: int) -> None:
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        for p in prompts:
-            self.engine.add_request(p, params)
-
-    def step(self) -> dict[str, int]:
-        return {out.request_id: len(out.token_ids) for out in self.engine.step()}
-
-    def busy(self) -> bool:
-        return self.engine.has_unfinished_requests()
-
-
-class Theirs:
-    """A vLLM ``LLM`` as a ``Side``, through its engine's own step loop."""
-
-    _ids = itertools.count()
-
-    def __init__(self, llm: Any) -> None:
-        self.llm = llm
-
-    def add(self, prompts: list[list[int]], max_tokens: int) -> None:
-        from vllm import SamplingParams as VllmParams
-
-        params = VllmParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        for p in prompts:
-            self.llm.llm_engine.add_request(f"vs-{next(self._ids)}", {"prompt_token_ids": p}, params)
-
-    def step(self) -> dict[str, int]:
-        return {out.request_id: len(out.outputs[0].token_ids) for out in self.llm.llm_engine.step() if out.outputs}
-
-    def busy(self) -> bool:
-        return bool(self.llm.llm_engine.has_unfinished_requests())
-
-
-def ttft(engine: LLMEngine, prompt: list[int]) -> float:
-    """Wall time of ``generate(max_tokens=1)``, as ``vllm_ttft`` times vLLM's."""
-    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-    started = time.perf_counter()
-    engine.generate([prompt], params)
-    return time.perf_counter() - started
-
-
-def _until_first_tokens(side: Side, num_prompts: int) -> dict[str, int]:
-    """Step until each of the ``num_prompts`` requests just added has a token; their token counts."""
-    seen: dict[str, int] = {}
-    while len(seen) < num_prompts or min(seen.values()) < 1:
-        seen.update(side.step())
-    return seen
-
-
-def decode_rate(side: Side, prompts: list[list[int]], new: int) -> float:
-    """Tokens/s from the step that gave the first token to the step that gave the last, counting
-    the tokens of the steps after the first (every prompt prefills in that first step)."""
-    side.add(prompts, new + 1)
-    seen = _until_first_tokens(side, len(prompts))
-    first = last = time.perf_counter()
-    counted = 0
-    while side.busy():
-        for request_id, num_tokens in side.step().items():
-            counted += num_tokens - seen.get(request_id, 0)
-            seen[request_id] = num_tokens
-            last = time.perf_counter()
-    return counted / (last - first)
-
-
-def profiled(fn: Callable[[], object], per: int = 1) -> tuple[float, dict[str, float]]:
-    """``fn``'s wall time under the torch profiler and each op's self CPU time, in ms per ``per``."""
-    from torch._C._profiler import _ExperimentalConfig
-    from torch.profiler import ProfilerActivity, profile
-
-    # all threads: the engine runs a step of one sequence on its one-thread worker
-    with profile(activities=[ProfilerActivity.CPU],
-                 experimental_config=_ExperimentalConfig(profile_all_threads=True)) as prof:
-        started = time.perf_counter()
-        fn()
-        wall = time.perf_counter() - started
-    return wall / per * 1e3, {e.key: e.self_cpu_time_total / 1e3 / per for e in prof.key_averages()}
-
-
-def profile_decode(side: Side, prompts: list[list[int]], steps: int) -> tuple[float, dict[str, float]]:
-    """``profiled`` of ``steps`` decode steps of ``prompts``, after their first decode step."""
-    side.add(prompts, steps + 3)
-    _until_first_tokens(side, len(prompts))
-    side.step()
-    result = profiled(lambda: [side.step() for _ in range(steps)], steps)
-    while side.busy():
-        side.step()
-    return result
-
 
 Results = dict[str, Any]  # "<row>_ours" / "<row>_vllm": each run's seconds or tokens/s; profiles; facts
 
@@ -357,9 +250,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"{args.bench_model.describe()}: the kvstore engine and vLLM, interleaved ...", flush=True)
         r = measure(args, work)
     text = render(r, args)
-    print(text)
-    if not args.no_write:
-        write_section("vs-vllm", text)
+    publish(args, "vs-vllm", text)
     return 0
 
 
@@ -376,5 +267,5 @@ def register_target(targets: argparse._SubParsersAction) -> None:
                    help="decode steps profiled per side and batch (default 4)")
     p.add_argument("--no-profile", action="store_true", help="leave out the profiles of prefill and decode")
     p.add_argument("--dir", help="where the scratch daemon data goes (default: current directory)")
-    p.add_argument("--no-write", action="store_true", help="print only; leave docs/ untouched")
+    add_output_arguments(p)
     p.set_defaults(func=run)

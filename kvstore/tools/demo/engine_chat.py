@@ -23,9 +23,8 @@ from typing import Any
 
 import torch
 
-from kvstore.engine.bundled import default_model
+from kvstore.engine.checkpoint import CheckpointError, checkpoint_dir, default_model, read_model_config
 from kvstore.engine.llm import LLMEngine
-from kvstore.engine.loader import CheckpointError, checkpoint_dir, read_model_config
 from kvstore.engine.sampling import SamplingParams
 from kvstore.layout import KVLayout
 from kvstore.services.engine_server.tokenizer import ServeTokenizer, load_tokenizer

@@ -128,7 +128,11 @@ def tier_configs(args: argparse.Namespace) -> list[tuple[TierSpec, ...]]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from kvstore.tools.bench.extras import MissingExtra, require
+
     try:
+        if args.plot:
+            require("matplotlib", "--plot")  # before the replay, not after it
         configs = tier_configs(args)
         trace = load_trace(args.trace, tenants=getattr(args, "tenants", None))
         policies = list(dict.fromkeys(args.policy or [DEFAULT_POLICY, BASELINE, OPTIMUM]))
@@ -142,7 +146,7 @@ def run(args: argparse.Namespace) -> int:
         rows = [result_row(r, model) for r in results]
         if args.plot:
             plot(rows, Path(args.plot), Path(trace.path).name)
-    except ReplayError as exc:
+    except (ReplayError, MissingExtra) as exc:
         print(f"kvstore replay: error: {exc}", file=sys.stderr)
         return 2
     if args.json:
@@ -158,10 +162,10 @@ def run(args: argparse.Namespace) -> int:
 def replay_all(trace: Trace, configs: list[tuple[TierSpec, ...]], policies: list[str],
                show_progress: bool = True, quotas: list[tuple[str, QuotaTable | None]] | None = None,
                block_bytes: int = 1) -> list[ReplayResult]:
-    """Every policy on every configuration under every quota setting, with one tqdm bar on
-    stderr when it is a TTY. Belady, the reference, runs once per capacity: every tier
-    admitting all, no quota."""
-    from tqdm import tqdm
+    """Every policy on every configuration under every quota setting, with one progress bar on
+    stderr when it is a TTY (tqdm's, or plain lines without it). Belady, the reference, runs
+    once per capacity: every tier admitting all, no quota."""
+    from kvstore.tools.bench.extras import progress_bar
 
     settings = quotas or [("none", None)]
     runs: list[tuple[tuple[TierSpec, ...], str, str, QuotaTable | None]] = []
@@ -174,8 +178,8 @@ def replay_all(trace: Trace, configs: list[tuple[TierSpec, ...]], policies: list
             belady_done.add(caps)
             tiers, label, table = tuple(dataclasses.replace(t, admission="all") for t in tiers), "none", None
         runs.append((tiers, policy, label, table))
-    with tqdm(total=trace.num_requests * len(runs), unit="req", file=sys.stderr, leave=False,
-              disable=not (show_progress and sys.stderr.isatty())) as bar:
+    quiet = not (show_progress and sys.stderr.isatty())
+    with progress_bar(trace.num_requests * len(runs), "req", disable=quiet) as bar:
         return [replay(trace, tiers, policy, bar.update, table, label, block_bytes)
                 for tiers, policy, label, table in runs]
 
@@ -240,11 +244,10 @@ def format_table(trace: Trace, rows: list[dict[str, Any]]) -> str:
 
 
 def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
-    """Hit ratio vs capacity, one line per policy (matplotlib, Agg backend)."""
-    import matplotlib
+    """Hit ratio vs capacity, one line per policy (matplotlib, the ``bench`` extra)."""
+    from kvstore.tools.bench.extras import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot("kvstore replay --plot")
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for policy in dict.fromkeys(r["policy"] for r in rows):

@@ -30,7 +30,7 @@ import numpy as np
 
 from kvstore.keys import BlockHasher
 from kvstore.policy.eviction import DEFAULT_POLICY, EvictionPolicy, make_policy
-from kvstore.services.router.policy.config import RouterConfig
+from kvstore.services.router.policy.config import RoutingPolicyConfig
 from kvstore.services.router.policy.keytable import key_ids
 from kvstore.services.router.policy.router import Decision, LoadReport, Router
 from kvstore.services.router.policy.tiers import GPU
@@ -193,7 +193,7 @@ def _events_to(router: Router, name: str) -> tuple[Callable[[list[bytes]], None]
     return stored, removed
 
 
-def simulate(requests: list[TraceRequest], config: SimConfig, router_config: RouterConfig) -> SimResult:
+def simulate(requests: list[TraceRequest], config: SimConfig, router_config: RoutingPolicyConfig) -> SimResult:
     """Replay ``requests`` through a Router over ``config.num_replicas`` simulated replicas."""
     router = Router(BLOCK_TOKENS, router_config)
     rate = config.prefill_tokens_per_s

@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-from kvstore.engine.loader import random_checkpoint, save_random_checkpoint
+from kvstore.engine.checkpoint import random_checkpoint, save_random_checkpoint
 from kvstore.services.engine_server.tokenizer import (
     CHAT_TEMPLATE_SOURCES,
     PLAIN_TEMPLATE,

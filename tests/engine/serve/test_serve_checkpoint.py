@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kvstore.engine import LLMEngine, SamplingParams
-from kvstore.engine.loader import random_checkpoint, save_random_checkpoint
+from kvstore.engine.checkpoint import random_checkpoint, save_random_checkpoint
 
 from serve_helpers import EngineServer
 

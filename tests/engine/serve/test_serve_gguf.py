@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.engine.bundled import SMOLLM2_FILE, SMOLLM2_INSTALL, smollm2_gguf
+from kvstore.engine.checkpoint import SMOLLM2_FILE, SMOLLM2_INSTALL, smollm2_gguf
 
 from factories import require
 from serve_helpers import EngineServer

@@ -14,8 +14,8 @@ from kvstore.services.router.policy.config import (
     LEAST_LOADED,
     POLICIES,
     ROUND_ROBIN,
-    RouterConfig,
     RoutingError,
+    RoutingPolicyConfig,
 )
 from kvstore.services.router.policy.index import PrefixIndex, PrefixMatches
 from kvstore.services.router.policy.keytable import KeyTable, key_ids
@@ -40,8 +40,17 @@ __all__ = [
     "PrefixMatches",
     "ReplicaState",
     "Router",
-    "RouterConfig",
     "RoutingError",
+    "RoutingPolicyConfig",
     "TierWeights",
     "key_ids",
 ]
+
+
+def __getattr__(name: str) -> object:
+    """``RouterConfig``: the old name of ``RoutingPolicyConfig`` (warns; see its module)."""
+    if name == "RouterConfig":
+        from kvstore.services.router.policy import config
+
+        return config.RouterConfig
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,4 +1,4 @@
-"""RouterConfig: every knob of the routing library, frozen and validated."""
+"""RoutingPolicyConfig: every knob of the routing library, frozen and validated."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ class RoutingError(Exception):
 
 
 @dataclass(frozen=True)
-class RouterConfig:
+class RoutingPolicyConfig:
     """How the router chooses a replica (docs/routing.md explains each term).
 
     Attributes:
@@ -77,3 +77,14 @@ class RouterConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+
+
+def __getattr__(name: str) -> object:
+    """``RouterConfig``, the old name of ``RoutingPolicyConfig`` (it configures the routing
+    library, while ``RouteConfig`` configures ``kvstore route``): importable, with a warning."""
+    if name == "RouterConfig":
+        import warnings
+
+        warnings.warn("RouterConfig is named RoutingPolicyConfig now", DeprecationWarning, stacklevel=2)
+        return RoutingPolicyConfig
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -31,8 +31,8 @@ from kvstore.services.router.policy.config import (
     CACHE_AWARE,
     LEAST_LOADED,
     ROUND_ROBIN,
-    RouterConfig,
     RoutingError,
+    RoutingPolicyConfig,
 )
 from kvstore.services.router.policy.history import RoutingHistory
 from kvstore.services.router.policy.index import PrefixIndex, PrefixMatches
@@ -99,14 +99,14 @@ class Decision:
 class Router:
     """The routing library's front object (see module)."""
 
-    def __init__(self, block_tokens: int, config: RouterConfig | None = None,
+    def __init__(self, block_tokens: int, config: RoutingPolicyConfig | None = None,
                  hasher: KeyChain | None = None) -> None:
         if block_tokens < 1:
             raise ValueError(f"block_tokens must be >= 1, got {block_tokens}")
         if hasher is not None and hasher.namespace.layout.block_size != block_tokens:
             raise ValueError(f"the hasher's block size {hasher.namespace.layout.block_size} != "
                              f"block_tokens {block_tokens}")
-        self.config = config or RouterConfig()
+        self.config = config or RoutingPolicyConfig()
         self.block_tokens = block_tokens
         self.hasher = hasher
         self.index = PrefixIndex(self.config.weights)

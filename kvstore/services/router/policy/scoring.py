@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvstore.services.router.policy.config import RouterConfig
+from kvstore.services.router.policy.config import RoutingPolicyConfig
 
 
 def saved_tokens(saved_blocks: np.ndarray, block_tokens: int, prompt_tokens: int) -> np.ndarray:
@@ -30,7 +30,7 @@ def saved_tokens(saved_blocks: np.ndarray, block_tokens: int, prompt_tokens: int
 
 
 def costs(prompt_tokens: int, saved: np.ndarray, queued_tokens: np.ndarray, decode_seqs: np.ndarray,
-          free_tokens: np.ndarray, config: RouterConfig) -> np.ndarray:
+          free_tokens: np.ndarray, config: RoutingPolicyConfig) -> np.ndarray:
     """What sending the request to each replica costs, in prefill tokens (see module)."""
     uncached = prompt_tokens - saved
     evicted = np.maximum(0.0, uncached - free_tokens)
@@ -38,7 +38,7 @@ def costs(prompt_tokens: int, saved: np.ndarray, queued_tokens: np.ndarray, deco
             + config.eviction_weight * evicted)
 
 
-def overloaded(in_flight: np.ndarray, queued_tokens: np.ndarray, config: RouterConfig) -> np.ndarray:
+def overloaded(in_flight: np.ndarray, queued_tokens: np.ndarray, config: RoutingPolicyConfig) -> np.ndarray:
     """The gate: True for each replica that must not take this request (see module)."""
     mean_after = (in_flight.sum() + 1) / in_flight.size  # the mean once this request is placed
     by_count = (in_flight - in_flight.min() >= config.gate_min_requests) & (

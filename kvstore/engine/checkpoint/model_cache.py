@@ -1,6 +1,5 @@
-"""The model cache: GGUF files' converted copies (``kvstore.engine.gguf_checkpoint``), one
-directory per source file, named by its sha256, that ``load_checkpoint`` reads as a Hugging Face
-checkpoint.
+"""The model cache: GGUF files' converted copies (``gguf_reader``), one directory per source
+file, named by its sha256, that ``load_checkpoint`` reads as a Hugging Face checkpoint.
 
 The cache is ``cache_dir``, else ``$KVSTORE_MODEL_CACHE``, else ``./.kvstore/models``. The GGUF is
 hashed on every call, in chunks (no stat shortcut: ~0.1 s for SmolLM2's 98 MB). An entry is
@@ -23,8 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvstore import env
-from kvstore.engine.gguf_checkpoint import GGUF_MAGIC, write_hf_copy
-from kvstore.engine.loader import CheckpointError
+from kvstore.engine.checkpoint.gguf_reader import GGUF_MAGIC, write_hf_copy
+from kvstore.engine.checkpoint.types import CheckpointError
 
 log = logging.getLogger("kvstore.engine")
 

@@ -19,7 +19,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from kvstore.engine.loader import CheckpointError
+from kvstore.engine.checkpoint.types import CheckpointError, need_tokenizers
 
 log = logging.getLogger("kvstore.engine")
 
@@ -49,8 +49,10 @@ def build_tokenizer(meta: dict[str, Any]) -> Any:
         meta: the GGUF metadata, key -> value (``tokenizer.ggml.tokens`` a list of str, ...).
 
     Raises:
-        CheckpointError: no vocabulary, or a tokenizer model other than gpt2 and llama.
+        CheckpointError: no vocabulary, a tokenizer model other than gpt2 and llama, or no
+            ``tokenizers`` package.
     """
+    need_tokenizers()
     from tokenizers import AddedToken, processors
 
     kind = meta.get("tokenizer.ggml.model")

