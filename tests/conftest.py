@@ -1,4 +1,4 @@
-"""Suite-wide setup. Helpers live in plain modules (factories.py, kernel_testing.py, ...)."""
+"""Suite-wide setup. Helpers live in plain modules (factories.py, waiting.py, kernel_testing.py, ...)."""
 
 from __future__ import annotations
 

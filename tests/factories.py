@@ -142,6 +142,11 @@ class HeldDiskWrite:
             assert not errors, errors
 
 
+# where a store call waits for blocks being written outside the store lock (InFlight in
+# kvstore/store/inflight.py): a test that holds a write waits for its other calls to get there
+WRITE_WAITS = ("wait_written", "wait_all_written")
+
+
 def crash_disk_write_once(store: TieredStore) -> None:
     """The disk level's next ``write`` raises (a bug, not a medium failure: those return
     False); the writes after it go through."""

@@ -1,6 +1,6 @@
 """Names that changed keep working under their old spelling, with a DeprecationWarning naming
 the new one (the README's "What changed" lists them; the flags and keys that changed are
-tested beside their commands: tests/test_settings.py, tests/integrations/test_vllm_parts.py,
+tested beside their commands: tests/test_config.py, tests/integrations/test_vllm_parts.py,
 tests/engine/test_errors.py)."""
 
 from __future__ import annotations

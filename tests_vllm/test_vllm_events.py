@@ -6,6 +6,7 @@ vLLM tells by nothing but its seq starting again at 0)."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
@@ -24,6 +25,7 @@ from kvstore.events.wire import (
     decode_batch,
     encode_batch,
 )
+from tests.waiting import wait_until
 
 K1, K2, K3 = b"\x11" * 32, b"\x22" * 32, b"\x33" * 32
 
@@ -57,15 +59,17 @@ def test_kvstores_publisher_is_read_by_a_consumer_written_against_vllms_types() 
         sub.connect(pub.endpoint)
         decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
         try:
-            deadline = time.monotonic() + 30
             seen: list[object] = []
-            while not any(isinstance(e, VStored) for e in seen):
-                assert time.monotonic() < deadline, "no BlockStored decoded"
+
+            def decoded_a_block_stored() -> bool:  # published until one arrives (ZeroMQ's slow joiner)
                 pub.stored("CPU", [K1], [None], 4, [1, 2, 3, 4])
                 if sub.poll(100):
                     _topic, seq, payload = sub.recv_multipart()
                     assert int.from_bytes(seq, "big") >= 0
-                    seen += decoder.decode(payload).events  # heartbeats decode too
+                    seen.extend(decoder.decode(payload).events)  # heartbeats decode too
+                return any(isinstance(e, VStored) for e in seen)
+
+            wait_until(decoded_a_block_stored, 30, "a BlockStored decoded", poll_s=0)
         finally:
             sub.close(0)
             ctx.term()
@@ -83,11 +87,16 @@ def _stored(*keys: int, parent: int | None = None) -> KVEventBatch:
                                                         medium="GPU", lora_name=None)])
 
 
-def _until(cond: object, sub: Subscriber, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():  # type: ignore[operator]
-        assert time.monotonic() < deadline, f"timed out; subscriber {sub.stats()}"
+def _until(cond: Callable[[], bool], sub: Subscriber, timeout: float = 30.0) -> None:
+    """Drive ``sub`` (each ``poll`` waits on its socket up to 50 ms) until ``cond()`` holds."""
+
+    def check() -> bool:
+        if cond():
+            return True
         sub.poll(0.05)
+        return False
+
+    wait_until(check, timeout, lambda: f"the condition; subscriber {sub.stats()}", poll_s=0)
 
 
 def test_subscriber_follows_vllms_publisher_by_replay_and_across_its_restart(tmp_path: Path) -> None:
@@ -95,7 +104,7 @@ def test_subscriber_follows_vllms_publisher_by_replay_and_across_its_restart(tmp
     sub = Subscriber(f"ipc://{tmp_path}/pub", replay_endpoint=f"ipc://{tmp_path}/replay", request_timeout_s=1.0)
     try:
         vpub.publish(_stored(1, 2))  # before the subscriber hears anything: replayed from seq 0
-        time.sleep(0.3)
+        time.sleep(0.3)  # ZeroMQ's slow joiner: vLLM's PUB socket tells nobody when a subscriber joined
         sub.poll(0.3)  # vLLM answers the snapshot request with the end marker alone
         for _ in range(30):  # seq 1..30: the restarted one is told apart while its seq is lower
             vpub.publish(_stored(3, parent=2))
@@ -104,11 +113,14 @@ def test_subscriber_follows_vllms_publisher_by_replay_and_across_its_restart(tmp
         vpub.shutdown()
 
         vpub = _vllm_publisher(tmp_path)  # a restarted vLLM: seq 0 again, nothing of the old one stands
-        deadline = time.monotonic() + 30
-        while sub.stats()["restarts"] == 0:  # ZeroMQ reconnects on its own time
-            assert time.monotonic() < deadline, sub.stats()
-            vpub.publish(_stored(9))
-            sub.poll(0.2)
+
+        def restart_seen() -> int:  # ZeroMQ reconnects on its own time: published until it is seen
+            if not sub.stats()["restarts"]:
+                vpub.publish(_stored(9))
+                sub.poll(0.2)
+            return sub.stats()["restarts"]
+
+        wait_until(restart_seen, 30, lambda: f"the restart seen ({sub.stats()})", poll_s=0)
         _until(lambda: sub.sink.blocks("GPU") == {9}, sub)
         assert not sub.approximate
     finally:

@@ -10,7 +10,6 @@ import shlex
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -18,6 +17,7 @@ import openai
 from conftest import ROOT
 
 from tests.daemon.daemon_helpers import DaemonProc
+from tests.waiting import wait_until
 
 P = [(i * 7919) % 997 + 2 for i in range(600)]  # 4 loadable 128-token blocks
 
@@ -53,16 +53,12 @@ def test_vllm_serve_loads_the_prefix_back_from_kvstore(model_dir: str, tmp_path:
     server = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 240
-        while True:
+
+        def healthy() -> bool:
             assert server.poll() is None, (tmp_path / "serve.log").read_text()[-6000:]
-            try:
-                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "vllm serve did not become healthy in 240 s"
-            time.sleep(1)
+            return httpx.get(f"{base}/health", timeout=2).status_code == 200
+
+        wait_until(healthy, 240, "vllm serve healthy", ignoring=(httpx.HTTPError,), poll_s=1)
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused")
 
         def complete() -> tuple[str, int]:

@@ -24,6 +24,7 @@ from kvstore.services.daemon.bulk_io import BULK_MAX_S, BULK_MIN, BulkPace
 
 from daemon_helpers import LAYOUT, DaemonProc, blocks, prompt
 from factories import run_in_threads
+from waiting import wait_until
 
 # 64 KiB blocks: a 200-block reply (12.5 MiB) outgrows the daemon's socket buffer (8 MiB),
 # so a reader that pauses makes the writer stall; 8 blocks (512 KiB) already take the loops.
@@ -93,7 +94,7 @@ def test_a_large_get_to_a_reader_that_pauses_arrives_whole(big_daemon: DaemonPro
         c.put(keys, blocks(keys, BIG))
     s = hello(big_daemon)
     s.sendall(encode({"op": "get", "id": 2, "keys": b"".join(keys)}))
-    time.sleep(0.2)  # the daemon fills its socket buffer and stalls; the transport sends the rest
+    time.sleep(0.2)  # the pause under test: the daemon fills its socket buffer and stalls; then the rest
     head = s.recv(HEADER.size, socket.MSG_WAITALL)
     meta_len, data_len = HEADER.unpack(head)
     s.recv(meta_len, socket.MSG_WAITALL)
@@ -114,12 +115,10 @@ def test_a_large_put_cut_off_mid_way_publishes_nothing(big_daemon: DaemonProc) -
         data = payload(keys)
         s = hello(big_daemon)
         s.sendall(encode({"op": "put", "id": 1, "keys": b"".join(keys)}, len(data)) + data[: len(data) // 2])
-        time.sleep(0.2)
+        wait_until(lambda: c.stats()["host"]["used_bytes"] != used, 10, "the put's host slots reserved")
         s.close()
-        for _ in range(100):  # the reservation ends with the connection
-            if c.stats()["host"]["used_bytes"] == used:
-                break
-            time.sleep(0.05)
+        # the reservation ends with the connection
+        wait_until(lambda: c.stats()["host"]["used_bytes"] == used, 5, "the cut-off put's slots given back")
         assert c.stats()["host"]["used_bytes"] == used
         assert c.lookup(keys).num_blocks == 0
         c.put(keys, blocks(keys, BIG))
@@ -191,7 +190,7 @@ def test_a_trickled_put_is_received_whole_while_others_are_served(big_daemon: Da
         other = c.block_keys(prompt(506, 1, BIG.block_size))
         for i, start in enumerate(range(0, len(data), 16 << 10)):
             s.sendall(data[start : start + (16 << 10)])  # 16 KiB at a time, far below BULK_RATE
-            time.sleep(0.003)
+            time.sleep(0.003)  # a trickle: the slow sender under test
             if i % 8 == 0:  # the daemon keeps serving another connection meanwhile
                 c.put(other, blocks(other, BIG))
                 assert torch.equal(c.get(other), blocks(other, BIG))

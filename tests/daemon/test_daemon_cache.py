@@ -11,7 +11,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -23,6 +22,7 @@ from kvstore.protocol import Code, RemoteError
 
 from daemon_helpers import LAYOUT, ROOT, DaemonProc, blocks, prompt
 from daemon_helpers import call as rest_call
+from waiting import wait_until
 
 ADMIN, ACME, GLOBEX = "tok-admin", "tok-acme", "tok-globex"
 
@@ -41,13 +41,6 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProc]:
 
 def call(url: str, method: str = "GET", body: Any = None, token: str | None = None) -> tuple[int, Any]:
     return rest_call(url, method, body, token, timeout=60.0)  # forgets and prefetches can take a while
-
-
-def wait_until(check, timeout: float = 20.0) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)
 
 
 def put_chain(daemon: DaemonProc, token: str, salt: int, n: int) -> list[bytes]:
@@ -70,7 +63,7 @@ PINNER = textwrap.dedent("""
     c.pin(keys[:2])                # no deadline: only the connection's end ends it
     c.pin(keys[2:], ttl_s=3600)    # a deadline far away
     print("pinned", flush=True)
-    time.sleep(600)
+    time.sleep(600)                # alive, pins held, until the test's kill -9
 """)
 
 
@@ -85,7 +78,8 @@ def test_the_pins_of_a_client_killed_by_kill9_end_when_the_daemon_sees_it_go(dae
             assert [i.pins for i in watcher.inspect(keys)] == [1, 1, 1, 1]  # type: ignore[union-attr]
             child.send_signal(signal.SIGKILL)  # no close, no goodbye: the socket just goes
             child.wait(10)
-            wait_until(lambda: [i.pins for i in watcher.inspect(keys)] == [0, 0, 0, 0])  # type: ignore[union-attr]
+            wait_until(lambda: [i.pins for i in watcher.inspect(keys)] == [0] * 4,  # type: ignore[union-attr]
+                       20, "the killed client's pins ending")
             watcher.delete(keys)  # nothing holds them any more
     finally:
         child.kill()
@@ -97,7 +91,7 @@ def test_a_pin_with_a_ttl_ends_while_its_client_lives(daemon: DaemonProc) -> Non
         c.pin(keys, ttl_s=1)
         info = c.inspect(keys)[0]
         assert info is not None and info.pins == 1 and 0 < info.pin_expires_s <= 1  # type: ignore[operator]
-        wait_until(lambda: c.inspect(keys)[0].pins == 0, timeout=10)  # type: ignore[union-attr]
+        wait_until(lambda: c.inspect(keys)[0].pins == 0, 10, "the pin's TTL")  # type: ignore[union-attr]
         with pytest.raises(ValueError, match="is not pinned by this connection"):
             c.unpin(keys)  # it ended by itself: nothing left to undo
 
@@ -236,7 +230,7 @@ def test_rest_cache_routes_over_a_real_daemon(daemon: DaemonProc) -> None:
 
     status, started = call(f"{url}/prefetch", "POST", body(keys), ACME)
     assert status == 202 and started["num_keys"] == 3
-    wait_until(lambda: call(f"{daemon.http}{started['status']}", token=ACME)[1]["done"])
+    wait_until(lambda: call(f"{daemon.http}{started['status']}", token=ACME)[1]["done"], 20, "the prefetch")
     assert call(f"{daemon.http}{started['status']}", token=ACME)[1]["num_blocks"] == 3
     assert call(f"{daemon.http}{started['status']}", token=GLOBEX)[0] == 404  # not its prefetch
     too_many = {"model": "test-model", "keys": [keys[0].hex()] * (MAX_KEYS + 1)}

@@ -4,6 +4,7 @@ connection, the daemon keeps serving others, and its memory stays bounded."""
 from __future__ import annotations
 
 import random
+import select
 import socket
 import time
 from pathlib import Path
@@ -16,6 +17,7 @@ import torch
 from kvstore.protocol import HEADER, VERSION, Code, encode, layout_to_dict
 
 from daemon_helpers import LAYOUT, DaemonProc, blocks, daemon_fixture, prompt, shared_daemon_fixture  # noqa: F401
+from waiting import wait_until
 
 HELLO = {"op": "hello", "version": VERSION, "model_id": "test-model", "layout": layout_to_dict(LAYOUT)}
 
@@ -153,7 +155,7 @@ def test_a_client_that_never_reads_cannot_grow_the_daemon(shared_daemon: DaemonP
         try:
             sent += s.send(pending[sent : sent + (1 << 16)])
         except BlockingIOError:
-            time.sleep(0.05)
+            select.select([], [s], [], 0.05)  # until the socket takes bytes again (the deadline ends it)
     # the daemon stopped reading: socket buffers plus its 8 MiB input bound, then our sends block
     assert len(request) * 8 < sent < 32 << 20
     assert rss_kib(d.proc.pid) - before < 64 * 1024
@@ -186,7 +188,7 @@ def test_commits_answered_on_the_event_loop_still_stop_a_client_that_never_reads
             if now - stalled_since > 1.0:
                 stalled = True
                 break
-            time.sleep(0.02)
+            select.select([], [s], [], 0.02)  # until the socket takes bytes again, if it ever does
     assert stalled, f"the daemon kept reading a client that reads nothing ({sent / 1e6:.0f} MB sent)"
     assert sent < 12e6  # socket buffers and ~1 MiB of unsent replies' worth of frames
     assert rss_kib(d.proc.pid) - before < 64 * 1024
@@ -222,13 +224,11 @@ def test_a_put_cut_off_inside_its_data_gives_its_host_slots_back(daemon: DaemonP
         s.sendall(encode(HELLO))
         reply(s)
         s.sendall(encode({"op": "put", "id": 1, "keys": b"".join(keys)}, len(data)) + data[: len(data) // 2])
-        time.sleep(0.3)
+        wait_until(lambda: c.stats()["host"]["used_bytes"] != used, 10, "the put's host slots reserved")
         assert c.stats()["host"]["used_bytes"] == used + 6 * 4096  # slots reserved, half received
         s.close()
-        for _ in range(100):  # the reservation ends with the connection; nothing was published
-            if c.stats()["host"]["used_bytes"] == used:
-                break
-            time.sleep(0.05)
+        # the reservation ends with the connection; nothing was published
+        wait_until(lambda: c.stats()["host"]["used_bytes"] == used, 5, "the closed put's slots given back")
         assert c.stats()["host"]["used_bytes"] == used
         assert c.lookup(keys).num_blocks == 0
         c.put(keys, blocks(keys))  # received straight into host slots: the same bytes come back

@@ -16,6 +16,7 @@ from kvstore.services.daemon.shm import Leases, leases_per_connection
 
 from daemon_helpers import DaemonProc, blocks, prompt
 from factories import make_store
+from waiting import wait_until
 
 
 def test_requests_of_one_connection_on_several_threads_cannot_pass_its_lease_limit(
@@ -50,9 +51,13 @@ def test_requests_of_one_connection_on_several_threads_cannot_pass_its_lease_lim
     for t in threads:
         t.start()
     entered = 0
-    deadline = time.monotonic() + 10
-    while entered + len(refused) < 8 and time.monotonic() < deadline:
+
+    def all_counted() -> bool:
+        nonlocal entered
         entered += inside.acquire(timeout=0.05)
+        return entered + len(refused) == 8
+
+    wait_until(all_counted, 10, lambda: f"8 grants held or refused ({entered} held, {len(refused)} refused)")
     go.set()
     for t in threads:
         t.join(10)
@@ -122,9 +127,8 @@ def test_a_client_hoarding_leases_is_refused_and_what_it_held_goes_back_when_it_
             held = limit * 2 * hoarder._mapped.slot_bytes  # its leases of two slots each
             before = other.stats()["host"]["used_bytes"]
             hoarder.close()
-            deadline = time.monotonic() + 10
-            while other.stats()["host"]["used_bytes"] != before - held and time.monotonic() < deadline:
-                time.sleep(0.05)
+            wait_until(lambda: other.stats()["host"]["used_bytes"] == before - held, 10,
+                       "the closed hoarder's slots free again")
             assert other.stats()["host"]["used_bytes"] == before - held
             assert other.lookup(chains[1]).num_blocks == 0  # reserved, never committed: never published
             assert torch.equal(other.get(keys), blocks(keys))

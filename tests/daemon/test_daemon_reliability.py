@@ -58,7 +58,7 @@ def test_kill9_during_put_storm_loses_only_unacknowledged(tmp_path: Path) -> Non
             threads = [threading.Thread(target=storm, args=(w,)) for w in range(2)]
             for t in threads:
                 t.start()
-            time.sleep(rng.uniform(0.4, 1.2))
+            time.sleep(rng.uniform(0.4, 1.2))  # a random moment of the storm to kill the daemon at
             d.kill9()
             stop.set()
             for t in threads:
@@ -139,14 +139,14 @@ def test_32_clients_30_seconds_mixed_ops(tmp_path: Path) -> None:
                             over.append(f"{tier}: {s['used_bytes']} > {s['capacity_bytes']}")
             except OSError as exc:
                 errors.append(f"REST at {time.monotonic() - t0:.1f} s: {exc!r}")
-            time.sleep(0.2)
+            stop.wait(0.2)  # a sample every 0.2 s until the load stops
 
     t0 = time.monotonic()
     threads = [threading.Thread(target=client, args=(n,)) for n in range(32)] + [threading.Thread(target=watch)]
     try:
         for t in threads:
             t.start()
-        time.sleep(30)
+        time.sleep(30)  # the load's length: what this test measures holds for all of it
         stop.set()
         for t in threads:
             t.join(60)

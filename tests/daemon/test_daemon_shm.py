@@ -24,6 +24,7 @@ from kvstore.tiers.host import PayloadViews
 
 from daemon_helpers import LAYOUT, DaemonProc, blocks, prompt
 from factories import run_in_threads
+from waiting import wait_until
 
 pytestmark = pytest.mark.skipif(not MappedPool.lock_free(), reason="lock-free reads need x86-64 (leases only)")
 PAYLOAD = LAYOUT.bytes_per_block
@@ -85,9 +86,7 @@ def test_get_reuses_slots_from_earlier_replies_without_a_lease(tmp_path: Path, m
                 assert torch.equal(c.get(keys), blocks(keys))
             assert copies.reads == 3 and calls == []  # no round trip at all
             # the daemon hears of the reads later, batched (touches count as reads)
-            deadline = time.monotonic() + 10
-            while c.daemon_stats()["tenant"]["get_blocks"] < 12 and time.monotonic() < deadline:
-                time.sleep(0.05)
+            wait_until(lambda: c.daemon_stats()["tenant"]["get_blocks"] >= 12, 10, "the reads reported")
             assert c.daemon_stats()["tenant"]["get_blocks"] == 12
     finally:
         d.stop()
@@ -188,9 +187,9 @@ def test_a_run_of_puts_pays_no_round_trip_of_its_own(tmp_path: Path, monkeypatch
             c.put(keys, blocks(keys))
             # 43 blocks held; the slots in use add this connection's two standing leases of 8
             # (reserved, no block yet), while the first connection's standing ones went with it
-            deadline = time.monotonic() + 10
-            while c.stats()["host"]["used_bytes"] != (43 + 16) * 4096 and time.monotonic() < deadline:
-                time.sleep(0.05)  # the daemon ends a closed connection's leases as it notices
+            # the daemon ends a closed connection's leases as it notices
+            wait_until(lambda: c.stats()["host"]["used_bytes"] == (43 + 16) * 4096, 10,
+                       "the first connection's standing leases ended")
             host = c.stats()["host"]
             assert host["num_blocks"] == 4 * 8 + 3 + 8 and host["used_bytes"] == (43 + 16) * 4096, host
     finally:

@@ -10,7 +10,6 @@ import socket
 import subprocess
 import tempfile
 import threading
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -23,9 +22,11 @@ import torch
 from kvstore import KVLayout, StoreConfig, TieredStore
 from kvstore.services.daemon.registry import COUNTERS
 from kvstore.services.daemon.rest import create_app
+from kvstore.services.daemon.rest_common import DEPRECATED_SINCE
 
 from daemon_helpers import DaemonProc, blocks, call, prompt
 from factories import require
+from waiting import wait_serving, wait_until
 
 ADMIN, ACME, GLOBEX, BETA = "tok-admin", "tok-acme", "tok-globex", "tok-beta"  # beta never sends a request
 
@@ -150,9 +151,9 @@ def test_admin_pin_and_evict_are_deprecated_aliases(tmp_path: Path) -> None:
         for route, successor in successors.items():
             status, _, headers = answer(f"{d.http}/v1/admin/{route}", body)
             assert status == 401  # errors are marked too
-            assert headers["Deprecation"] == "true" and headers["Link"] == f'<{successor}>; rel="successor-version"'
+            assert headers["Deprecation"] == DEPRECATED_SINCE and headers["Link"] == f'<{successor}>; rel="successor-version"'
         status, pinned, headers = answer(f"{d.http}/v1/admin/pin", body, ADMIN)
-        assert (status, pinned) == (200, {"pinned": 2}) and headers["Deprecation"] == "true"
+        assert (status, pinned) == (200, {"pinned": 2}) and headers["Deprecation"] == DEPRECATED_SINCE
         assert answer(f"{d.http}/v1/admin/pin", {**body, "unpin": True}, ADMIN)[:2] == (200, {"unpinned": 2})
         status, evicted, headers = answer(f"{d.http}/v1/admin/evict", body, ADMIN)
         assert (status, evicted) == (200, {"evicted": 2})
@@ -164,9 +165,8 @@ def test_admin_pin_and_evict_are_deprecated_aliases(tmp_path: Path) -> None:
         assert paths["/v1/admin/evict"]["post"]["deprecated"] is True
         assert "deprecated" not in paths["/v1/cache/pin"]["post"] and "deprecated" not in paths["/v1/admin/flush"]["post"]
         assert d.stop() == 0
-        deadline = time.monotonic() + 10  # the daemon's last line: all its output was read
-        while "kvstore serve: stopped" not in d.output and time.monotonic() < deadline:
-            time.sleep(0.01)
+        # the daemon's last line: all its output was read
+        wait_until(lambda: "kvstore serve: stopped" in d.output, 10, "the daemon's last line read")
         assert "kvstore serve: stopped" in d.output
         for route, successor in successors.items():
             warning = f"POST /v1/admin/{route} is deprecated: use POST {successor} instead"
@@ -224,8 +224,7 @@ def serve_app(app: Any) -> tuple[str, Any, threading.Thread]:
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
-    while not server.started:
-        time.sleep(0.02)
+    wait_serving(server, thread)
     return f"http://127.0.0.1:{sock.getsockname()[1]}", server, thread
 
 

@@ -2,19 +2,26 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 
 from kvstore.events import Subscriber
 from kvstore.tools.bench import ports
 
+from waiting import wait_until
 
-def until(cond: Callable[[], bool], sub: Subscriber, timeout: float = 30.0) -> None:
-    """Poll ``sub`` until ``cond()`` holds; fail with the subscriber's counters after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out; subscriber {sub.stats()}"
+
+def until(cond: Callable[[], bool], sub: Subscriber, timeout: float = 30.0,
+          what: str = "the condition") -> None:
+    """Drive ``sub`` (each ``poll`` waits on its socket up to 50 ms) until ``cond()`` holds; fail
+    with the subscriber's counters after ``timeout``."""
+
+    def check() -> bool:
+        if cond():
+            return True
         sub.poll(0.05)
+        return False
+
+    wait_until(check, timeout, lambda: f"{what}; subscriber {sub.stats()}", poll_s=0)
 
 
 def free_port_pair() -> int:

@@ -5,7 +5,6 @@ subscriber catches up by snapshot; a restarted engine is a new epoch."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +15,7 @@ from kvstore.events import Subscriber
 from kvstore.events.wire import CPU, DISK, GPU, BlockStored
 
 from events_helpers import free_port_pair, until
+from waiting import wait_until
 
 TINY = dict(num_layers=2, hidden_size=64, intermediate_size=128, head_dim=16, vocab_size=128)
 BLOCK_BYTES, SLOT = 2048, 4096  # one block of TINY with block_size 4 in fp32; its host/disk slot
@@ -50,13 +50,14 @@ def truth(llm: LLMEngine) -> dict[str, set[bytes]]:
     also names a block being written (the engine's demotions keep coming for a moment after
     a turn), ``held_by_tier`` only what a tier holds; the two calls are retried until they
     agree (a bounded wait)."""
-    for _ in range(200):
+
+    def agreeing() -> dict[str, set[bytes]] | None:
         held = {GPU: device_keys(llm)}
         by_tier = llm.store.held_by_tier()
         held[CPU], held[DISK] = {k for k, _ in by_tier["host"]}, {k for k, _ in by_tier["disk"]}
-        if set(llm.store.held_keys()) == held[CPU] | held[DISK]:
-            break
-        time.sleep(0.01)
+        return held if set(llm.store.held_keys()) == held[CPU] | held[DISK] else None
+
+    held = wait_until(agreeing, 5, "the store's two views agreeing", poll_s=0.01)
     assert set(llm.store.held_keys()) == held[CPU] | held[DISK]
     return {m: keys for m, keys in held.items() if keys}
 
@@ -99,8 +100,12 @@ def test_device_tier_view_equals_the_engine_after_evictions(tmp_path: Path) -> N
         finally:
             late.close()
         sub.pause()  # the connection drops for a turn; the subscriber catches up by replay
+        publisher = llm.kv_events
+        assert publisher is not None
+        published = publisher.stats()["events"]
         converse(llm, 1, first=20)
-        time.sleep(0.1)
+        wait_until(lambda: publisher.stats()["events"] > published and publisher.stats()["queued"] == 0, 10,
+                   "the turn's events sent while the subscriber is away")
         sub.resume()
         until(lambda: sub.stats()["replays"] >= 1 and sub.sink.held() == truth(llm), sub)
         assert sub.stats()["snapshots"] == 1 and not sub.approximate

@@ -23,6 +23,7 @@ from kvstore.events.wire import (
 )
 
 from events_helpers import until
+from waiting import wait_until
 
 
 class Tier:
@@ -62,6 +63,12 @@ def pub() -> EventPublisher:
     p.close()
 
 
+def sent(pub: EventPublisher) -> None:
+    """Returns once the publisher's thread took everything queued into a batch: what is
+    published next is a batch of its own."""
+    wait_until(lambda: pub.stats()["queued"] == 0, 10, "the publisher taking what is queued")
+
+
 def _sub(pub: EventPublisher, **kwargs: object) -> Subscriber:
     return Subscriber(pub.endpoint, replay_endpoint=pub.replay_endpoint or "", **kwargs)  # type: ignore[arg-type]
 
@@ -89,8 +96,9 @@ def test_dropped_connection_catches_up_by_replay(pub: EventPublisher) -> None:
         sub.pause()
         for _ in range(5):
             tier.remove([next(iter(tier.held))]) if len(tier.held) > 3 else tier.store(2)
-            time.sleep(0.02)
-        time.sleep(0.3)  # heartbeats too go by unseen
+            sent(pub)
+        beats = pub.stats()["heartbeats"]
+        wait_until(lambda: pub.stats()["heartbeats"] >= beats + 2, 10, "heartbeats going by unseen")
         sub.resume()
         until(lambda: sub.sink.blocks("GPU") == set(tier.held) and sub.stats()["replays"] >= 1, sub)
         s = sub.stats()
@@ -105,7 +113,7 @@ def test_gap_older_than_the_ring_takes_a_snapshot() -> None:
             sub.pause()
             for _ in range(8):
                 tier.store(1)
-                time.sleep(0.03)  # one batch each, more than the ring keeps
+                sent(pub)  # one batch each, more than the ring keeps
             sub.resume()
             until(lambda: sub.stats()["snapshots"] == 2, sub)
             until(lambda: sub.sink.blocks("CPU") == set(tier.held), sub)
@@ -148,7 +156,7 @@ def test_heartbeats_when_idle_and_staleness_when_they_stop() -> None:
         assert pub.stats()["heartbeats"] >= 5 and not sub.approximate and len(sub.sink) == 2
         pub.close()
         until(lambda: sub.sink.held() == {}, sub)  # a clean shutdown ends with AllBlocksCleared
-        time.sleep(0.5)
+        time.sleep(0.5)  # past heartbeat_timeout_s with no heartbeat: the staleness under test
         sub.poll(0.0)
         assert sub.approximate
 
@@ -244,12 +252,13 @@ def _kvstore_events_json(pub: EventPublisher, *args: str) -> list[dict[str, Any]
     proc = subprocess.Popen([sys.executable, "-m", "kvstore.cli", "events", pub.endpoint, "--replay-endpoint",
                              str(pub.replay_endpoint), "--json", "--timeout", "30", *args],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    time.sleep(0.5)
-    for _ in range(100):  # keep publishing until it has seen enough (it may start late)
-        if proc.poll() is not None:
-            break
+    for _ in range(100):  # keep publishing, a block every 0.2 s, until it has seen enough (it may start late)
         tier.store(1)
-        time.sleep(0.2)
+        try:
+            proc.wait(0.2)
+            break
+        except subprocess.TimeoutExpired:
+            pass
     out, err = proc.communicate(timeout=30)
     assert proc.returncode == 0, err
     return [json.loads(line) for line in out.splitlines()]
@@ -340,7 +349,8 @@ class VllmStylePublisher:
 
         self.v = vllm_types
         self.ctx = zmq.Context()
-        self.pub, self.router = self.ctx.socket(zmq.PUB), self.ctx.socket(zmq.ROUTER)
+        # XPUB: a PUB to its subscribers, which also hands over their subscriptions (wait_subscribed)
+        self.pub, self.router = self.ctx.socket(zmq.XPUB), self.ctx.socket(zmq.ROUTER)
         self.endpoint = f"tcp://127.0.0.1:{self.pub.bind_to_random_port('tcp://127.0.0.1')}"
         self.replay_endpoint = f"tcp://127.0.0.1:{self.router.bind_to_random_port('tcp://127.0.0.1')}"
         self.ring: list[tuple[int, bytes]] = []
@@ -351,6 +361,12 @@ class VllmStylePublisher:
         seq = len(self.ring)
         self.ring.append((seq, payload))
         self.pub.send_multipart([b"", seq_frame(seq), payload])
+
+    def wait_subscribed(self, timeout_s: float = 10.0) -> None:
+        """Returns once a subscription reached this publisher: its subscriber gets what is
+        published from then on (ZeroMQ drops what a PUB sends before: the slow joiner)."""
+        assert self.pub.poll(int(timeout_s * 1000)), f"no subscription in {timeout_s} s"
+        self.pub.recv()
 
     def serve(self) -> None:
         while self.router.poll(0):
@@ -379,14 +395,14 @@ def test_subscriber_follows_a_plain_vllm_publisher_by_replay_from_seq_0(topic_in
 
         def serve() -> None:
             while not stop.is_set():
-                vp.serve()
-                time.sleep(0.005)
+                if vp.router.poll(50):  # a request came
+                    vp.serve()
 
         server = threading.Thread(target=serve, daemon=True)
         server.start()
         try:
             sub.poll(0.3)  # asks for a snapshot: a vLLM publisher answers only the end marker
-            time.sleep(0.3)  # ZeroMQ's slow joiner
+            vp.wait_subscribed()  # ZeroMQ's slow joiner: live batches reach it from now on
             vp.publish(v.VRemoved([3], "GPU"), v.VStored([4], 2, list(range(16)), 16, None, "GPU", None))
             until(lambda: sub.sink.blocks("GPU") == {2, 4}, sub)
             s = sub.stats()
@@ -414,17 +430,17 @@ def test_garbage_on_the_live_stream_is_counted_and_the_thread_follows_on() -> No
     try:
         with Subscriber(endpoint).start() as sub:
             first = encode_batch(EventBatch(1.0, [BlockStored([b"a" * 32], None, [], 4, "CPU")], 0))
-            deadline = time.monotonic() + 30
-            while sub.stats()["batches"] == 0:  # ZeroMQ's slow joiner: until the first lands
-                assert time.monotonic() < deadline, sub.stats()
+
+            def landed() -> int:  # ZeroMQ's slow joiner: sent until the first lands
                 raw.send_multipart([b"", seq_frame(0), first])
-                time.sleep(0.05)
+                return sub.stats()["batches"]
+
+            wait_until(landed, 30, lambda: f"the first batch landing ({sub.stats()})", poll_s=0.05)
             raw.send_multipart([b"", seq_frame(1), bytes.fromhex("9301918191010100")])
             raw.send_multipart([b"", seq_frame(2), encode_batch(EventBatch(
                 2.0, [BlockStored([b"b" * 32], None, [], 4, "CPU")], 0))])
-            while sub.sink.blocks("CPU") != {b"a" * 32, b"b" * 32}:
-                assert time.monotonic() < deadline, sub.stats()
-                time.sleep(0.05)
+            wait_until(lambda: sub.sink.blocks("CPU") == {b"a" * 32, b"b" * 32}, 30,
+                       lambda: f"both blocks applied ({sub.stats()})")
             assert sub._thread is not None and sub._thread.is_alive()
             s = sub.stats()
             assert s["decode_errors"] == 1 and s["errors"] == 0
@@ -448,7 +464,7 @@ def test_a_failing_snapshot_source_keeps_the_publisher_up_and_the_subscriber_ret
         pub.add_source(closing_store)
         for _ in range(8):  # more batches than the ring keeps: only a snapshot can sync
             tier.store(1)
-            time.sleep(0.03)
+            sent(pub)
         with _sub(pub, request_timeout_s=0.3) as sub:
             until(lambda: pub.stats()["snapshot_errors"] >= 2 and sub.stats()["unfilled_gaps"] >= 1, sub)
             assert sub.approximate and sub.stats()["snapshots"] == 0
@@ -466,13 +482,17 @@ def test_a_restarted_publisher_without_an_epoch_clears_the_view() -> None:
     v = vp.v
     try:
         sub = Subscriber(vp.endpoint)  # no replay: a restart must show on the live stream alone
-        deadline = time.monotonic() + 30
-        while sub.sink.blocks("GPU") != {1, 2, 3}:  # the slow joiner: until the old process's land
-            assert time.monotonic() < deadline, sub.stats()
+
+        def old_process_landed() -> bool:  # the slow joiner: published until the old process's land
+            if sub.sink.blocks("GPU") == {1, 2, 3}:
+                return True
             vp.ring.clear()
             vp.publish(v.VStored([1, 2], None, list(range(32)), 16, None, "GPU", None))
             vp.publish(v.VStored([3], 2, list(range(16)), 16, None, "GPU", None))
             sub.poll(0.1)
+            return False
+
+        wait_until(old_process_landed, 30, lambda: f"the old process's blocks ({sub.stats()})", poll_s=0)
         before = sub.stats()["restarts"]
         vp.ring.clear()  # the new process starts at seq 0
         vp.publish(v.VStored([7], None, list(range(16)), 16, None, "GPU", None))

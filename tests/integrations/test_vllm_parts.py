@@ -22,6 +22,8 @@ from kvstore.integrations.vllm.paged import PagedKV
 from kvstore.integrations.vllm.settings import ConnectorSettings
 from tests.daemon.daemon_helpers import DaemonProc
 
+from waiting import wait_until
+
 # Like vLLM's CPU backend: per layer [num_blocks, kv_heads, block, 2 * head_dim], blocks contiguous.
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, block_size=8, dtype=torch.float32)
 LAYER_BYTES = 2 * 8 * 2 * 4 * 4
@@ -113,7 +115,7 @@ def test_staging_buffers_are_reused_warm() -> None:
     buf = paged.take_staging(3)
     assert tuple(buf.shape) == (3, *LAYOUT.block_shape)
     paged.give_staging(buf)
-    assert paged.take_staging(2) is buf  # (the pool's rules: tests/test_buffer_pool.py)
+    assert paged.take_staging(2) is buf  # (the pool's rules: tests/store/test_buffer_pool.py)
     assert paged.take_staging(2) is not buf
 
 
@@ -213,11 +215,8 @@ def test_a_daemon_that_stops_answering_stalls_lookups_once_per_outage(tmp_path: 
         # Set-up: the put syncs the daemon's disk (write-through), which on a busy machine can
         # outlast the 0.5 s timeout; then the store is down until its reconnection, and the
         # put is tried again.
-        deadline = time.monotonic() + 30
-        while not store.try_put(keys, torch.randn(2, *LAYOUT.block_shape)):
-            assert time.monotonic() < deadline, "the daemon never took the first put"
-            while not store.is_up and time.monotonic() < deadline:
-                time.sleep(0.05)
+        wait_until(lambda: store.is_up and store.try_put(keys, torch.randn(2, *LAYOUT.block_shape)), 30,
+                   "the daemon taking the first put", poll_s=0.05)
         assert store.lookup(keys).num_blocks == 2
         os.kill(daemon.proc.pid, signal.SIGSTOP)
         started = time.monotonic()
@@ -230,12 +229,10 @@ def test_a_daemon_that_stops_answering_stalls_lookups_once_per_outage(tmp_path: 
             with pytest.raises(DaemonUnreachableError):  # at once, not after a connection attempt
                 store.block_keys([1] * 16, "")
             worst = max(worst, time.monotonic() - started)
-            time.sleep(0.02)
+            time.sleep(0.02)  # a lookup every 20 ms through the outage: its length is the point
         assert worst < 0.1, f"a lookup waited {worst:.2f} s for a stalled daemon"
         os.kill(daemon.proc.pid, signal.SIGCONT)
-        deadline = time.monotonic() + 10
-        while not store.is_up and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_until(lambda: store.is_up, 10, "the store reconnected")
         assert store.lookup(keys).num_blocks == 2
     finally:
         os.kill(daemon.proc.pid, signal.SIGCONT)

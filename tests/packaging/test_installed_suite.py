@@ -18,8 +18,8 @@ COPIED = [  # relative to the checkout, with the conftest files and helpers they
     "pyproject.toml",  # pytest's settings: markers, the timeout
     "tests/conftest.py",
     "tests/factories.py",
-    "tests/test_store.py",
-    "tests/test_store_listeners.py",
+    "tests/store/test_store.py",
+    "tests/store/test_store_listeners.py",
     "tests/engine/conftest.py",
     "tests/engine/test_model_parity.py",
     "tests/daemon/daemon_helpers.py",

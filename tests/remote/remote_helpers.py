@@ -138,7 +138,7 @@ class TrickleNode:
                     conn.sendall(self._slots_reply())
                 else:
                     for byte in b":0\r\n" if name in (b"EXISTS", b"DEL") else b"_\r\n":
-                        time.sleep(self.byte_delay)
+                        time.sleep(self.byte_delay)  # a byte at a time, late: the slow node under test
                         conn.sendall(bytes([byte]))
         except OSError:
             return  # the client gave up on us: what this node is for

@@ -25,7 +25,7 @@ def test_only_blocks_used_twice_leave_for_the_remote(cluster: RedisCluster, admi
         pushes = chain(node_a, 4, salt=3)
         node_a.put(pushes, blocks_for(pushes))  # both chains leave host RAM, the node's last tier
         assert node_a.flush(10)
-        time.sleep(HINT_TTL_S)
+        time.sleep(HINT_TTL_S)  # the hint TTL under test: another node's write is seen at most this late
         assert node_b.lookup(reused).tiers == ("remote", "remote")
         assert node_b.lookup(once).num_blocks == 0
     with make_store(None, host_blocks=4, remote_writes="put", remote_admission="seen_twice", **common) as node_c, \
@@ -33,5 +33,5 @@ def test_only_blocks_used_twice_leave_for_the_remote(cluster: RedisCluster, admi
         fresh = chain(node_c, 3, salt=4)
         node_c.put(fresh, blocks_for(fresh))  # a first put: not sent under seen_twice
         assert node_c.flush(10)
-        time.sleep(HINT_TTL_S)
+        time.sleep(HINT_TTL_S)  # an absence: had it been sent, node D would see it by now
         assert node_d.lookup(fresh).num_blocks == 0

@@ -8,7 +8,6 @@ import re
 import shutil
 import subprocess
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
@@ -19,6 +18,7 @@ from kvstore import KVLayout
 from kvstore.tools.bench.redis_local import RedisCluster, RedisServer, free_port
 
 from remote_helpers import Daemon
+from waiting import wait_until
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=1, head_dim=8, block_size=4, dtype=torch.float32)
 TOKENS = '[[tenant]]\nname = "acme"\ntokens = ["tok-acme"]\n\n[[tenant]]\nname = "globex"\ntokens = ["tok-globex"]\n'
@@ -33,13 +33,6 @@ def connect(daemon: Daemon, token: str, shm: bool = False) -> kvstore.StoreClien
     return kvstore.connect(daemon.unix, token=token, layout=LAYOUT, model_id="m", shm=shm)
 
 
-def wait_for(check, timeout: float = 15.0) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.1)
-
-
 def test_two_daemons_share_blocks_and_tenants_stay_apart(cluster: RedisCluster, tmp_path: Path) -> None:
     (tmp_path / "tokens.toml").write_text(TOKENS)
     common = ("--remote-url", cluster.url, "--remote-timeout", "3", "--tokens", str(tmp_path / "tokens.toml"))
@@ -52,7 +45,7 @@ def test_two_daemons_share_blocks_and_tenants_stay_apart(cluster: RedisCluster, 
             a.put(keys, payload(keys))
         with connect(node_b, "tok-acme") as b:
             keys_b = b.block_keys(tokens)
-            wait_for(lambda: b.lookup(keys_b).num_blocks == 10)  # write-behind on node A
+            wait_until(lambda: b.lookup(keys_b).num_blocks == 10, 15, "node A's write-behind seen by B")
             assert b.lookup(keys_b).tiers == ("remote",) * 10
             assert torch.equal(b.get(keys_b), payload(keys))  # exactly what A's client put
             assert b.lookup(keys_b).tiers == ("host",) * 10  # promoted on node B
@@ -114,7 +107,8 @@ def test_the_remote_password_never_leaves_the_daemon(tmp_path: Path) -> None:
         with connect(daemon, "") as client:
             keys = client.block_keys(list(range(16)))
             client.put(keys, payload(keys))
-            wait_for(lambda: json.loads(daemon.get("/v1/tiers"))["tiers"]["remote"]["bytes_written"] > 0)
+            wait_until(lambda: json.loads(daemon.get("/v1/tiers"))["tiers"]["remote"]["bytes_written"] > 0,
+                       15, "bytes written to the remote tier")
             seen = [daemon.get("/v1/tiers"), daemon.get("/v1/stats"), daemon.get("/metrics"),
                     json.dumps(client.stats())]
     finally:

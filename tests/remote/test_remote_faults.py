@@ -20,15 +20,7 @@ from kvstore.tiers.remote.topology import Topology
 from kvstore.tools.bench.redis_local import RedisCluster, RedisServer, cli, free_port
 
 from remote_helpers import PAYLOAD, TrickleNode, keys, owner_port, payloads, tier
-
-
-def wait_until(check: Callable[[], bool], timeout: float, what: str) -> float:
-    started = time.monotonic()
-    while time.monotonic() - started < timeout:
-        if check():
-            return time.monotonic() - started
-        time.sleep(0.1)
-    raise AssertionError(f"{what} did not happen within {timeout} s")
+from waiting import wait_until
 
 
 def round_trip(t: RemoteTier, tag: str, n: int = 12) -> bool:
@@ -70,11 +62,12 @@ def test_client_pause_takes_the_timeout_path_within_the_deadline(cluster: RedisC
         assert t.get(ks, list(out)) == [False] * 16 + [True] * 16
         assert time.monotonic() - started < timeout, "an open circuit must not wait for the node"
         assert t.stats()["errors_unavailable"] >= 1
-        time.sleep(0.7)  # past the cool-down, still paused: a background probe, not this call, waits
+        # past the cool-down (under test), still paused: a background probe, not this call, waits
+        time.sleep(0.7)
         started = time.monotonic()
         assert t.get(ks, list(out)) == [False] * 16 + [True] * 16
         assert time.monotonic() - started < timeout, "a half-open circuit must not make a caller wait"
-        wait_until(lambda: all(t.get(ks, list(out))), 10, "hits after the pause")
+        wait_until(lambda: all(t.get(ks, list(out))), 10, "hits after the pause", poll_s=0.1)
         assert np.array_equal(out, data)
 
 
@@ -106,14 +99,14 @@ def test_sigkill_of_a_primary_during_a_storm(cluster: RedisCluster) -> None:
 
         worker = threading.Thread(target=storm)
         worker.start()
-        time.sleep(1.0)
+        wait_until(lambda: len(hits) >= 10, 10, "the storm under way")
         victim = cluster.primaries()[1]
         killed_at = time.monotonic()
         victim.kill()
         cluster.wait_failover(victim)
         recovered = time.monotonic()
         wait_until(lambda: bool(hits) and hits[-1][0] > recovered + 1 and hits[-1][1] == hits[-1][2],
-                   15, "full hits after the failover")
+                   15, "full hits after the failover", poll_s=0.1)
         stop.set()
         worker.join(30)
         assert not failures, failures
@@ -142,7 +135,8 @@ def test_the_whole_cluster_down_then_back(cluster: RedisCluster) -> None:
         for node in cluster.nodes:
             node.start()
         cluster.wait_ok()
-        wait_until(lambda: round_trip(t, f"back-{time.monotonic()}"), 20, "the tier working again")
+        wait_until(lambda: round_trip(t, f"back-{time.monotonic()}"), 20, "the tier working again",
+                   poll_s=0.1)
 
 
 def test_one_server_down_at_start_then_up_then_down_and_back(tmp_path: Path) -> None:
@@ -157,11 +151,13 @@ def test_one_server_down_at_start_then_up_then_down_and_back(tmp_path: Path) -> 
         assert s["errors_connection"] >= 1 and s["dropped"] == 8 and s["nodes_up"] == 0
         server = RedisServer.start(tmp_path, port=port)
         try:
-            wait_until(lambda: round_trip(t, f"up-{time.monotonic()}"), 10, "the tier working once Redis is up")
+            wait_until(lambda: round_trip(t, f"up-{time.monotonic()}"), 10, "the tier working with Redis up",
+                       poll_s=0.1)
             server.close()
             assert t.get(ks, list(out)) == [False] * 8  # down again: misses, no exception
             server = RedisServer.start(tmp_path, port=port)
-            wait_until(lambda: round_trip(t, f"again-{time.monotonic()}"), 10, "the tier working again")
+            wait_until(lambda: round_trip(t, f"again-{time.monotonic()}"), 10, "the tier working again",
+                       poll_s=0.1)
         finally:
             server.close()
 
@@ -239,7 +235,7 @@ def test_a_pool_busy_with_a_stalled_node_charges_no_other_node(cluster: RedisClu
                 replies = top.run(batches)
                 assert time.monotonic() - started < timeout + 1.0
                 assert replies[inline].results == [b"i"] * 3
-                time.sleep(2 * timeout)  # the worker has met its deadline and freed by now
+                top._pool.submit(lambda: None).result(10)  # the pool's one worker is free: past its deadline
                 assert top.breaker(stalled).state == ("closed" if call == 1 else "open"), f"after call {call}"
                 assert top.breaker(queued).state == "closed"
                 assert echoes() == before, "a cancelled pipeline still reached its node"

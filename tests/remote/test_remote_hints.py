@@ -105,7 +105,7 @@ def test_hints_answer_only_while_fresh_and_stay_bounded() -> None:
     assert hints.known([b"a", b"b", b"c"]) == [True, False, None]
     hints.note([b"c", b"d"], True)  # four notes, room for three: the oldest goes
     assert len(hints) == 3 and hints.known([b"a", b"d"]) == [None, True]
-    time.sleep(0.25)
+    time.sleep(0.25)  # past the TTL under test
     assert hints.known([b"b", b"c", b"d"]) == [None, None, None]
     assert Hints(ttl_s=0).known([b"x"]) == [None]
 
@@ -118,7 +118,7 @@ def test_kept_values_are_taken_once_within_their_bytes_and_time() -> None:
     kept.keep([b"d"], [b"x"])
     assert kept.num_bytes == 7 and kept.take([b"b", b"c", b"d"]) == [None, b"abcdef", b"x"]
     kept.keep([b"e"], [b"e"])
-    time.sleep(0.25)
+    time.sleep(0.25)  # past the TTL under test
     assert kept.take([b"e"]) == [None] and kept.num_bytes == 0
 
 
@@ -133,7 +133,7 @@ def read_over_socket(chunks: list[bytes], n: int, value_bytes: int, pause: float
         for chunk in chunks:
             theirs.sendall(chunk)
             if pause:
-                time.sleep(pause)
+                time.sleep(pause)  # a reply split across reads: the pause is the case under test
         theirs.shutdown(socket.SHUT_WR)  # then the peer is gone: a read past the stream fails
 
     sender = threading.Thread(target=send)

@@ -15,6 +15,7 @@ from kvstore.tiers.remote import RemoteTier, group_tags
 from kvstore.tools.bench.redis_local import RedisCluster, RedisServer, cli
 
 from remote_helpers import LAYOUT_ID, PAYLOAD, keys, owner_port, payloads, tier
+from waiting import wait_until
 
 
 def raw(cluster: RedisCluster, name: bytes) -> redis.Redis:
@@ -155,7 +156,7 @@ def test_the_queue_bound_counts_the_batch_being_sent(server: RedisServer) -> Non
         cli(server.node.port, "CLIENT", "PAUSE", "1500", "ALL")  # the writer's batch waits in flight
         first = keys("bound-a", 8)
         assert t.put_async(first, list(payloads(first))) == 8
-        time.sleep(0.2)  # the writer took its batch of 4 out of the queue
+        wait_until(lambda: len(t._writer._queue) == 4, 10, "the writer taking its batch of 4 from the queue")
         more = keys("bound-b", 8)
         assert t.put_async(more, list(payloads(more))) == 0
         assert t.num_pending == 8
@@ -173,7 +174,7 @@ def test_maxmemory_eviction_is_misses_never_errors(cluster: RedisCluster) -> Non
     def sample() -> None:
         while not stop.is_set():
             peaks.append(max(int(n.info("memory")["used_memory"]) for n in cluster.primaries()))
-            time.sleep(0.05)
+            stop.wait(0.05)  # a sample every 50 ms until the puts are done
 
     sampler = threading.Thread(target=sample)
     with tier(cluster.url, timeout_s=5.0) as t:  # this test is about eviction, not timeouts
@@ -258,7 +259,5 @@ def test_an_ask_redirect_is_followed_and_the_slot_map_stays(cluster: RedisCluste
         cli(src, "MIGRATE", "127.0.0.1", str(dst), "", "0", "5000", "KEYS", names[2].decode())
         for node in cluster.primaries():
             cli(node.port, "CLUSTER", "SETSLOT", str(slot), "NODE", dst_id)
-        deadline = time.monotonic() + 10
-        while not all(t.get(ks, list(out), tags)) and time.monotonic() < deadline:
-            time.sleep(0.1)
+        wait_until(lambda: all(t.get(ks, list(out), tags)), 10, "hits through the migrated slot", poll_s=0.1)
         assert np.array_equal(out, data) and owner_port(cluster, names[0]) == dst

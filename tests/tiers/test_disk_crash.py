@@ -117,7 +117,7 @@ def test_sigkill_at_random_instants_never_yields_wrong_bytes(tmp_path: Path) -> 
             child.kill()
             _, err = child.communicate()
             pytest.fail(f"child did not start: {err.decode()[-2000:]}")
-        time.sleep(rng.uniform(0.02, 0.4))
+        time.sleep(rng.uniform(0.02, 0.4))  # a random moment of its writes to kill it at: the test
         if child.poll() is not None:
             _, err = child.communicate()
             pytest.fail(f"child died before the kill: {err.decode()[-2000:]}")

@@ -77,6 +77,9 @@ def namespaces(registry: Registry, ns_id: str | None) -> list[NamespaceState]:
 
 
 _warned: set[str] = set()  # deprecated routes used since the process started
+# When the aliases were deprecated (2026-12-07, 00:00 UTC), as RFC 9745's Deprecation header
+# gives it: "@" and the seconds since the epoch.
+DEPRECATED_SINCE = "@1796601600"
 _warned_lock = threading.Lock()
 
 
@@ -84,10 +87,11 @@ def deprecated_alias(successor: str) -> type[APIRoute]:
     """The route class of a deprecated alias of the route at path ``successor``
     (docs/rest.md, "Deprecated routes"). Register the alias with ``deprecated=True`` (the
     OpenAPI schema says so) and ``route_class_override`` this class. It answers as it always
-    did; every answer, errors included, carries ``Deprecation: true`` and
+    did; every answer, errors included, carries ``Deprecation: @<when>`` (RFC 9745) and
     ``Link: <successor>; rel="successor-version"``, and its first use in the process logs a
     warning that names the successor."""
-    headers = [(b"deprecation", b"true"), (b"link", f'<{successor}>; rel="successor-version"'.encode())]
+    headers = [(b"deprecation", DEPRECATED_SINCE.encode()),
+               (b"link", f'<{successor}>; rel="successor-version"'.encode())]
 
     class DeprecatedAlias(APIRoute):
         async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:

@@ -19,6 +19,8 @@ from typing import Any
 import httpx
 import torch
 
+from waiting import wait_serving, wait_until
+
 ROOT = Path(__file__).resolve().parents[3]
 # small enough that a start and a few hundred decode steps take seconds on a loaded CPU
 TINY = dict(num_layers=2, hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2, head_dim=16,
@@ -90,14 +92,10 @@ class EngineServer(CliServer):
         which = ["--model", model, "--kv-cache", "4MiB"] if model else ENGINE_ARGS
         store = [] if "--store-url" in args else EMBEDDED_ARGS
         super().__init__(["engine", *which, *store, "--port", "0", *args], timeout=120, env=env)
-        while time.monotonic() < self.deadline:  # ready means bound; /health means serving
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.05)
-        raise RuntimeError(f"/health did not answer: {self.output}")
+        # ready means bound; /health means serving
+        wait_until(lambda: httpx.get(f"{self.url}/health", timeout=2).status_code == 200,
+                   max(0.0, self.deadline - time.monotonic()), lambda: f"/health answering: {self.output}",
+                   ignoring=(httpx.HTTPError,))
 
     def client(self, api_key: str = "unused", **kw: Any) -> Any:
         import openai
@@ -109,14 +107,15 @@ class EngineServer(CliServer):
 
     def wait_idle(self, timeout: float = 20.0) -> dict[str, Any]:
         """The load once nothing runs, waits or holds a device block."""
-        deadline = time.monotonic() + timeout
-        while True:
-            load = self.load()
-            if not (load["running"] or load["waiting"] or load["loading"]) and load["kv_usage"] == 0:
-                return load
-            if time.monotonic() > deadline:
-                raise AssertionError(f"not idle after {timeout} s: {load}")
-            time.sleep(0.05)
+
+        load: dict[str, Any] = {}
+
+        def idle() -> dict[str, Any] | None:
+            load.update(self.load())
+            busy = load["running"] or load["waiting"] or load["loading"] or load["kv_usage"] != 0
+            return None if busy else dict(load)
+
+        return wait_until(idle, timeout, lambda: f"{self.url} idle (load {load})")
 
     def stop(self, timeout: float = 30.0) -> int:
         if self.proc.poll() is None:
@@ -158,10 +157,7 @@ class InProcessServer:
         self.server = uvicorn_server(create_app(self.state))
         self.thread = threading.Thread(target=lambda: asyncio.run(self.server.serve(sockets=[sock])), daemon=True)
         self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert time.monotonic() < deadline and self.thread.is_alive(), "uvicorn did not start"
-            time.sleep(0.01)
+        wait_serving(self.server, self.thread)
 
     def client(self) -> Any:
         import openai

@@ -9,7 +9,6 @@ import importlib.util
 import json
 import logging
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -28,6 +27,7 @@ from kvstore.services.engine_server.tokenizer import (
 )
 
 from factories import require
+from waiting import wait_serving
 
 TEMPLATE = ("{{ bos_token }}{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }} {% endfor %}"
             "{% if add_generation_prompt %}[assistant]{% endif %}")
@@ -151,10 +151,7 @@ def server(saved_by_transformers: Path) -> Iterator[str]:
     uvicorn = uvicorn_server(create_app(state))
     thread = threading.Thread(target=lambda: asyncio.run(uvicorn.serve(sockets=[sock])), daemon=True)
     thread.start()
-    deadline = time.monotonic() + 30
-    while not uvicorn.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
-        time.sleep(0.01)
+    wait_serving(uvicorn, thread)
     yield f"http://{where(sock)}"
     uvicorn.should_exit = True
     thread.join(30)

@@ -21,6 +21,7 @@ from kvstore.layout import DTYPES_BY_NAME, KVLayout
 from kvstore.services.engine_server.tokenizer import ByteTokenizer
 
 from serve_helpers import BLOCK, MAX_MODEL_LEN, EngineServer, reference_engine, stream_in_background
+from waiting import wait_until
 
 PROMPT = "The quick brown fox jumps over the lazy dog"
 
@@ -165,10 +166,13 @@ def test_a_sample_that_hits_a_stop_string_is_freed_while_its_sibling_runs(server
     t = threading.Thread(target=stream)
     t.start()
     assert stopped.wait(30)
-    running = [server.load()["running"]]
-    while running[-1] != 1 and not finished.is_set():
-        time.sleep(0.01)
+    running: list[int] = []
+
+    def one_left_or_done() -> bool:
         running.append(server.load()["running"])
+        return running[-1] == 1 or finished.is_set()
+
+    wait_until(one_left_or_done, 60, lambda: f"one sample running, or both done: {running}", poll_s=0.01)
     freed_early = not finished.is_set()
     t.join(60)
     assert freed_early, f"sample 0 stopped, yet the engine ran both samples until the end: {running}"

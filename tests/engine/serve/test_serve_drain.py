@@ -3,11 +3,10 @@ the engine closes and the process exits 0."""
 
 from __future__ import annotations
 
-import time
-
 import httpx
 
 from serve_helpers import EngineServer, stream_in_background
+from waiting import wait_until
 
 
 def test_sigterm_drains_in_flight_requests() -> None:
@@ -18,12 +17,12 @@ def test_sigterm_drains_in_flight_requests() -> None:
                 "n": 8}
         t, events = stream_in_background(server.url, body)
         server.proc.send_signal(15)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:  # the signal is handled between two awaits: poll for 503
-            r = httpx.get(f"{server.url}/health", timeout=10)
-            if r.status_code == 503:
-                break
-            time.sleep(0.01)
+
+        def draining() -> httpx.Response | None:
+            health = httpx.get(f"{server.url}/health", timeout=10)
+            return health if health.status_code == 503 else None
+
+        r = wait_until(draining, 10, "/health answering 503", poll_s=0.01)  # handled between two awaits
         assert r.status_code == 503 and r.json()["error"]["code"] == "draining", r.text
         r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "late"}, timeout=10)
         assert r.status_code == 503 and r.json()["error"]["code"] == "draining", r.text

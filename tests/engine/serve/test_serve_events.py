@@ -4,8 +4,6 @@ builds keys from info's namespace finds a served prompt's blocks on medium GPU i
 
 from __future__ import annotations
 
-import time
-
 import httpx
 
 from kvstore.events import GPU, Subscriber
@@ -13,6 +11,7 @@ from kvstore.keys import BlockHasher, Namespace
 from kvstore.layout import DTYPES_BY_NAME, KVLayout
 
 from serve_helpers import BLOCK, EngineServer
+from waiting import wait_until
 
 
 def test_info_names_the_publisher_and_events_match_the_namespace() -> None:
@@ -32,9 +31,7 @@ def test_info_names_the_publisher_and_events_match_the_namespace() -> None:
         assert len(keys) == 8
         r = server.client().completions.create(model="random", prompt=prompt, max_tokens=2, temperature=0)
         assert r.usage.completion_tokens == 2
-        deadline = time.monotonic() + 10
-        while sub.sink.prefix_on(GPU, keys) < 8 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_until(lambda: sub.sink.prefix_on(GPU, keys) >= 8, 10, "the prompt's 8 blocks seen on GPU")
         assert sub.sink.prefix_on(GPU, keys) == 8  # the router's keys are the engine's
         metrics = httpx.get(f"{server.url}/metrics").text
         assert "kvstore_kv_events_events_total" in metrics and "kvstore_kv_events_dropped_events_total 0.0" in metrics

@@ -13,6 +13,7 @@ from kvstore import KVLayout, StoreSettings, TieredStore
 from tests.daemon.daemon_helpers import DaemonProc
 
 from serve_helpers import BLOCK, EngineServer
+from waiting import wait_until
 
 PROMPT = [30 + i for i in range(12 * BLOCK + 1)]  # 12 full cacheable blocks
 
@@ -89,9 +90,8 @@ def test_a_running_engine_shares_its_prefix_through_the_daemon_at_once(tmp_path:
     first, second, lazy = servers
     try:
         assert usage(first)["prompt_tokens_details"]["cached_tokens"] == 0
-        deadline = time.monotonic() + 20  # the writes run on A's demoter thread, after the step
-        while daemon_blocks(daemon) < 12 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        # the writes run on A's demoter thread, after the step
+        wait_until(lambda: daemon_blocks(daemon) >= 12, 20, "A's 12 blocks in the daemon")
         u = usage(second)
         assert u["prompt_tokens_details"]["cached_tokens"] == 12 * BLOCK
         assert u["kvstore"]["cached_tokens"]["host"] == 12 * BLOCK
@@ -100,7 +100,9 @@ def test_a_running_engine_shares_its_prefix_through_the_daemon_at_once(tmp_path:
         other = {"model": "random", "prompt": [200 + i for i in range(12 * BLOCK + 1)], "max_tokens": 2,
                  "temperature": 0}
         lazy.client().completions.create(**other)  # type: ignore[call-overload]
-        time.sleep(1.0)  # write-through, above, is done within milliseconds of the step
+        # an absence is what is tested: nothing to wait for but time, far past when write-through,
+        # above, is done (within milliseconds of the step)
+        time.sleep(1.0)
         assert daemon_blocks(daemon) == held  # write-back: still only on lazy's device
     finally:
         for s in servers:

@@ -11,7 +11,6 @@ import json
 import signal
 import sys
 import threading
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -31,6 +30,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "engine" / "serve"))
 
 from serve_helpers import BLOCK, ENGINE_ARGS, MAX_MODEL_LEN, CliServer, EngineServer  # noqa: E402
+from waiting import wait_serving, wait_until  # noqa: E402
 
 ROUTER_TOKEN = "router-secret-5678"
 __all__ = ["BLOCK", "ENGINE_ARGS", "MAX_MODEL_LEN", "ROUTER_TOKEN", "EngineServer", "FakeReplica", "Replica",
@@ -68,15 +68,14 @@ class Replica:
 
     def wait_idle(self, timeout: float = 20.0) -> None:
         """Until nothing runs, waits or holds a device block (its load, asked with the token)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            load = httpx.get(f"{self.url}/v1/kvstore/load", timeout=5,
-                             headers={"authorization": f"Bearer {ROUTER_TOKEN}"}).json()
-            if not (load["running"] or load["waiting"] or load["loading"]) and load["kv_usage"] == 0:
-                return
-            if time.monotonic() > deadline:
-                raise AssertionError(f"{self.url} not idle after {timeout} s: {load}")
-            time.sleep(0.05)
+        load: dict[str, Any] = {}
+
+        def idle() -> bool:
+            load.update(httpx.get(f"{self.url}/v1/kvstore/load", timeout=5,
+                                  headers={"authorization": f"Bearer {ROUTER_TOKEN}"}).json())
+            return not (load["running"] or load["waiting"] or load["loading"]) and load["kv_usage"] == 0
+
+        wait_until(idle, timeout, lambda: f"{self.url} idle (load {load})")
 
     def kill(self) -> None:
         if self.server is not None:
@@ -102,15 +101,20 @@ class RouterViews:
         view = httpx.get(f"{self.url}/v1/router/replicas", timeout=5).json()
         return {r["url"]: r for r in view["replicas"]}
 
-    def wait_for(self, predicate: Any, timeout: float = 30.0, what: str = "") -> dict[str, Any]:
-        deadline = time.monotonic() + timeout
-        while True:
-            view = self.replicas()
-            if predicate(view):
-                return view
-            if time.monotonic() > deadline:
-                raise AssertionError(f"router: not {what} after {timeout} s: {view}\n{getattr(self, 'output', '')}")
-            time.sleep(0.1)
+    def wait_for(self, predicate: Callable[[dict[str, Any]], object], timeout: float = 30.0,
+                 what: str = "") -> dict[str, Any]:
+        """The router's replicas view once ``predicate`` holds of it (``wait_until`` over ``replicas``)."""
+        view: dict[str, Any] = {}
+
+        def holds() -> list[dict[str, Any]]:  # a one-item list: true even for an empty view
+            view.clear()
+            view.update(self.replicas())
+            return [dict(view)] if predicate(view) else []
+
+        def said() -> str:
+            return f"router: {what} ({view})\n{getattr(self, 'output', '')}"
+
+        return wait_until(holds, timeout, said)[0]
 
 
 class RouterProcess(RouterViews, CliServer):
@@ -140,23 +144,22 @@ class RouterThread(RouterViews):
         self.stop = asyncio.Event()
         self.thread = threading.Thread(target=self._run, name="router", daemon=True)
         self.thread.start()
-        deadline = time.monotonic() + 30
-        while self.thread.is_alive():  # up once it answers, healthy or not
-            try:
-                httpx.get(f"{self.url}/health", timeout=1)
-                return
-            except httpx.HTTPError:
-                if time.monotonic() > deadline:
-                    break
-                time.sleep(0.02)
-        raise RuntimeError(f"the router did not start (status {self.status})")
+
+        def answers() -> bool:  # up once it answers, healthy or not
+            if not self.thread.is_alive():
+                raise RuntimeError(f"the router did not start (status {self.status})")
+            httpx.get(f"{self.url}/health", timeout=1)
+            return True
+
+        wait_until(answers, 30, "the router answering", ignoring=(httpx.HTTPError,))
 
     def _run(self) -> None:
+        loop = self.loop
         try:
-            self.status = self.loop.run_until_complete(run(self.config, self.stop))
-            self.loop.run_until_complete(asyncio.sleep(0.1))  # connections closing: as a process exit would
+            self.status = loop.run_until_complete(run(self.config, self.stop))
         finally:
-            self.loop.close()
+            loop.run_until_complete(_wind_down())
+            loop.close()
 
     def drain(self) -> None:
         self.loop.call_soon_threadsafe(self.stop.set)
@@ -166,6 +169,18 @@ class RouterThread(RouterViews):
             self.drain()
             self.thread.join(timeout)
         return self.status
+
+
+async def _wind_down() -> None:
+    """What ``asyncio.run`` does after its coroutine, as ``kvstore route`` runs it: the tasks left
+    are cancelled and awaited, then the async generators and the default executor shut down."""
+    left = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+    for task in left:
+        task.cancel()
+    await asyncio.gather(*left, return_exceptions=True)
+    loop = asyncio.get_running_loop()
+    await loop.shutdown_asyncgens()
+    await loop.shutdown_default_executor()
 
 
 def metrics(url: str) -> dict[str, float]:
@@ -220,8 +235,7 @@ class FakeReplica:
         self.thread = threading.Thread(target=lambda: asyncio.run(self.server.serve(sockets=[sock])),
                                        name=f"fake-replica-{self.port}", daemon=True)
         self.thread.start()
-        while not self.server.started:
-            time.sleep(0.01)
+        wait_serving(self.server, self.thread)
 
     @property
     def url(self) -> str:
@@ -254,7 +268,7 @@ def completion(status: int = 200, hold_s: float = 0.0) -> Answer:
     """A whole completion body (or, for a status other than 200, an OpenAI error), after ``hold_s``."""
 
     async def answer(_request: Request, _body: dict[str, Any]) -> Response:
-        await asyncio.sleep(hold_s)
+        await asyncio.sleep(hold_s)  # a replica slow to answer, where a test asks for one
         if status != 200:
             return JSONResponse({"error": {"message": "refused", "type": "invalid_request_error", "param": "prompt",
                                            "code": None}}, status_code=status)
@@ -280,13 +294,12 @@ def stream(num_events: int, interval_s: float = 0.0, cut_after: bytes | None = N
     async def body() -> AsyncIterator[bytes]:
         for i in range(num_events):
             yield sse_event(i)
-            await asyncio.sleep(interval_s)
+            await asyncio.sleep(interval_s)  # the replica's pace of events, as the test sets it
         if cut_after is None:
             yield b"data: [DONE]\n\n"
             return
         if cut_after:
-            yield cut_after
-        await asyncio.sleep(0.05)  # the bytes leave before the connection drops
+            yield cut_after  # sent once this resumes; uvicorn closes (not aborts) the connection: they leave
         raise Cut("the replica died mid-stream")
 
     async def answer(_request: Request, _body: dict[str, Any]) -> Response:
@@ -300,7 +313,7 @@ def until_disconnected(fake: FakeReplica) -> Answer:
 
     async def answer(request: Request, _body: dict[str, Any]) -> Response:
         while not await request.is_disconnected():
-            await asyncio.sleep(0.02)
+            await asyncio.sleep(0.02)  # the engine's own poll of its caller, modelled
         fake.disconnects += 1
         return Response(status_code=499)
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import math
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -16,14 +15,7 @@ from kvstore import CapacityError
 from kvstore.api import MAX_KEYS, MAX_PIN_TTL_S
 
 from factories import blocks_for, chain, make_store
-
-
-def wait_until(check, timeout: float = 10.0) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.01)
-
+from waiting import wait_blocked, wait_until
 
 # ------------------------------------------------------------------------------ pins
 
@@ -38,7 +30,7 @@ def test_a_pin_with_a_ttl_ends_by_itself_and_then_its_block_can_be_evicted(tmp_p
     others = chain(store, 8, salt=2)
     store.put(others, blocks_for(others))  # host is full of others but for the pinned two
     assert store.contains(held) == [True, True]
-    wait_until(lambda: store.inspect(held[:1])[0].pins == 0)  # type: ignore[union-attr]
+    wait_until(lambda: store.inspect(held[:1])[0].pins == 0, 10, "the pin's TTL")  # type: ignore[union-attr]
     store.put(chain(store, 4, salt=3), blocks_for(chain(store, 4, salt=3)))
     assert store.contains(held) == [False, False]  # unpinned by its deadline, then evicted
     store.check_integrity()
@@ -214,8 +206,10 @@ def test_forget_waits_for_a_reader_which_keeps_the_bytes_it_started_with(tmp_pat
     assert len(slots) == 3
     done = threading.Event()
     result: list[object] = []
-    threading.Thread(target=lambda: (result.append(store.forget_tenant("acme")), done.set()), daemon=True).start()
-    time.sleep(0.2)
+    forgetting = threading.Thread(target=lambda: (result.append(store.forget_tenant("acme")), done.set()),
+                                  daemon=True)
+    forgetting.start()
+    wait_blocked(forgetting, "_local", what="the forget, polling its tenant's blocks")
     assert not done.is_set()  # the blocks are being read: the forget waits for their reader
     assert store.contains(keys) == [True] * 3
     store.host_leases.release(keys)

@@ -13,6 +13,10 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from starlette.responses import JSONResponse, Response
+
+from kvstore.services.router.policy import RoutingPolicyConfig
+
 from route_helpers import (
     FakeReplica,
     RouterThread,
@@ -22,9 +26,7 @@ from route_helpers import (
     stream,
     until_disconnected,
 )
-from starlette.responses import JSONResponse, Response
-
-from kvstore.services.router.policy import RoutingPolicyConfig
+from waiting import wait_until
 
 
 @pytest.fixture
@@ -93,7 +95,8 @@ def test_the_drain_waits_for_live_streams(fake: FakeReplica) -> None:
         for chunk in openai_client(router).completions.create(model="random", prompt="hi", stream=True):
             if not texts:
                 router.drain()  # SIGTERM with the stream live
-                time.sleep(0.1)
+                wait_until(lambda: httpx.get(f"{router.url}/health", timeout=5).status_code == 503, 10,
+                           "the router draining (its /health 503)")
                 refused = httpx.post(f"{router.url}/v1/completions", json={"prompt": "later"}, timeout=5)
                 assert refused.status_code == 503 and refused.json()["error"]["code"] == "draining"
                 assert requests_total(router) == {"503": 1}
@@ -170,9 +173,7 @@ def test_a_caller_that_goes_away_is_gone_for_the_replica_too(fake: FakeReplica) 
     try:
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(f"{router.url}/v1/completions", json={"prompt": "abandoned"}, timeout=0.5)
-        deadline = time.monotonic() + 3
-        while fake.disconnects == 0 and time.monotonic() < deadline:
-            time.sleep(0.02)
+        wait_until(lambda: fake.disconnects, 3, "the replica seeing its caller go")
         assert fake.disconnects == 1  # the replica saw its caller (the router) go: it aborts the request
         router.wait_for(lambda v: v[fake.url]["in_flight"] == 0, 3, "the request finished")
         assert requests_total(router) == {"499": 1}

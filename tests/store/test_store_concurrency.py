@@ -21,6 +21,7 @@ from kvstore import CapacityError, TieredStore
 from kvstore.tiers.host import HostTier
 
 from factories import blocks_for, chain, make_store, run_in_threads
+from waiting import wait_blocked
 
 
 @pytest.mark.parametrize("write_policy", ["write_back", "write_through"])
@@ -332,7 +333,7 @@ def test_lookups_uncounted_past_the_bound_wait_for_the_lock_once(tmp_path: Path,
             store.lookup(held)  # without the lock: queued
         waiter = threading.Thread(target=store.lookup, args=(held,))
         waiter.start()
-        waiter.join(0.5)
+        wait_blocked(waiter, "locked", what="the fourth lookup")  # Cascade.locked: it takes the store lock
         assert waiter.is_alive()  # the fourth waits for the lock
     waiter.join(30)
     assert not waiter.is_alive()

@@ -8,7 +8,6 @@ pin or second put of them waits for the write, and close lets it finish.
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
@@ -16,7 +15,17 @@ import torch
 
 from kvstore import TieredStore
 
-from factories import HeldDiskWrite, blocks_for, chain, crash_disk_write_once, finishes, make_store, started
+from factories import (
+    WRITE_WAITS,
+    HeldDiskWrite,
+    blocks_for,
+    chain,
+    crash_disk_write_once,
+    finishes,
+    make_store,
+    started,
+)
+from waiting import wait_blocked
 
 
 def put_via_commit(store: TieredStore, keys: list[bytes]) -> None:
@@ -57,7 +66,8 @@ def test_others_do_not_wait_for_a_write_through_disk_write(tmp_path: Path, how: 
     assert store.contains(writing) == [True, True]
     getting = started(lambda: store.get(writing))
     pinning = started(lambda: store.pin(writing))
-    time.sleep(0.3)
+    wait_blocked(getting.thread, *WRITE_WAITS, what="a get of blocks being written")
+    wait_blocked(pinning.thread, *WRITE_WAITS, what="a pin of blocks being written")
     assert getting.thread.is_alive() and pinning.thread.is_alive(), "read or pinned blocks not on disk yet"
     hold.release(putting, getting, pinning)
     assert [store.block_info(k)["tiers"] for k in writing] == [["host", "disk"]] * 2  # type: ignore[index]
@@ -75,7 +85,7 @@ def test_a_put_of_keys_being_written_through_waits_for_that_write(tmp_path: Path
     first = started(lambda: store.put(keys, blocks_for(keys)))
     assert hold.inside.wait(30)
     second = started(lambda: store.put(keys, blocks_for(keys)))
-    time.sleep(0.3)
+    wait_blocked(second.thread, *WRITE_WAITS, what="a second put of the keys being written")
     # acknowledging it now would claim blocks on disk that are not there yet
     assert second.thread.is_alive(), "a put of keys being written through returned before they were on disk"
     hold.release(first, second)
@@ -95,7 +105,7 @@ def test_check_integrity_and_close_wait_for_a_write_through_write(tmp_path: Path
         putting = started(lambda k=keys: store.put(k, blocks_for(k)))  # type: ignore[misc]
         assert hold.inside.wait(30)
         waiting = started(wait)
-        time.sleep(0.3)
+        wait_blocked(waiting.thread, *WRITE_WAITS, what=wait.__name__)
         assert waiting.thread.is_alive(), f"{wait.__name__} returned while a put was between its halves"
         hold.release(putting, waiting)
     # acknowledged before close let the disk go: a new store over the same directory finds both

@@ -70,7 +70,7 @@ def test_a_thread_held_up_takes_fewer_chunks(monkeypatch: pytest.MonkeyPatch) ->
 
     def memmove(dst: int, src: int, n: int) -> int:
         if threading.get_ident() == caller:
-            time.sleep(0.02)
+            time.sleep(0.02)  # the caller held up: the slowdown under test
         done_by.append(threading.get_ident())
         return real_memmove(dst, src, n)
 

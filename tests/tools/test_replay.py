@@ -18,7 +18,7 @@ from kvstore.tools.replay.workloads import write_trace as write_workload
 
 from factories import require
 
-TRACES = Path(__file__).resolve().parents[1].parent / "shared" / "traces"
+TRACES = Path(__file__).resolve().parents[3] / "shared" / "traces"
 
 
 def write_trace(path: Path, requests: list[list[int]]) -> Path:

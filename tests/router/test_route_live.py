@@ -17,9 +17,11 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from route_helpers import BLOCK, Replica, RouterProcess, RouterThread
 
 from kvstore.events import Subscriber
+
+from route_helpers import BLOCK, Replica, RouterProcess, RouterThread
+from waiting import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -122,7 +124,7 @@ def test_the_overload_gate_spreads_a_hot_system_prompt(replicas: list[Replica]) 
     def sample() -> None:
         while not done.is_set():
             samples.append([r["in_flight"] for r in router.replicas().values()])
-            time.sleep(0.02)
+            done.wait(0.02)  # a sample every 20 ms until the load is done
 
     def work(i: int) -> list[str]:
         client = router.client()
@@ -177,9 +179,13 @@ def real_blocks(replica: Replica) -> dict[str, int]:
     """The replica's block count per medium, from a fresh subscriber's snapshot of its own state."""
     endpoint = f"tcp://127.0.0.1:{replica.events_port}"
     with Subscriber(endpoint, replay_endpoint=f"tcp://127.0.0.1:{replica.events_port + 1}") as sub:
-        deadline = time.monotonic() + 10
-        while sub.counters["snapshots"] == 0 and time.monotonic() < deadline:
-            sub.poll(0.2)
+
+        def snapshot() -> int:
+            if not sub.counters["snapshots"]:
+                sub.poll(0.2)  # waits on the subscriber's socket
+            return sub.counters["snapshots"]
+
+        wait_until(snapshot, 10, "the replica's snapshot", poll_s=0)
         assert sub.counters["snapshots"] == 1
         return {medium: len(blocks) for medium, blocks in sub.sink.held().items()}
 
@@ -279,7 +285,7 @@ def test_a_replica_without_events_is_routed_from_history(replicas: list[Replica]
             r, first = chat(client, messages)
             messages += [{"role": "assistant", "content": r.choices[0].message.content},
                          {"role": "user", "content": "And a second question?"}]
-            time.sleep(0.6)  # past the pending TTL: only approximate mode remembers
+            time.sleep(0.6)  # past the pending TTL (what is tested): only approximate mode remembers
             _, second = chat(client, messages)
             assert second["x-kvstore-replica"] == first["x-kvstore-replica"]
             if first["x-kvstore-replica"] == silent.url:

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "shm_put_model.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "shm_put_model.py"
 ROW = re.compile(r"^\s*(\d+)us\s+(socket|eventfd)\s+([0-9.]+)ms\s+([0-9.]+)ms\s+([0-9.]+)x$")
 
 

@@ -23,7 +23,8 @@ from kvstore import CapacityError
 from kvstore.store.index import BlockEntry
 from kvstore.tiers.errors import TierFullError
 
-from factories import blocks_for, chain, make_store, started
+from factories import WRITE_WAITS, blocks_for, chain, make_store, started
+from waiting import wait_blocked
 
 # Large enough that no acknowledged block is ever evicted: the storm puts at most
 # STORM_PUTS chains (<= 3 blocks each) per child, 20 children.
@@ -39,7 +40,7 @@ def _put_storm(disk_dir: str, first_salt: int, conn) -> None:  # type: ignore[no
         keys = chain(store, 1 + salt % 3, salt=salt)
         store.put(keys, blocks_for(keys))
         conn.send(salt)  # acknowledged: durable before this message leaves
-    time.sleep(3600)  # wait for the kill
+    time.sleep(3600)  # held here until the parent's kill -9 (the kill is what is tested)
 
 
 @pytest.mark.slow
@@ -56,7 +57,7 @@ def test_kill_9_during_put_storm_never_yields_corrupt_blocks(tmp_path: Path) -> 
         child.start()
         child_end.close()
         assert parent_end.recv() == "ready"
-        time.sleep(rng.uniform(0.0, 0.25))
+        time.sleep(rng.uniform(0.0, 0.25))  # a random moment of the storm to kill it at: the test's point
         os.kill(child.pid, signal.SIGKILL)  # type: ignore[arg-type]
         child.join()
         acked = []
@@ -211,7 +212,7 @@ def test_a_put_that_waited_on_a_failed_write_through_writes_the_blocks_itself(ti
     first, first_errors = started(lambda: store.put(keys, blocks_for(keys)))
     assert inside.wait(30)
     second, second_errors = started(lambda: store.put(keys, blocks_for(keys)))
-    time.sleep(0.2)
+    wait_blocked(second, *WRITE_WAITS, what="a second put of the keys being written")
     assert second.is_alive()  # waiting for the first put's write
     gate.set()
     first.join(30)

@@ -9,7 +9,6 @@ demotion is written under the lock, as before.
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
@@ -19,6 +18,7 @@ import kvstore.store.demotions as demotions
 from kvstore import TieredStore
 
 from factories import (
+    WRITE_WAITS,
     HeldDiskWrite,
     Run,
     blocks_for,
@@ -28,6 +28,7 @@ from factories import (
     make_store,
     started,
 )
+from waiting import wait_blocked
 
 
 def full_host(tmp_path: Path) -> tuple[TieredStore, list[bytes]]:
@@ -60,7 +61,7 @@ def test_other_calls_do_not_wait_for_a_demotions_disk_write(tmp_path: Path) -> N
     assert store.lookup(first).tiers[2:] == ("disk", "disk")
     assert store.contains(first[2:]) == [True, True]
     getting = started(lambda: store.get(first))  # needs the tail: waits for it
-    time.sleep(0.3)
+    wait_blocked(getting.thread, *WRITE_WAITS, what="a get of the demoted tail")
     assert getting.thread.is_alive() and putting.thread.is_alive()
     hold.release(putting, getting)
     assert [store.block_info(k)["tiers"][-1] for k in first[2:]] == ["disk", "disk"]  # type: ignore[index]
@@ -74,7 +75,8 @@ def test_a_put_of_blocks_being_demoted_waits_for_their_write(tmp_path: Path) -> 
     hold, _second, putting = demoting_put(store)
     again = started(lambda: store.put(first, blocks_for(first)))
     pinning = started(lambda: store.pin(first[2:]))
-    time.sleep(0.3)
+    wait_blocked(again.thread, *WRITE_WAITS, what="a put of blocks being demoted")
+    wait_blocked(pinning.thread, *WRITE_WAITS, what="a pin of blocks being demoted")
     assert again.thread.is_alive(), "a put placed blocks whose demotion was still being written"
     assert pinning.thread.is_alive(), "a pin took blocks whose demotion was still being written"
     hold.release(putting, again, pinning)
@@ -88,7 +90,7 @@ def test_close_waits_for_a_demotions_disk_write(tmp_path: Path) -> None:
     store, first = full_host(tmp_path)
     hold, _second, putting = demoting_put(store)
     closing = started(store.close)
-    time.sleep(0.3)
+    wait_blocked(closing.thread, *WRITE_WAITS, what="close")
     assert closing.thread.is_alive(), "close returned while a demotion was being written"
     hold.release(putting, closing)
     reopened = make_store(tmp_path, host_blocks=4, disk_blocks=32)
@@ -105,7 +107,7 @@ def test_past_the_staging_budget_a_demotion_is_written_under_the_lock(tmp_path: 
     store, first = full_host(tmp_path)
     hold, _second, putting = demoting_put(store)
     getting = started(lambda: store.get(first[:2]))
-    time.sleep(0.3)
+    wait_blocked(getting.thread, "read_into", what="a get of host blocks")  # its first step takes the lock
     assert getting.thread.is_alive()  # no staging room: the put writes its demotions holding the lock
     hold.release(putting, getting)
     assert store.lookup(first).tiers == ("host", "host", "disk", "disk")
@@ -140,7 +142,7 @@ def test_a_non_blocking_commit_of_blocks_being_demoted_refuses_rather_than_waits
     hold, _second, putting = demoting_put(store)  # demotes first[2:]
     assert finishes(lambda: store.host_leases.commit(first[2:], slots, blocking=False)) is False
     committing = started(lambda: store.host_leases.commit(first[2:], slots))
-    time.sleep(0.3)
+    wait_blocked(committing.thread, *WRITE_WAITS, what="a blocking commit of blocks being demoted")
     assert committing.thread.is_alive()  # a worker's commit waits for the demotion to settle
     hold.release(putting, committing)
     assert torch.equal(store.get(first), blocks_for(first))

@@ -21,7 +21,7 @@ from kvstore.tools.bench import extras
 from kvstore.tools.bench.output import read_sections
 from kvstore.tools.replay.workloads import write_trace
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs" / "benchmarks.md"
 SCRIPT = ROOT / "scripts" / "update_benchmarks.py"
 SMALL = ["--capacity", "20,40", "--index-blocks", "3000", "--rounds", "20", "--repeat", "1"]
