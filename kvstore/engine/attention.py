@@ -45,6 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from kvstore import kernels
+from kvstore.engine.decode_parts import DecodePart, by_length, grouped, merge, shared_prefixes
 from kvstore.kernels import cpu_rows, pack_rows, unpack_rows
 
 
@@ -62,91 +63,8 @@ def row_view(cache: torch.Tensor) -> torch.Tensor:
     return cache.as_strided(((num_blocks - 1) * (cache.stride(0) // row) + block_size, heads, dim), (row, dim, 1))
 
 
-class DecodePart:
-    """Decoding sequences attended in one call over their own rows: ``index`` (None: every
-    decoding sequence), their rows padded to ``length`` a sequence, and the mask of the real
-    ones (None: all are)."""
-
-    def __init__(self, index: torch.Tensor | None, rows: torch.Tensor, length: int, mask: torch.Tensor | None) -> None:
-        self.index, self.rows, self.length, self.mask = index, rows, length, mask
-        self._bias: dict[torch.dtype, torch.Tensor] = {}
-
-    def bias(self, dtype: torch.dtype) -> torch.Tensor | None:
-        """The mask as the flash kernel takes it: additive, in the queries' dtype (built once a step)."""
-        if self.mask is None:
-            return None
-        bias = self._bias.get(dtype)
-        if bias is None:
-            bias = torch.zeros(self.mask.shape, dtype=dtype, device=self.mask.device)
-            self._bias[dtype] = bias = bias.masked_fill_(~self.mask, float("-inf"))
-        return bias
-
-
-def by_length(lengths: list[int]) -> list[list[int]]:
-    """Indices of ``lengths`` in parts whose longest is at most twice their shortest (ascending
-    indices within a part; one part when all are that close)."""
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    parts: list[list[int]] = []
-    for i in order:
-        if parts and 2 * lengths[i] >= lengths[parts[-1][0]]:
-            parts[-1].append(i)
-        else:
-            parts.append([i])
-    return [sorted(p) for p in parts]
-
-
 # cpu_rows.row_attention's index tensors: own rows and lengths, members and counts, shared rows and lengths
 RowIndex = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
-GROUP_MIN_ROWS = 256  # a group's shared rows are read once when that saves at least this many row reads
-
-
-def shared_prefixes(tables: list[list[int]], lens: list[int], block_size: int) -> list[tuple[list[int], list[int]]]:
-    """Groups of decoding sequences whose block tables start alike: ``(members, shared blocks)``.
-
-    Sequences are grouped by their first block; a group shares the blocks its members' tables
-    all begin with, short of each member's last token (every member keeps a row of its own to
-    attend to). Only groups whose shared rows, read once instead of once per member, save at
-    least GROUP_MIN_ROWS row reads are returned.
-    """
-    by_first: dict[int, list[int]] = {}
-    for i, table in enumerate(tables):
-        if table:
-            by_first.setdefault(table[0], []).append(i)
-    groups = []
-    for members in by_first.values():
-        if len(members) < 2:
-            continue
-        limit = min((lens[i] - 1) // block_size for i in members)
-        first = tables[members[0]]
-        shared = 0
-        while shared < limit and all(tables[i][shared] == first[shared] for i in members):
-            shared += 1
-        if shared * block_size * (len(members) - 1) >= GROUP_MIN_ROWS:
-            groups.append((members, first[:shared]))
-    return groups
-
-
-def _grouped(queries: torch.Tensor, members: torch.Tensor) -> torch.Tensor:
-    """A group's queries ``[d, kv_heads, group, head_dim]`` as the rows of one batch item:
-    ``[1, kv_heads, members * group, head_dim]``."""
-    _, num_kv_heads, group, head_dim = queries.shape
-    n = members.numel()
-    return queries.index_select(0, members).transpose(0, 1).reshape(1, num_kv_heads, n * group, head_dim)
-
-
-def _merge(attn: torch.Tensor, lse: torch.Tensor, members: torch.Tensor, part_attn: torch.Tensor,
-           part_lse: torch.Tensor) -> None:
-    """Merge a group's attention over its shared rows (``_grouped``'s layout, with log-sum-exps)
-    into its members' attention over their own rows, in place, by the log-sum-exps."""
-    _, num_kv_heads, group, head_dim = attn.shape
-    n = members.numel()
-    part_attn = part_attn[0].reshape(num_kv_heads, n, group, head_dim).transpose(0, 1)
-    part_lse = part_lse[0].reshape(num_kv_heads, n, group).transpose(0, 1)
-    own, own_lse = attn.index_select(0, members), lse.index_select(0, members)
-    total = torch.logaddexp(own_lse, part_lse)
-    merged = own * torch.exp(own_lse - total)[..., None] + part_attn * torch.exp(part_lse - total)[..., None]
-    attn.index_copy_(0, members, merged)
-    lse.index_copy_(0, members, total)
 
 
 class StepPlan:
@@ -364,9 +282,9 @@ class StepPlan:
                 lse.index_copy_(0, part.index, part_lse)
         for members, rows in self.decode_groups:
             shared_k, shared_v = read_k(rows).to(queries.dtype), read_v(rows).to(queries.dtype)
-            part_attn, part_lse = flash(_grouped(queries, members), shared_k.transpose(0, 1)[None],
+            part_attn, part_lse = flash(grouped(queries, members), shared_k.transpose(0, 1)[None],
                                         shared_v.transpose(0, 1)[None], scale=scale)
-            _merge(attn, lse, members, part_attn, part_lse)
+            merge(attn, lse, members, part_attn, part_lse)
         return attn
 
     def _grouped_mask(self, chunk: int, group: int) -> torch.Tensor:

@@ -78,5 +78,5 @@ class StoreEvents:
 
     def held(self) -> list[Held]:
         """The snapshot source: every tier's (key, parent) pairs, as media."""
-        by_tier = self.store.held_by_tier()
+        by_tier = self.store.view.held_by_tier()
         return [(medium_of(tier), self.block_size, list(pairs)) for tier, pairs in by_tier.items()]

@@ -1,7 +1,7 @@
 """Per-tenant counters of one tier: what a tenant got from it and what it cost the others.
 
 Kept by the tier's ``TenantPolicy`` (kvstore/policy/tenant_policy.py); read by
-``TieredStore.tenant_stats()`` (kvstore/store/usage.py), the daemon's REST and /metrics.
+``TieredStore.view.tenant_stats()`` (kvstore/store/usage.py), the daemon's REST and /metrics.
 """
 
 from __future__ import annotations

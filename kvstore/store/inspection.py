@@ -1,4 +1,5 @@
-"""StoreView: read-only views of a store's cascade (what REST, metrics and tests inspect).
+"""StoreView (``TieredStore.view``): read-only views of a store's cascade, what REST, metrics,
+KV-event snapshots and tests inspect.
 
 Every method takes the store lock for its snapshot; none changes recency or placement.
 """
@@ -8,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvstore.store.cascade import Cascade
+from kvstore.store.usage import index_usage, tenant_usage
 
 
 class StoreView:
@@ -89,3 +91,14 @@ class StoreView:
         """Per node of the shared levels: address, up, breaker, used_memory, maxmemory,
         evicted_keys, keys."""
         return [dict(node, tier=level.name) for level in self.cascade.shared for node in level.nodes()]
+
+    def tenant_stats(self) -> dict[str, dict[str, Any]]:
+        """Per tenant: per tier its blocks and bytes held, hits, misses, evictions caused and
+        suffered, puts refused at its hard quota, and its quotas in blocks
+        (kvstore/store/usage.py). ``stats()`` stays per tier: every caller reads its keys as
+        tier names."""
+        return tenant_usage(self.cascade)
+
+    def index_usage(self) -> dict[str, dict[str, int]]:
+        """Blocks per tenant and tier counted from the block index (a check of ``tenant_stats``)."""
+        return index_usage(self.cascade)

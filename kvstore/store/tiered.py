@@ -2,9 +2,14 @@
 
 The store builds the levels from its config and hands them to a ``Cascade`` (the level list,
 the index, demotion and promotion); ``WritePath`` and ``ReadPath`` run put and get over it,
-``HostLeases`` gives the daemon zero-copy host slots. Every index mutation happens under the
-cascade's lock; bulk copies of blocks being read run outside it, protected by the entry's
-``readers`` count (a block being read is never evicted).
+``Management`` and ``TenantForget`` the operator's calls, ``HostLeases`` (``host_leases``)
+gives the daemon zero-copy host slots and ``StoreView`` (``view``) read-only snapshots. Every
+index mutation happens under the cascade's lock; bulk copies of blocks being read run outside
+it, held by ``InFlight`` (a block being read is never evicted).
+
+Each method is a short delegate to one of those parts; the module is longer than most (about
+430 lines) because it is the contract's implementation: its docstrings say what the embedded
+store adds to ``BlockStore``'s (what each call raises, when it waits, what ``exact`` does).
 """
 
 from __future__ import annotations
@@ -34,7 +39,6 @@ from kvstore.store.levels.build import build_admissions, build_levels, build_sha
 from kvstore.store.listeners import StoreListener
 from kvstore.store.management import Management
 from kvstore.store.reads import ReadPath
-from kvstore.store.usage import index_usage, tenant_usage
 from kvstore.store.writes import HostWrite, WritePath
 from kvstore.tiers.records import check_name
 
@@ -68,7 +72,7 @@ class TieredStore:
         self._view = StoreView(cascade, self._payload)
         self._codings = [level.coding for level in cascade.levels if level.coding is not None]
         self._executor = ThreadPoolExecutor(config.transfer_threads, thread_name_prefix="kvstore-transfer")
-        self._manage = Management(cascade, self._reads, self._executor, self.codecs)
+        self._manage = Management(cascade, self._reads, self._executor, self._view.codecs)
         self._forget = TenantForget(cascade, self._reads, self._manage.pins)
         for shared in cascade.shared:
             shared.watch(functools.partial(self._shared_stored, shared.name))
@@ -338,22 +342,14 @@ class TieredStore:
         with self._lock:
             self._cascade.listeners.stored(tier, keys, [None] * len(keys))
 
-    def held_by_tier(self) -> dict[str, list[tuple[bytes, bytes | None]]]:
-        """Snapshot: per tier name, ``(key, parent)`` of every block that tier holds."""
-        return self._view.held_by_tier()
-
     # ----------------------------------------------------------------------------- inspection
-    # Read-only views of the cascade (kvstore/store/inspection.py).
 
-    def held_keys(self, tenant: str | None = None) -> list[bytes]:
-        """Snapshot of the keys the store holds (only ``tenant``'s when given), blocks on their
-        way into a tier (a write-through put's, a demotion's) included, as ``contains`` says."""
-        return self._view.held_keys(tenant)
-
-    def block_info(self, key: bytes) -> dict[str, Any] | None:
-        """One block's tiers (its slot and codec in each), size, tenant, created/last access
-        times and pins; None if absent (see StoreView.block_info)."""
-        return self._view.block_info(key)
+    @property
+    def view(self) -> StoreView:
+        """Read-only snapshots of the store for REST, metrics, KV-event snapshots and tests:
+        held keys, one block's detail, blocks per tier, codecs, remote nodes, usage per tenant
+        (kvstore/store/inspection.py). None changes recency or placement."""
+        return self._view
 
     def stats(self) -> dict[str, dict[str, Any]]:
         """Per tier: occupancy, counters, codec (see StoreView.stats for every field)."""
@@ -377,25 +373,6 @@ class TieredStore:
     def quotas(self) -> QuotaTable:
         """The quotas in force (an empty table: none)."""
         return self._cascade.quota.table
-
-    def tenant_stats(self) -> dict[str, dict[str, Any]]:
-        """Per tenant: per tier its blocks and bytes held, hits, misses, evictions caused and
-        suffered, puts refused at its hard quota, and its quotas in blocks (kvstore/store/usage.py).
-        ``stats()`` stays per tier: every caller reads its keys as tier names."""
-        return tenant_usage(self._cascade)
-
-    def index_usage(self) -> dict[str, dict[str, int]]:
-        """Blocks per tenant and tier counted from the block index (a check of tenant_stats)."""
-        return index_usage(self._cascade)
-
-    def codecs(self) -> dict[str, dict[str, Any]]:
-        """Per tier: ``{"codec", "lossy", "block_bytes", ...}``, how it represents blocks."""
-        return self._view.codecs()
-
-    def remote_nodes(self) -> list[dict[str, Any]]:
-        """Per node of the shared levels: address, up, breaker, used_memory, maxmemory,
-        evicted_keys, keys (empty without a remote tier)."""
-        return self._view.remote_nodes()
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every block offered to the remote tier so far is written there or counted

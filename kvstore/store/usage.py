@@ -1,7 +1,7 @@
 """Usage per tenant: what each tenant holds in each tier, what it got, what it cost others.
 
 Read from the tiers' ``TenantPolicy`` objects (kvstore/policy/tenant_policy.py), which know every
-block's tenant, and the quotas in force (kvstore/policy/quotas.py). ``TieredStore.tenant_stats()``
+block's tenant, and the quotas in force (kvstore/policy/quotas.py). ``TieredStore.view.tenant_stats()``
 returns it; the daemon's REST ``/v1/tenants``, ``/metrics`` and dashboard show it.
 
 Per tenant and indexed tier:

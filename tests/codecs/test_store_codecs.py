@@ -68,11 +68,11 @@ def test_get_from_a_lossy_disk_returns_decoded_values_and_exact_refuses_them(tmp
     assert match.tiers == ("host",) * 2 + ("disk",) * 4
     assert match.lossy == (False,) * 2 + (True,) * 4
     assert store.lookup(keys, exact=True).num_blocks == 2
-    info = store.block_info(keys[2])
+    info = store.view.block_info(keys[2])
     assert info is not None and info["codecs"] == {"disk": "int8"} and info["lossy"] and info["exact_tier"] is None
     assert store.stats()["disk"]["codec"] == "int8" and store.stats()["disk"]["lossy"] is True
     assert store.stats()["host"]["codec"] == "none" and store.stats()["host"]["lossy"] is False
-    assert store.codecs()["disk"] == {"codec": "int8", "lossy": True, "version": 1, "scale_dtype": "float16",
+    assert store.view.codecs()["disk"] == {"codec": "int8", "lossy": True, "version": 1, "scale_dtype": "float16",
                                       "block_bytes": 102400}
     with pytest.raises(KeyError, match="#2"):
         store.get(keys, exact=True)

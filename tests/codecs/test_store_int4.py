@@ -67,7 +67,7 @@ def test_gets_return_the_codecs_decode_and_exact_refuses_them(tmp_path: Path) ->
     match = store.lookup(keys)
     assert match.tiers == ("host",) * 2 + ("disk",) * 4 and match.lossy == (False,) * 2 + (True,) * 4
     assert store.lookup(keys, exact=True).num_blocks == 2
-    assert store.codecs()["disk"] == {"codec": "int4-rot", "lossy": True, "version": 1, "scale_dtype": "float16",
+    assert store.view.codecs()["disk"] == {"codec": "int4-rot", "lossy": True, "version": 1, "scale_dtype": "float16",
                                       "group": 64, "rotated": True, "block_bytes": SLOT}
     with pytest.raises(KeyError, match="#2"):
         store.get(keys, exact=True)
@@ -93,7 +93,7 @@ def test_nan_is_refused_at_put(tmp_path: Path) -> None:
 
 
 def _slots(store: TieredStore, keys: list[bytes]) -> list[int]:
-    return [store.block_info(k)["slots"]["disk"] for k in keys]  # type: ignore[index]
+    return [store.view.block_info(k)["slots"]["disk"] for k in keys]  # type: ignore[index]
 
 
 def test_a_corrupt_slot_and_an_unknown_version_are_counted_misses(tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""Decoding sequences that share a cached prefix read its K/V once per step (kvstore/engine/attention.py,
+"""Decoding sequences that share a cached prefix read its K/V once per step (kvstore/engine/decode_parts.py, attention.py,
 ``shared_prefixes``): attention over the shared rows and over each sequence's own rows, merged by
 their log-sum-exps (torch's path) or under one softmax (the CPU decode kernel), equals attention
 over each sequence's whole context."""
@@ -12,7 +12,9 @@ import pytest
 import torch
 
 import kvstore.engine.attention as attention
-from kvstore.engine.attention import GROUP_MIN_ROWS, StepPlan, by_length, row_view, shared_prefixes
+import kvstore.engine.decode_parts as decode_parts
+from kvstore.engine.attention import StepPlan, row_view
+from kvstore.engine.decode_parts import GROUP_MIN_ROWS, by_length, shared_prefixes
 from kvstore.kernels import cpu_rows
 from tests.engine.conftest import GREEDY, hf_greedy_check, make_engine
 from tests.factories import require
@@ -106,7 +108,7 @@ def test_a_batch_over_one_cached_prefix_decodes_as_each_sequence_alone(hf_llama:
         llm.generate([prefix], GREEDY)  # the prefix cached, so the batch's prompts share its blocks
         together = llm.generate(prompts, GREEDY)
         assert formed and max(formed) == 4, "the batch's decode steps never read the prefix as one group"
-        monkeypatch.setattr(attention, "GROUP_MIN_ROWS", 1 << 30)  # no groups: each sequence reads it all
+        monkeypatch.setattr(decode_parts, "GROUP_MIN_ROWS", 1 << 30)  # no groups: each sequence reads it all
         apart = llm.generate(prompts, GREEDY)
         llm.check_integrity()
     finally:

@@ -136,7 +136,7 @@ def test_a_tier_with_another_codec_converts_pages_once_at_its_boundary(tmp_path:
         first = llm.generate([PROMPT], GREEDY)[0]
         keys = llm.store.block_keys(PROMPT)  # type: ignore[union-attr]
         pages = llm.store.get(keys)  # type: ignore[union-attr]
-        codecs = llm.store.codecs()  # type: ignore[union-attr]
+        codecs = llm.store.view.codecs()  # type: ignore[union-attr]
         assert codecs["host"]["codec"] == "none" and codecs["disk"]["codec"] == "fp8"
         assert codecs["disk"]["converts_pages"] == "int8"
     with engine("int8", **tiers) as llm:  # a restart: only the disk's fp8 copy is left

@@ -53,12 +53,12 @@ def truth(llm: LLMEngine) -> dict[str, set[bytes]]:
 
     def agreeing() -> dict[str, set[bytes]] | None:
         held = {GPU: device_keys(llm)}
-        by_tier = llm.store.held_by_tier()
+        by_tier = llm.store.view.held_by_tier()
         held[CPU], held[DISK] = {k for k, _ in by_tier["host"]}, {k for k, _ in by_tier["disk"]}
-        return held if set(llm.store.held_keys()) == held[CPU] | held[DISK] else None
+        return held if set(llm.store.view.held_keys()) == held[CPU] | held[DISK] else None
 
     held = wait_until(agreeing, 5, "the store's two views agreeing", poll_s=0.01)
-    assert set(llm.store.held_keys()) == held[CPU] | held[DISK]
+    assert set(llm.store.view.held_keys()) == held[CPU] | held[DISK]
     return {m: keys for m, keys in held.items() if keys}
 
 

@@ -77,7 +77,7 @@ def test_a_tenant_over_its_soft_quota_loses_its_blocks_first_in_a_store(tmp_path
         keys = chain(store, 2, salt=salt, tenant="flood")
         store.put(keys, blocks_for(keys), tenant="flood")
     assert store.lookup(hot).num_blocks == 3  # under its share: untouched
-    usage = store.tenant_stats()
+    usage = store.view.tenant_stats()
     assert usage["chat"]["tiers"]["host"]["blocks"] == 3 and usage["flood"]["tiers"]["host"]["blocks"] == 5
     assert usage["chat"]["tiers"]["host"]["evictions_suffered"] == 0
     assert usage["flood"]["tiers"]["host"]["evictions_suffered"] == 60 - 5
@@ -103,7 +103,7 @@ def test_hard_quota_makes_room_among_its_own_blocks_then_refuses_with_no_error(t
     third = chain(store, 2, salt=3, tenant="acme")
     store.put(third, blocks_for(third), tenant="acme")  # its 4 blocks pinned: refused, no error
     assert store.lookup(third).num_blocks == 0
-    row = store.tenant_stats()["acme"]["tiers"]["host"]
+    row = store.view.tenant_stats()["acme"]["tiers"]["host"]
     assert row["blocks"] == 4 and row["refused"] == 2 and row["hard_blocks"] == 4
     other = chain(store, 10, salt=4, tenant="globex")  # another tenant is not capped
     store.put(other, blocks_for(other), tenant="globex")
@@ -122,7 +122,7 @@ def test_reads_promote_within_the_hard_quota(tmp_path: Path) -> None:
     store.pin(chains[3][:2])  # two of its four host blocks cannot make room
     got = store.get(chains[0])  # read from disk: only what fits the quota is promoted
     assert torch.equal(got, blocks_for(chains[0]))
-    row = store.tenant_stats()["acme"]["tiers"]["host"]
+    row = store.view.tenant_stats()["acme"]["tiers"]["host"]
     assert row["blocks"] == 4 and row["refused"] == 0  # a read refuses nothing
     assert store.lookup(chains[0]).tiers == ("host", "host", "disk", "disk")
     store.check_integrity()
@@ -140,7 +140,7 @@ def test_concurrent_puts_never_pass_a_hard_quota_by_one_block(tmp_path: Path, wr
 
     def watch() -> None:  # samples the usage while the puts run, from the store's own counts
         while not done.is_set():
-            for tenant, usage in store.tenant_stats().items():
+            for tenant, usage in store.view.tenant_stats().items():
                 worst[tenant] = max(worst.get(tenant, 0), usage["tiers"]["host"]["blocks"])
 
     watcher = threading.Thread(target=watch)
@@ -161,11 +161,11 @@ def test_concurrent_puts_never_pass_a_hard_quota_by_one_block(tmp_path: Path, wr
     finally:
         done.set()
         watcher.join(30)
-    final = store.tenant_stats()
+    final = store.view.tenant_stats()
     for tenant, cap in caps.items():
         assert worst[tenant] <= cap, f"{tenant} held {worst[tenant]} host blocks, cap {cap}"
         assert final[tenant]["tiers"]["host"]["blocks"] <= cap
-    assert store.index_usage() == {t: {k: v["blocks"] for k, v in u["tiers"].items() if v["blocks"]}
+    assert store.view.index_usage() == {t: {k: v["blocks"] for k, v in u["tiers"].items() if v["blocks"]}
                                    for t, u in final.items()}
     store.check_integrity()
     store.close()
@@ -195,8 +195,8 @@ def test_usage_counters_match_the_index_after_a_storm(tmp_path: Path) -> None:
                     store.delete(keys[-1:])
 
     run_in_threads(worker, 6)
-    stats = store.tenant_stats()
-    from_index = store.index_usage()
+    stats = store.view.tenant_stats()
+    from_index = store.view.index_usage()
     assert from_index == {t: {k: v["blocks"] for k, v in u["tiers"].items() if v["blocks"]}
                           for t, u in stats.items() if u["blocks"]}
     tiers = store.stats()
@@ -239,6 +239,6 @@ def test_a_refused_quota_change_loses_nothing(tmp_path: Path) -> None:
             store.set_quotas(bad)
         assert store.quotas == good
     assert store.lookup(keys).num_blocks == 3
-    assert store.tenant_stats()["acme"]["tiers"]["host"]["soft_blocks"] == 4
+    assert store.view.tenant_stats()["acme"]["tiers"]["host"]["soft_blocks"] == 4
     store.check_integrity()
     store.close()

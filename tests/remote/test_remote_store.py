@@ -181,7 +181,7 @@ def test_a_lossy_remote_codec_is_marked_and_refused_by_exact_reads(cluster: Redi
             node_b.get(keys, exact=True)
         got = node_b.get(keys)  # int8 absmax: close to, not equal to, the bytes put
         assert torch.allclose(got, blocks_for(keys), atol=0.05, rtol=0.05)
-        assert node_b.block_info(keys[0])["lossy"]  # type: ignore[index]
+        assert node_b.view.block_info(keys[0])["lossy"]  # type: ignore[index]
         assert raw_reader.lookup(keys).num_blocks == 0  # another codec names another layout: a miss
         assert node_b.stats()["remote"]["codec"] == "int8"
 

@@ -361,7 +361,7 @@ def test_a_tenant_the_disk_catalog_cannot_record_is_refused_at_put(tmp_path: Pat
     other = chain(store, 2, salt=2)
     store.put(other, blocks_for(other))  # demotes the first chain to disk
     assert store.lookup(keys).tiers == ("disk", "disk")
-    assert store.block_info(keys[0])["tenant"] == longest  # type: ignore[index]
+    assert store.view.block_info(keys[0])["tenant"] == longest  # type: ignore[index]
     store.check_integrity()
     store.close()
 

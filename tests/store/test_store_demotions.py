@@ -64,7 +64,7 @@ def test_other_calls_do_not_wait_for_a_demotions_disk_write(tmp_path: Path) -> N
     wait_blocked(getting.thread, *WRITE_WAITS, what="a get of the demoted tail")
     assert getting.thread.is_alive() and putting.thread.is_alive()
     hold.release(putting, getting)
-    assert [store.block_info(k)["tiers"][-1] for k in first[2:]] == ["disk", "disk"]  # type: ignore[index]
+    assert [store.view.block_info(k)["tiers"][-1] for k in first[2:]] == ["disk", "disk"]  # type: ignore[index]
     assert torch.equal(store.get(first), blocks_for(first))
     store.check_integrity()
     store.close()

@@ -90,7 +90,7 @@ def test_flipped_bytes_are_misses_and_counted(tmp_path: Path) -> None:
     chains = [chain(store, 2, salt=s) for s in range(6)]
     for keys in chains:
         store.put(keys, blocks_for(keys))
-    slots = {k: store.block_info(k)["slots"]["disk"] for keys in chains for k in keys}  # type: ignore[index]
+    slots = {k: store.view.block_info(k)["slots"]["disk"] for keys in chains for k in keys}  # type: ignore[index]
     store.close()
     victim = chains[2][1]  # the tail of chain 2
     slab = _slab_file(tmp_path / "disk")
@@ -184,7 +184,7 @@ def test_a_write_through_put_the_full_disk_cannot_take_raises_and_keeps_nothing(
     store.check_integrity()
     filler.unlink()
     store.put(keys, blocks_for(keys))  # acknowledged: on disk before it returned
-    assert [store.block_info(k)["tiers"] for k in keys] == [["host", "disk"]] * 2  # type: ignore[index]
+    assert [store.view.block_info(k)["tiers"] for k in keys] == [["host", "disk"]] * 2  # type: ignore[index]
     store.check_integrity()
     store.close()
 
@@ -220,7 +220,7 @@ def test_a_put_that_waited_on_a_failed_write_through_writes_the_blocks_itself(ti
     assert len(first_errors) == 1 and isinstance(first_errors[0], TierFullError)
     assert "put not acknowledged under write-through: 2 of 2 blocks did not reach disk" in str(first_errors[0])
     assert not second_errors
-    assert [store.block_info(k)["tiers"] for k in keys] == [["host", "disk"]] * 2  # type: ignore[index]
+    assert [store.view.block_info(k)["tiers"] for k in keys] == [["host", "disk"]] * 2  # type: ignore[index]
     assert torch.equal(store.get(keys), blocks_for(keys))
     store.check_integrity()
     store.close()
@@ -245,7 +245,7 @@ def test_a_write_through_put_with_no_evictable_disk_slot_raises_capacity_error(t
     store.check_integrity()
     store.unpin(held)
     store.put(keys, blocks_for(keys))
-    assert store.block_info(keys[0])["tiers"] == ["host", "disk"]  # type: ignore[index]
+    assert store.view.block_info(keys[0])["tiers"] == ["host", "disk"]  # type: ignore[index]
     store.check_integrity()
     store.close()
 

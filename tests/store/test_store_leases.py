@@ -47,15 +47,15 @@ def test_read_lease_holds_blocks_against_eviction_and_delete(tmp_path: Path) -> 
         store.delete(keys[:1])
     more = chain(store, 4, salt=1)
     store.put(more, blocks_for(more))  # evicts the two unheld blocks, not the held ones
-    assert [store.block_info(k)["tier"] for k in keys[:2]] == ["host", "host"]  # type: ignore[index]
+    assert [store.view.block_info(k)["tier"] for k in keys[:2]] == ["host", "host"]  # type: ignore[index]
     store.host_leases.release(keys[:2])
     store.check_integrity()
     # a disk-only block is promoted to host by acquire_host
     store.put(chain(store, 4, salt=2), blocks_for(chain(store, 4, salt=2)))
-    disk_only = [k for k in keys + more if store.block_info(k) and store.block_info(k)["tier"] == "disk"]  # type: ignore[index]
+    disk_only = [k for k in keys + more if store.view.block_info(k) and store.view.block_info(k)["tier"] == "disk"]  # type: ignore[index]
     assert disk_only
     got = store.host_leases.acquire(disk_only[:1])
-    assert len(got) == 1 and store.block_info(disk_only[0])["tier"] == "host"  # type: ignore[index]
+    assert len(got) == 1 and store.view.block_info(disk_only[0])["tier"] == "host"  # type: ignore[index]
     store.host_leases.release(disk_only[:1])
     store.check_integrity()
     store.close()
@@ -72,7 +72,7 @@ def test_write_lease_publishes_only_on_commit(tmp_path: Path) -> None:
         store.level("host").tier.pool[slot, :payload].copy_(row)  # type: ignore[union-attr]
     store.host_leases.commit(keys, slots, tenant="t")
     assert store.lookup(keys).num_blocks == 3 and torch.equal(store.get(keys), blocks_for(keys))
-    assert store.block_info(keys[0])["tenant"] == "t"  # type: ignore[index]
+    assert store.view.block_info(keys[0])["tenant"] == "t"  # type: ignore[index]
     again = store.host_leases.reserve(1)  # a key already held keeps its copy; the slot is freed
     store.host_leases.commit(keys[:1], again)
     assert store.stats()["host"]["num_blocks"] == 3
@@ -80,8 +80,8 @@ def test_write_lease_publishes_only_on_commit(tmp_path: Path) -> None:
         store.host_leases.reserve(5)
     store.host_leases.cancel(store.host_leases.reserve(1))
     store.check_integrity()
-    assert sorted(store.held_keys()) == sorted(keys) and store.held_keys("nobody") == []
-    assert store.block_info(b"\0" * 32) is None
+    assert sorted(store.view.held_keys()) == sorted(keys) and store.view.held_keys("nobody") == []
+    assert store.view.block_info(b"\0" * 32) is None
     store.close()
 
 
@@ -195,7 +195,7 @@ def test_a_non_blocking_commit_refuses_what_must_write_below_host(tmp_path: Path
     assert store.lookup(keys).num_blocks == 0
     store.host_leases.commit(keys, slots)
     assert store.lookup(keys).tiers == ("host", "host")
-    assert all("disk" in store.block_info(k)["tiers"] for k in keys)  # type: ignore[index]
+    assert all("disk" in store.view.block_info(k)["tiers"] for k in keys)  # type: ignore[index]
     assert torch.equal(store.get(keys), blocks_for(keys))
     store.check_integrity()
     store.close()

@@ -33,7 +33,7 @@ class Recorder:
 
 
 def _as_sets(store) -> dict[str, set[bytes]]:  # type: ignore[no-untyped-def]
-    return {tier: {k for k, _ in held} for tier, held in store.held_by_tier().items()}
+    return {tier: {k for k, _ in held} for tier, held in store.view.held_by_tier().items()}
 
 
 def test_events_rebuild_every_level_through_eviction_promotion_and_delete(tmp_path: Path) -> None:
@@ -53,7 +53,7 @@ def test_events_rebuild_every_level_through_eviction_promotion_and_delete(tmp_pa
     store.delete(chains[3])
     assert {t: recorder.held.get(t, set()) for t in store.levels} == _as_sets(store)
     assert not any(k in recorder.held[t] for t in store.levels for k in chains[3])
-    held = {k: p for pairs in store.held_by_tier().values() for k, p in pairs}
+    held = {k: p for pairs in store.view.held_by_tier().values() for k, p in pairs}
     assert all(recorder.parents[k] == p for k, p in held.items())
     store.check_integrity()
     store.close()
@@ -63,7 +63,7 @@ def test_a_corrupt_disk_block_is_reported_removed(tmp_path: Path) -> None:
     store = make_store(tmp_path, host_blocks=4, disk_blocks=8, write_policy="write_through")
     keys = chain(store, 2)
     store.put(keys, blocks_for(keys))
-    slot = store.block_info(keys[1])["slots"]["disk"]  # type: ignore[index]
+    slot = store.view.block_info(keys[1])["slots"]["disk"]  # type: ignore[index]
     store.close()
     slab = tmp_path / "disk" / "slab-000.bin"
     with open(slab, "r+b") as f:
@@ -73,7 +73,7 @@ def test_a_corrupt_disk_block_is_reported_removed(tmp_path: Path) -> None:
         f.write(bytes([byte[0] ^ 0x01]))
     store = make_store(tmp_path, host_blocks=4, disk_blocks=8)
     recorder = Recorder()
-    recorder.held["disk"] = {k for k, _ in store.held_by_tier()["disk"]}  # what a snapshot gives
+    recorder.held["disk"] = {k for k, _ in store.view.held_by_tier()["disk"]}  # what a snapshot gives
     store.add_listener(recorder)
     with pytest.raises(KeyError):
         store.get(keys)

@@ -131,7 +131,7 @@ def test_inspect_names_every_tier_its_codec_and_size(tmp_path: Path) -> None:
     first = info[0]
     assert first is not None and first.key == keys[0] and first.tiers == ("host", "disk")
     assert first.codecs == {"host": "none", "disk": "int8"} and first.tenant == "acme"
-    codecs = store.codecs()
+    codecs = store.view.codecs()
     assert first.stored_bytes == {t: codecs[t]["block_bytes"] for t in ("host", "disk")}
     assert first.stored_bytes == {"host": 512, "disk": 4096}  # a coded disk slot is padded to 4 KiB
     assert first.pins == 1 and first.pin_expires_s is not None and 59 < first.pin_expires_s <= 60

@@ -35,7 +35,7 @@ def _decoded_on_host(tmp_path: Path) -> tuple[TieredStore, list[bytes]]:
 
 
 def _host_slot(store: TieredStore, key: bytes) -> int | None:
-    info = store.block_info(key)
+    info = store.view.block_info(key)
     return None if info is None else info["slots"].get("host")  # type: ignore[no-any-return]
 
 

@@ -55,7 +55,7 @@ def test_others_do_not_wait_for_a_write_through_disk_write(tmp_path: Path, how: 
     assert torch.equal(finishes(lambda: store.get(held)), blocks_for(held))
     other = chain(store, 1, salt=3)
     finishes(lambda: store.put(other, blocks_for(other)))
-    assert store.block_info(other[0])["tiers"] == ["host", "disk"]  # type: ignore[index]
+    assert store.view.block_info(other[0])["tiers"] == ["host", "disk"]  # type: ignore[index]
     finishes(lambda: store.pin(held))
     finishes(lambda: store.unpin(held))
     assert finishes(lambda: store.delete(gone)) == 1
@@ -70,8 +70,8 @@ def test_others_do_not_wait_for_a_write_through_disk_write(tmp_path: Path, how: 
     wait_blocked(pinning.thread, *WRITE_WAITS, what="a pin of blocks being written")
     assert getting.thread.is_alive() and pinning.thread.is_alive(), "read or pinned blocks not on disk yet"
     hold.release(putting, getting, pinning)
-    assert [store.block_info(k)["tiers"] for k in writing] == [["host", "disk"]] * 2  # type: ignore[index]
-    assert [store.block_info(k)["pins"] for k in writing] == [1, 1]  # type: ignore[index]
+    assert [store.view.block_info(k)["tiers"] for k in writing] == [["host", "disk"]] * 2  # type: ignore[index]
+    assert [store.view.block_info(k)["pins"] for k in writing] == [1, 1]  # type: ignore[index]
     store.unpin(writing)
     assert torch.equal(store.get(writing), blocks_for(writing))
     store.check_integrity()
@@ -89,7 +89,7 @@ def test_a_put_of_keys_being_written_through_waits_for_that_write(tmp_path: Path
     # acknowledging it now would claim blocks on disk that are not there yet
     assert second.thread.is_alive(), "a put of keys being written through returned before they were on disk"
     hold.release(first, second)
-    assert [store.block_info(k)["tiers"] for k in keys] == [["host", "disk"]] * 2  # type: ignore[index]
+    assert [store.view.block_info(k)["tiers"] for k in keys] == [["host", "disk"]] * 2  # type: ignore[index]
     # written once: the second put found them held and only refreshed them
     assert store.stats()["disk"]["bytes_written"] == 2 * store.level("disk").payload_bytes  # type: ignore[union-attr]
     assert hold.calls == 1
@@ -128,5 +128,5 @@ def test_a_disk_write_that_raises_leaves_no_block_half_written_and_nobody_waitin
     assert store.lookup(keys).num_blocks == 0
     assert store.stats()["host"]["num_blocks"] == 0
     finishes(lambda: store.put(keys, blocks_for(keys)))
-    assert [store.block_info(k)["tiers"] for k in keys] == [["host", "disk"]] * 2  # type: ignore[index]
+    assert [store.view.block_info(k)["tiers"] for k in keys] == [["host", "disk"]] * 2  # type: ignore[index]
     finishes(store.close)

@@ -100,7 +100,7 @@ class NamespaceState:
                 "hash_algo": self.hash_algo, "block_bytes": self.layout.bytes_per_block,
                 "num_blocks": len(self.store),
                 "capacity_bytes": {t: s["capacity_bytes"] for t, s in tiers.items()},
-                "codecs": self.store.codecs()}
+                "codecs": self.store.view.codecs()}
 
 
 class Registry:
@@ -245,7 +245,7 @@ class Registry:
         """The remote tier's nodes (memory, evictions, breaker), as the first namespace sees
         them (every namespace's store talks to the same cluster); empty without a remote."""
         for state in self.namespaces():
-            nodes = state.store.remote_nodes()
+            nodes = state.store.view.remote_nodes()
             if nodes:
                 return nodes
         return []
@@ -290,7 +290,7 @@ class Registry:
         bytes, counters and quota limits in blocks, per tier)."""
         out: dict[str, dict[str, Any]] = {}
         for state in self.namespaces():
-            for tenant, usage in state.store.tenant_stats().items():
+            for tenant, usage in state.store.view.tenant_stats().items():
                 acc = out.setdefault(tenant, {"tiers": {}, "blocks": 0, "bytes": 0})
                 acc["blocks"] += usage["blocks"]
                 acc["bytes"] += usage["bytes"]

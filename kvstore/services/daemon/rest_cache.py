@@ -214,7 +214,7 @@ def cache_router(registry: Registry) -> APIRouter:
         """Delete every block not pinned or being read (of one namespace / tenant if named)."""
         deleted = skipped = 0
         for state in namespaces(registry, body.namespace):
-            for key in state.store.held_keys(body.tenant):
+            for key in state.store.view.held_keys(body.tenant):
                 try:
                     deleted += state.store.delete([key])
                 except CapacityError:

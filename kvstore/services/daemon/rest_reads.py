@@ -133,7 +133,7 @@ def reads_router(registry: Registry, daemon: Any = None) -> APIRouter:
             for stored in candidates:
                 if len(stored) != state.store.hasher.key_bytes:
                     continue
-                info = state.store.block_info(stored)
+                info = state.store.view.block_info(stored)
                 if info is not None and (everyone or info["tenant"] == who.tenant):
                     return {**info, "namespace": state.id, "model_id": state.model_id}
         raise HTTPException(404, f"no block {key}")

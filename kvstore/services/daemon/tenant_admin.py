@@ -42,7 +42,7 @@ def known_tenants(registry: Registry) -> set[str]:
 def is_known(registry: Registry, tenant: str) -> bool:
     if tenant in known_tenants(registry):
         return True
-    return any(state.store.held_keys(tenant) for state in registry.namespaces())
+    return any(state.store.view.held_keys(tenant) for state in registry.namespaces())
 
 
 def acting_tenant(registry: Registry, who: Principal, asked: str | None) -> str:

@@ -162,7 +162,7 @@ def bench_disk(num_blocks: int, repeat: int, workdir: Path) -> tuple[list[Row], 
     # dd reads the very extents that hold each chain (unwritten extents would read as free zeros)
     extents = []
     for keys in chains[:repeat]:
-        slots = sorted(int(store.block_info(k)["slots"]["disk"]) for k in keys)  # type: ignore[index]
+        slots = sorted(int(store.view.block_info(k)["slots"]["disk"]) for k in keys)  # type: ignore[index]
         extents.append((slots[0], slots[-1] - slots[0] + 1))
     store.close()
     slabs = sorted(p for p in disk_dir.rglob("*") if p.is_file() and p.stat().st_size >= num_blocks * payload)
