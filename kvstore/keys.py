@@ -4,6 +4,10 @@
 root is derived from the namespace (model id, KV layout, hash algorithm, format version) and the
 tenant salt, so different models, layouts or tenants never share a key. The byte-exact recipe
 and test vectors are in docs/key-format.md; change nothing here without bumping FORMAT_VERSION.
+
+A layout with several KV groups (kvstore/layout.py) stores each group's block of a prefix
+under a key of its own: ``H(GROUP_TAG || key_i || u32 group)`` (``group_keys``). With one group
+the chain's keys are the group's: every layout without groups keeps its keys.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ FORMAT_VERSION = 1
 NAMESPACE_TAG = b"kvstore/namespace/v1\x00"
 ROOT_TAG = b"kvstore/root/v1\x00"
 BLOCK_TAG = b"kvstore/block/v1\x00"
+GROUP_TAG = b"kvstore/group/v1\x00"
 
 ExtraKey = bytes | str | int
 BlockKey = bytes
@@ -210,3 +215,19 @@ class BlockHasher:
                 key = digest(BLOCK_TAG + key + count + raw[i * stride : (i + 1) * stride] + tails[i])
                 append(key)
         return keys
+
+    def group_keys(self, keys: Sequence[bytes], group: int) -> list[BlockKey]:
+        """The keys of KV group ``group``'s blocks of the prefixes ``keys`` name (chain keys of
+        this namespace): ``keys`` themselves for a layout of one group, else one
+        ``H(GROUP_TAG || key || u32 group)`` each.
+
+        Raises:
+            IndexError: ``group`` is not one of the layout's groups.
+        """
+        num_groups = self.namespace.layout.num_groups
+        if not isinstance(group, int) or isinstance(group, bool) or not 0 <= group < num_groups:
+            raise IndexError(f"group {group!r} is not one of the layout's {num_groups} KV groups")
+        if num_groups == 1:
+            return list(keys)
+        digest, tail = self._hash, struct.pack("<I", group)
+        return [digest(GROUP_TAG + key + tail) for key in keys]

@@ -18,7 +18,7 @@ from typing import Any
 import msgpack
 
 from kvstore.errors import ConfigError, KVStoreError
-from kvstore.layout import DTYPES_BY_NAME, KVLayout
+from kvstore.layout import DTYPES_BY_NAME, KVGroup, KVLayout
 
 VERSION = 1
 HEADER = struct.Struct(">II")
@@ -164,17 +164,32 @@ def split_keys(blob: bytes, key_bytes: int) -> list[bytes]:
     return [blob[i : i + key_bytes] for i in range(0, len(blob), key_bytes)]
 
 
-# The hello frame's layout: KVLayout as a msgpack map, and back (refusing anything else).
+# The hello frame's layout: KVLayout as a msgpack map, and back (refusing anything else). A
+# layout with KV groups adds "groups": [[kind, [layers...], window or nil], ...]; one without
+# them is the map it always was.
+_LAYOUT_KEYS = frozenset({"num_layers", "num_kv_heads", "head_dim", "block_size", "dtype", "tp_rank", "tp_size"})
+
+
 def layout_to_dict(layout: KVLayout) -> dict[str, Any]:
-    return {"num_layers": layout.num_layers, "num_kv_heads": layout.num_kv_heads, "head_dim": layout.head_dim,
-            "block_size": layout.block_size, "dtype": layout.dtype_name, "tp_rank": layout.tp_rank,
-            "tp_size": layout.tp_size}
+    out: dict[str, Any] = {"num_layers": layout.num_layers, "num_kv_heads": layout.num_kv_heads,
+                           "head_dim": layout.head_dim, "block_size": layout.block_size, "dtype": layout.dtype_name,
+                           "tp_rank": layout.tp_rank, "tp_size": layout.tp_size}
+    if layout.groups:
+        out["groups"] = [[g.kind, list(g.layers), g.window] for g in layout.groups]
+    return out
 
 
 def layout_from_dict(d: Any) -> KVLayout:
     """ConfigError for anything but the dict layout_to_dict writes."""
-    if not isinstance(d, dict) or set(d) != set(layout_to_dict(KVLayout(1, 1, 1))):
-        raise ConfigError(f"layout must be a map with keys {sorted(layout_to_dict(KVLayout(1, 1, 1)))}")
+    if not isinstance(d, dict) or not _LAYOUT_KEYS <= set(d) <= _LAYOUT_KEYS | {"groups"}:
+        raise ConfigError(f"layout must be a map with keys {sorted(_LAYOUT_KEYS)} (and optionally 'groups')")
     if d["dtype"] not in DTYPES_BY_NAME:
         raise ConfigError(f"layout dtype must be one of {sorted(DTYPES_BY_NAME)}, got {d['dtype']!r}")
-    return KVLayout(**{**d, "dtype": DTYPES_BY_NAME[d["dtype"]]})
+    fields = {**d, "dtype": DTYPES_BY_NAME[d["dtype"]]}
+    if "groups" in d:
+        groups = d["groups"]
+        if not isinstance(groups, list) or not all(isinstance(g, list) and len(g) == 3 and isinstance(g[1], list)
+                                                   for g in groups):
+            raise ConfigError("layout groups must be a list of [kind, [layers...], window]")
+        fields["groups"] = tuple(KVGroup(kind, tuple(layers), window) for kind, layers, window in groups)
+    return KVLayout(**fields)

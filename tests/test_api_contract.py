@@ -70,12 +70,12 @@ def contract_methods() -> list[str]:
 
 @pytest.mark.parametrize("impl", [TieredStore, StoreClient, GuardedStore], ids=lambda c: c.__name__)
 def test_every_store_takes_the_contract_arguments_in_the_contract_order(impl: type) -> None:
-    methods = [*contract_methods(), "block_keys"]
+    methods = [*contract_methods(), "block_keys", "group_keys"]
     assert {"put", "lookup", "get", "fetch", "contains", "delete", "pin", "unpin", "stats", "flush",
             "close", "prefetch", "inspect"} <= set(methods)
     for name in methods:
-        want = list(inspect.signature(getattr(BlockStore, name) if name != "block_keys"
-                                      else KeyChain.block_keys).parameters.values())
+        want = list(inspect.signature(getattr(BlockStore, name) if name not in ("block_keys", "group_keys")
+                                      else getattr(KeyChain, name)).parameters.values())
         have = list(inspect.signature(getattr(impl, name)).parameters.values())
         assert [(p.name, p.kind, p.default) for p in have[: len(want)]] == \
                [(p.name, p.kind, p.default) for p in want], f"{impl.__name__}.{name}"
@@ -171,6 +171,17 @@ def test_a_pinned_block_is_kept_and_unpin_lets_it_go(store: BlockStore) -> None:
     store.flush(10)
     assert store.contains(keys) == [True]
     store.unpin(keys)
+
+
+def test_cool_counts_the_blocks_held_and_keeps_them_readable(store: BlockStore) -> None:
+    keys = store.block_keys(fresh(2))
+    store.put(keys, blocks(keys))
+    store.flush(10)
+    assert store.cool([*keys, *store.block_keys(fresh(1))]) == 2  # one never put: skipped
+    assert store.contains(keys) == [True, True] and (store.get(keys) == blocks(keys)).all()
+    assert store.group_keys(keys, 0) == keys  # one KV group: the chain's keys
+    with pytest.raises(IndexError, match="group 1 is not one of the layout's 1 KV groups"):
+        store.group_keys(keys, 1)
 
 
 def test_a_pin_with_a_ttl_ends_by_itself_and_a_bad_one_is_refused(store: BlockStore) -> None:

@@ -28,7 +28,8 @@ from hypothesis import strategies as st
 
 from kvstore.errors import ConfigError
 from kvstore.keys import HASHES, BlockHasher, Namespace
-from kvstore.layout import DTYPE_NAMES, DTYPES_BY_NAME, KVLayout
+from kvstore.layout import DTYPE_NAMES, KVLayout
+from kvstore.protocol import layout_from_dict
 
 REPO = Path(__file__).resolve().parents[1]
 KEY_FORMAT_DOC = REPO / "docs" / "key-format.md"
@@ -72,10 +73,21 @@ def doc_hash(name: str, data: bytes) -> bytes:
 
 
 def doc_fingerprint(layout: dict[str, Any]) -> str:
-    return (
+    text = (
         f"L{layout['num_layers']}-H{layout['num_kv_heads']}-D{layout['head_dim']}-B{layout['block_size']}"
         f"-{layout['dtype']}-tp{layout['tp_rank']}of{layout['tp_size']}"
     )
+    if layout.get("groups"):
+        tags = [("f" if kind == "full" else f"s{window}") + ":" + ",".join(map(str, layers))
+                for kind, layers, window in layout["groups"]]
+        text += "-G" + "/".join(tags)
+    return text
+
+
+def doc_group_keys(hash_name: str, keys: list[bytes], group: int, num_groups: int) -> list[bytes]:
+    if num_groups == 1:
+        return keys
+    return [doc_hash(hash_name, b"kvstore/group/v1\x00" + key + _u32(group)) for key in keys]
 
 
 def doc_namespace_digest(model_id: str, layout: dict[str, Any], hash_name: str) -> bytes:
@@ -156,11 +168,12 @@ def test_vectors_cover_the_promised_cases() -> None:
     assert {"s", "b", "i"} <= {kind for v in VECTORS for block in v["extras"] or [] for kind, _ in block}
     assert {v["hash"] for v in VECTORS} == set(HASHES)
     assert any(len(v["keys"]) >= 2 for v in VECTORS) and any(v["parent"] for v in VECTORS)
+    assert {v["hash"] for v in VECTORS if v["layout"].get("groups")} == set(HASHES)  # group keys, each hash
 
 
 @pytest.mark.parametrize("vector", VECTORS, ids=[v["name"] for v in VECTORS])
 def test_code_reproduces_vector(vector: dict[str, Any]) -> None:
-    layout = KVLayout(**{**vector["layout"], "dtype": DTYPES_BY_NAME[vector["layout"]["dtype"]]})
+    layout = layout_from_dict(vector["layout"])
     namespace = Namespace(vector["model_id"], layout, hash_algo=vector["hash"])
     hasher = BlockHasher(namespace)
     parent = bytes.fromhex(vector["parent"]) if vector["parent"] else None
@@ -175,6 +188,10 @@ def test_code_reproduces_vector(vector: dict[str, Any]) -> None:
         f"{vector['name']}: code gives {[k.hex() for k in keys]}"
     )
     assert all(len(k) == hasher.key_bytes for k in keys)
+    for group, expected in enumerate(vector.get("group_keys", [])):
+        assert [k.hex() for k in hasher.group_keys(keys, group)] == expected
+    if "group_keys" not in vector:
+        assert hasher.group_keys(keys, 0) == keys  # one group: the chain's keys
 
 
 @pytest.mark.parametrize("vector", VECTORS, ids=[v["name"] for v in VECTORS])
@@ -190,6 +207,9 @@ def test_doc_recipe_reproduces_vector(vector: dict[str, Any]) -> None:
     if vector["root"] is not None:
         assert root.hex() == vector["root"]
     assert [k.hex() for k in keys] == vector["keys"]
+    groups = vector.get("group_keys", [])
+    for group, expected in enumerate(groups):
+        assert [k.hex() for k in doc_group_keys(vector["hash"], keys, group, len(groups))] == expected
 
 
 def test_worked_example_bytes_match_the_recipe() -> None:

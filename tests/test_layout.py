@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from kvstore.errors import ConfigError, LayoutMismatchError
-from kvstore.layout import DTYPE_NAMES, DTYPES_BY_NAME, KVLayout
+from kvstore.layout import DTYPE_NAMES, DTYPES_BY_NAME, KVGroup, KVLayout, group_layers
+from kvstore.protocol import layout_from_dict, layout_to_dict
 
 
 def issue_layout(**overrides: Any) -> KVLayout:
@@ -187,3 +188,68 @@ def test_bool_tp_rank_raises_config_error() -> None:
     """``tp_rank=True`` equals ``tp_rank=1`` as a dataclass but fingerprints as ``tpTrueof2``."""
     with pytest.raises(ConfigError, match="tp_rank"):
         issue_layout(tp_rank=True, tp_size=2)
+
+
+# ---------------------------------------------------------------------------------------------
+# KV groups.
+
+GEMMA_270M_KINDS = [("full", None) if i % 6 == 5 else ("sliding", 512) for i in range(18)]
+
+
+def test_gemma3_layers_make_five_sliding_groups_and_one_full_of_three_layers() -> None:
+    slots, groups = group_layers(GEMMA_270M_KINDS)
+    assert slots == 3
+    assert [(g.kind, g.layers, g.window) for g in groups] == [
+        ("sliding", (0, 6, 12), 512), ("sliding", (1, 7, 13), 512), ("sliding", (2, 8, 14), 512),
+        ("sliding", (3, 9, 15), 512), ("sliding", (4, 10, 16), 512), ("full", (5, 11, 17), None)]
+    layout = KVLayout(slots, 1, 256, 16, torch.float32, groups=groups)
+    assert layout.block_shape == (3, 2, 16, 1, 256) and layout.num_groups == 6 and layout.is_hybrid
+    assert layout.fingerprint().endswith("-Gs512:0,6,12/s512:1,7,13/s512:2,8,14/s512:3,9,15/s512:4,10,16/f:5,11,17")
+    # the window before a boundary: 511 tokens, 32 blocks of 16
+    assert groups[0].window_blocks(16) == 32 and groups[-1].window_blocks(16) is None
+
+
+def test_a_model_that_attends_fully_everywhere_keeps_todays_layout() -> None:
+    slots, groups = group_layers([("full", None)] * 24)
+    assert (slots, groups) == (24, ())
+    layout = KVLayout(slots, 2, 64, groups=groups)
+    assert layout.fingerprint() == "L24-H2-D64-B16-float16-tp0of1" and layout == KVLayout(24, 2, 64)
+    assert layout.num_groups == 1 and not layout.is_hybrid
+    assert layout.group(0) == KVGroup("full", tuple(range(24))) and layout.kv_groups == (layout.group(0),)
+
+
+def test_uneven_kinds_pad_the_last_group_and_near_even_ones_take_the_larger_count() -> None:
+    qwen_like = [("full", None)] * 21 + [("sliding", 64)] * 3  # 21 full, then 3 sliding: groups of 3
+    slots, groups = group_layers(qwen_like)
+    assert slots == 3 and len(groups) == 8 and groups[-1] == KVGroup("sliding", (21, 22, 23), 64)
+    slots, groups = group_layers([("sliding", 8)] * 13 + [("full", None)] * 11)  # 13 < 1.5 x 11: one group each
+    assert slots == 13 and [len(g.layers) for g in groups] == [13, 11]
+    slots, groups = group_layers([("sliding", 8)] * 7 + [("full", None)] * 2)  # 7 sliding in 4 groups of 2
+    assert slots == 2 and [len(g.layers) for g in groups] == [2, 2, 2, 1, 2]
+
+
+@pytest.mark.parametrize(("group", "message"), [
+    (lambda: KVGroup("linear", (0,)), "kind must be one of"),
+    (lambda: KVGroup("sliding", (0,)), "needs a window"),
+    (lambda: KVGroup("sliding", (0,), 0), "needs a window"),
+    (lambda: KVGroup("full", (0,), 8), "has no window"),
+    (lambda: KVGroup("full", ()), "at least one"),
+    (lambda: KVGroup("full", (-1,)), "layer indices"),
+    (lambda: KVLayout(2, 1, 8, groups=(KVGroup("full", (0, 1)), KVGroup("sliding", (1,), 4))), "a layer twice"),
+    (lambda: KVLayout(2, 1, 8, groups=(KVGroup("full", (0, 1, 2)),)), "more layers than a block's 2 slots"),
+])
+def test_bad_groups_are_config_errors(group: Any, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        group()
+
+
+def test_grouped_layouts_cross_the_wire_and_old_maps_still_load() -> None:
+    slots, groups = group_layers(GEMMA_270M_KINDS)
+    layout = KVLayout(slots, 1, 256, 16, torch.float32, groups=groups)
+    assert layout_from_dict(layout_to_dict(layout)) == layout
+    plain = KVLayout(24, 2, 64)
+    assert "groups" not in layout_to_dict(plain) and layout_from_dict(layout_to_dict(plain)) == plain
+    with pytest.raises(ConfigError, match="layout groups must be"):
+        layout_from_dict({**layout_to_dict(plain), "groups": [["full", 3, None]]})
+    with pytest.raises(ConfigError, match="keys"):
+        layout_from_dict({**layout_to_dict(plain), "grups": []})

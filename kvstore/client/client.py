@@ -133,6 +133,10 @@ class StoreClient:
         tenant as well, so another tenant name only partitions this token's own blocks."""
         return self.hasher.block_keys(token_ids, tenant or self.tenant, extra_keys, parent)
 
+    def group_keys(self, keys: Sequence[bytes], group: int) -> list[bytes]:
+        """KV group ``group``'s keys of the prefixes ``keys`` name (kvstore.keys.BlockHasher)."""
+        return self.hasher.group_keys(keys, group)
+
     def lookup(self, keys: Sequence[bytes]) -> PrefixMatch:
         """The leading run of ``keys`` the daemon holds, and the fastest tier of each."""
         tiers: list[str] = []
@@ -234,6 +238,14 @@ class StoreClient:
                 meta = {"op": "delete", "keys": self._channel.keys_blob(batch), "descendants": descendants}
                 deleted += int(self._channel.call_locked(_named(meta, tenant))[0]["num_deleted"])
         return deleted
+
+    def cool(self, keys: Sequence[bytes], *, tenant: str | None = None) -> int:
+        """Make the blocks every tier's next victims (``cool`` op); how many the daemon held."""
+        cooled = 0
+        for batch in self._channel.key_batches(keys):
+            reply = self._channel.call(_named({"op": "cool", "keys": self._channel.keys_blob(batch)}, tenant))[0]
+            cooled += int(reply["num_blocks"])
+        return cooled
 
     def pin(self, keys: Sequence[bytes], *, ttl_s: float | None = None, tenant: str | None = None) -> None:
         """Protect blocks from eviction while this connection lives (or until unpin), and

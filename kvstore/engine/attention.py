@@ -21,8 +21,14 @@ at 32 concurrent requests, the engine's TPOT went from 400-500 ms to about 200.
 With a float32 pool the runner usually enables the CPU decode kernel (``row_kernel``;
 kvstore/kernels/cpu_rows.py): decode attention then reads the rows where they lie in the pool,
 every decoding sequence and every group in one call a layer, each query's shared and own rows
-under one softmax; ``_row_index`` builds its index tensors once a step. Prefill chunks, and
-decode without the kernel, take the path above.
+under one softmax; its index tensors are built once a step. Prefill chunks, and decode without
+the kernel, take the path above.
+
+Sliding-window layers (Mistral, Qwen2's upper layers, five of Gemma 3's six) read only their
+window: ``StepPlan`` holds one ``ReadPlan`` (kvstore/engine/read_plan.py) per window the model's
+layers have, each with its own rows, masks, groups and kernel index, and a layer attends
+through its window's. The pool keeps every layer's rows of every block (one block table per
+sequence); what a sliding layer never reads is only not read.
 
 Rows: a layer's K view ``pool[:, layer, 0]`` is ``[num_blocks, block_size, kv_heads, head_dim]``
 with block stride ``pool.stride(0)``; seen as one row per token slot (``row_view``), slot
@@ -39,13 +45,14 @@ dtype), as the kernels do, which read every key through the block table.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
 
 from kvstore import kernels
-from kvstore.engine.decode_parts import DecodePart, by_length, grouped, merge, shared_prefixes
+from kvstore.engine.decode_parts import grouped, merge
+from kvstore.engine.read_plan import ReadPlan
 from kvstore.kernels import cpu_rows, pack_rows, unpack_rows
 
 
@@ -63,10 +70,6 @@ def row_view(cache: torch.Tensor) -> torch.Tensor:
     return cache.as_strided(((num_blocks - 1) * (cache.stride(0) // row) + block_size, heads, dim), (row, dim, 1))
 
 
-# cpu_rows.row_attention's index tensors: own rows and lengths, members and counts, shared rows and lengths
-RowIndex = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
-
-
 class StepPlan:
     """Row ids and masks of one step's packed batch (decode rows first, then prefill chunks).
 
@@ -80,11 +83,14 @@ class StepPlan:
         row_kernel: decode attention through ``kvstore.kernels.cpu_rows`` (CPU, float32 pool
             and queries): the rows read in place, one call a layer for every decoding sequence
             (each its own length, no padding) and every shared-prefix group.
+        windows: the attention windows of the model's layers (None: full attention); each gets
+            its ``ReadPlan`` (kvstore/engine/read_plan.py), built once here for all its layers.
     """
 
     def __init__(self, slots: torch.Tensor, decode_tables: list[list[int]], decode_lens: list[int],
                  prefill: list[tuple[list[int], int, int]], block_size: int, rows_per_block: int,
-                 device: torch.device, row_kernel: bool = False) -> None:
+                 device: torch.device, row_kernel: bool = False,
+                 windows: Iterable[int | None] = (None,)) -> None:
         self.block_size, self.rows_per_block = block_size, rows_per_block
         keep = slots >= 0
         # store_rows: where the written rows go; store_sel: which rows of k/v are written (None: all)
@@ -95,90 +101,20 @@ class StepPlan:
             self.store_sel = keep.nonzero().flatten().to(device)
             self.store_rows = self._rows(slots[keep]).to(device)
         self.num_decode = len(decode_lens)
-        # decoding sequences that share a prefix: (their indices, the shared rows), each group's
-        # shared rows read once for all of them; each sequence's own rows start after them
-        self.decode_groups: list[tuple[torch.Tensor, torch.Tensor]] = []
-        starts = [0] * self.num_decode
-        merge = device.type == "cpu"  # merging parts needs the CPU flash kernel's log-sum-exp
-        if merge:
-            for members, shared in shared_prefixes(decode_tables, decode_lens, block_size):
-                rows = (torch.tensor(shared, dtype=torch.long)[:, None] * rows_per_block
-                        + torch.arange(block_size)).flatten()
-                self.decode_groups.append((torch.tensor(members), rows.to(device)))
-                for i in members:
-                    starts[i] = len(shared) * block_size
-        own = [n - s for n, s in zip(decode_lens, starts, strict=True)]  # rows besides the group's
-        # the row kernel's index tensors: each sequence's own rows; items (the groups, then each
-        # sequence in none alone) with their members and shared rows (kvstore.kernels.cpu_rows)
-        self.row_index: RowIndex | None = None
-        if row_kernel and decode_lens:
-            self.row_index = self._row_index(decode_tables, starts, own)
-        # Sequences whose own rows differ by more than 2x attend in separate parts (each padded
-        # to its longest): a sequence outside any group would otherwise pad every other one to
-        # its whole context. Where the merge is not available (CUDA), one part.
-        parts = by_length(own) if merge else [list(range(self.num_decode))]
-        self.decode_parts: list[DecodePart] = []
-        for part in parts if decode_lens and self.row_index is None else []:
-            part_own = [own[i] for i in part]
-            length = max(part_own)
-            # Padding positions read the sequence's row 0 (always written, so finite) and are masked.
-            rows = self._own_rows([decode_tables[i] for i in part], [starts[i] for i in part], part_own)
-            mask = None
-            if min(part_own) != length:
-                own_t = torch.tensor(part_own)
-                mask = (torch.arange(length)[None, :] < own_t[:, None])[:, None, None, :].to(device)
-            index = None if len(part) == self.num_decode else torch.tensor(part).to(device)
-            self.decode_parts.append(DecodePart(index, rows.flatten().to(device), length, mask))
-        # per prefill chunk: (rows of its whole sequence or None, causal mask or None, num_new)
-        self.prefill: list[tuple[torch.Tensor | None, torch.Tensor | None, int]] = []
-        for table, seq_len, num_new in prefill:
-            context = seq_len - num_new
-            if context == 0:  # only new rows: attend to them directly, causally
-                self.prefill.append((None, None, num_new))
-                continue
-            pos = torch.arange(seq_len)
-            slots_1d = torch.tensor(table, dtype=torch.long)[pos // block_size] * block_size + pos % block_size
-            visible = pos[None, :] <= context + torch.arange(num_new)[:, None]
-            # additive (0 / -inf) rather than boolean: attention then skips converting it
-            bias = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf"))
-            self.prefill.append((self._rows(slots_1d).to(device), bias.to(device), num_new))
-        self._grouped: dict[tuple[int, int], torch.Tensor] = {}  # (chunk, group) -> mask repeated
-
-    def _own_rows(self, tables: list[list[int]], starts: list[int], own: list[int]) -> torch.Tensor:
-        """``[len(tables), max(own)]`` row ids: sequence i's ``own[i]`` rows from its position
-        ``starts[i]`` on, padded with its row 0."""
-        pos = torch.arange(max(own))
-        own_t, start_t = torch.tensor(own), torch.tensor(starts)
-        pos = torch.where(pos[None, :] < own_t[:, None], start_t[:, None] + pos[None, :], 0)
-        width = max(len(t) for t in tables)
-        padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
-        return self._rows(padded.gather(1, pos // self.block_size) * self.block_size + pos % self.block_size)
-
-    def _row_index(self, tables: list[list[int]], starts: list[int], own: list[int]) -> RowIndex:
-        """``row_attention``'s index tensors: own rows and lengths, members and counts, shared
-        rows and lengths (the groups' from ``decode_groups``)."""
-        own_rows, own_t = self._own_rows(tables, starts, own), torch.tensor(own)
-        grouped = {int(i) for members, _ in self.decode_groups for i in members}
-        items: list[tuple[list[int], torch.Tensor | None]] = [(m.tolist(), r) for m, r in self.decode_groups]
-        items += [([i], None) for i in range(len(tables)) if i not in grouped]
-        counts = torch.tensor([len(m) for m, _ in items])
-        members = torch.zeros((len(items), int(counts.max())), dtype=torch.long)
-        shared_lens = torch.tensor([0 if r is None else r.numel() for _, r in items])
-        shared_rows = torch.zeros((len(items), max(1, int(shared_lens.max()))), dtype=torch.long)
-        for b, (m, r) in enumerate(items):
-            members[b, : len(m)] = torch.tensor(m)
-            if r is not None:
-                shared_rows[b, : r.numel()] = r
-        return own_rows.contiguous(), own_t, members, counts, shared_rows, shared_lens
+        self.reads = {window: ReadPlan(decode_tables, decode_lens, prefill, block_size, rows_per_block, device,
+                                       row_kernel, window) for window in dict.fromkeys(windows)}
 
     def _rows(self, slots: torch.Tensor) -> torch.Tensor:
         return (slots // self.block_size) * self.rows_per_block + slots % self.block_size
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_rows: torch.Tensor,
-               v_rows: torch.Tensor, scale: float, codes: torch.dtype | None = None) -> torch.Tensor:
+               v_rows: torch.Tensor, scale: float, codes: torch.dtype | None = None,
+               window: int | None = None) -> torch.Tensor:
         """Write the step's new ``k``/``v`` ``[n, kv_heads, head_dim]`` into one layer's row views
         (quantized pages' rows when ``codes`` names their code dtype) and return the attention
-        output ``[n, num_heads, head_dim]`` of ``q``."""
+        output ``[n, num_heads, head_dim]`` of ``q``, each row over the last ``window`` positions
+        of its sequence (None: all of them)."""
+        plan = self.reads[window]
         sel = self.store_sel
         if codes is not None:  # K and V quantized in one pass (half the small ops of a step's layer)
             kv_new = pack_rows(torch.cat((k, v), dim=1), codes)
@@ -211,10 +147,10 @@ class StepPlan:
             queries = q[:d].reshape(d, num_kv_heads, group, head_dim)
             if up:
                 queries = queries.float()
-            if self.row_index is not None:
-                attn = cpu_rows.row_attention(queries.contiguous(), k_rows, v_rows, *self.row_index, scale)
-            elif len(self.decode_parts) == 1 and not self.decode_groups:
-                part = self.decode_parts[0]
+            if plan.row_index is not None:
+                attn = cpu_rows.row_attention(queries.contiguous(), k_rows, v_rows, *plan.row_index, scale)
+            elif len(plan.decode_parts) == 1 and not plan.decode_groups:
+                part = plan.decode_parts[0]
                 keys = read(k_rows, part.rows).view(d, part.length, num_kv_heads, head_dim)
                 values = read(v_rows, part.rows).view(d, part.length, num_kv_heads, head_dim)
                 if up:
@@ -222,11 +158,11 @@ class StepPlan:
                 attn = F.scaled_dot_product_attention(queries, keys.transpose(1, 2), values.transpose(1, 2),
                                                       attn_mask=part.mask, scale=scale)
             else:
-                attn = self._decode_in_parts(queries, lambda ids: read(k_rows, ids), lambda ids: read(v_rows, ids),
-                                             scale)
+                attn = self._decode_in_parts(plan, queries, lambda ids: read(k_rows, ids),
+                                             lambda ids: read(v_rows, ids), scale)
             out[:d] = attn.reshape(d, num_heads, head_dim)
         start = d
-        for i, (rows, mask, num_new) in enumerate(self.prefill):
+        for i, (rows, mask, num_new) in enumerate(plan.prefill):
             end = start + num_new
             if rows is None:
                 # [1, heads, rows, head_dim]: 4-D, so the CPU takes its fused (flash) kernel; the
@@ -236,8 +172,9 @@ class StepPlan:
                 keys, values = keys.transpose(0, 1)[None], values.transpose(0, 1)[None]
                 if up:
                     queries, keys, values = queries.float(), keys.float(), values.float()
-                attn = F.scaled_dot_product_attention(queries, keys, values, is_causal=True, scale=scale,
-                                                      enable_gqa=group > 1)
+                # a chunk longer than a sliding window: under the window's band; else causal
+                attn = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, is_causal=mask is None,
+                                                      scale=scale, enable_gqa=group > 1)
                 out[start:end] = attn[0].transpose(0, 1)
             else:
                 assert mask is not None
@@ -251,14 +188,15 @@ class StepPlan:
                 keys, values = keys.transpose(0, 1)[None], values.transpose(0, 1)[None]
                 if up:
                     queries, keys, values = queries.float(), keys.float(), values.float()
-                attn = F.scaled_dot_product_attention(queries, keys, values, attn_mask=self._grouped_mask(i, group),
+                attn = F.scaled_dot_product_attention(queries, keys, values, attn_mask=plan.grouped_mask(i, group),
                                                       scale=scale)
                 out[start:end] = attn.view(num_kv_heads, group, num_new, head_dim).permute(2, 0, 1, 3).reshape(
                     num_new, num_heads, head_dim)
             start = end
         return out
 
-    def _decode_in_parts(self, queries: torch.Tensor, read_k: Callable[[torch.Tensor], torch.Tensor],
+    @staticmethod
+    def _decode_in_parts(plan: ReadPlan, queries: torch.Tensor, read_k: Callable[[torch.Tensor], torch.Tensor],
                          read_v: Callable[[torch.Tensor], torch.Tensor], scale: float) -> torch.Tensor:
         """Decode attention ``[d, kv_heads, group, head_dim]``: each part's sequences over their
         own rows in one call, then each group's queries over the group's shared rows in one
@@ -267,7 +205,7 @@ class StepPlan:
         d, num_kv_heads, group, head_dim = queries.shape
         attn = queries.new_empty(queries.shape)
         lse = queries.new_empty((d, num_kv_heads, group))
-        for part in self.decode_parts:
+        for part in plan.decode_parts:
             n = d if part.index is None else part.index.numel()
             mine = queries if part.index is None else queries.index_select(0, part.index)
             keys = read_k(part.rows).to(queries.dtype).view(n, part.length, num_kv_heads, head_dim)
@@ -280,17 +218,9 @@ class StepPlan:
             else:
                 attn.index_copy_(0, part.index, part_attn)
                 lse.index_copy_(0, part.index, part_lse)
-        for members, rows in self.decode_groups:
+        for members, rows in plan.decode_groups:
             shared_k, shared_v = read_k(rows).to(queries.dtype), read_v(rows).to(queries.dtype)
             part_attn, part_lse = flash(grouped(queries, members), shared_k.transpose(0, 1)[None],
                                         shared_v.transpose(0, 1)[None], scale=scale)
             merge(attn, lse, members, part_attn, part_lse)
         return attn
-
-    def _grouped_mask(self, chunk: int, group: int) -> torch.Tensor:
-        """Prefill chunk ``chunk``'s additive mask, repeated for ``group`` query heads per KV head
-        (built once per step, used by every layer)."""
-        mask = self._grouped.get((chunk, group))
-        if mask is None:
-            mask = self._grouped[(chunk, group)] = self.prefill[chunk][1].repeat(group, 1)  # type: ignore[union-attr]
-        return mask

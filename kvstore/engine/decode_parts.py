@@ -5,8 +5,9 @@ Sequences whose own rows differ by more than 2x attend in separate parts (``by_l
 one long sequence does not pad the others to its length. Sequences whose block tables begin
 alike form groups (``shared_prefixes``): a group's shared rows are attended once for all of
 its queries (``grouped``), and that part merges into each member's attention over its own rows
-by the flash kernel's log-sum-exps (``merge``). kvstore/engine/attention.py's ``StepPlan``
-builds these once a step.
+by the flash kernel's log-sum-exps (``merge``). A sliding-window layer keeps a group only where
+the rows its members' windows share still pay (``in_window``). kvstore/engine/read_plan.py builds
+these once a step, for each window the model's layers have.
 """
 
 from __future__ import annotations
@@ -74,6 +75,33 @@ def shared_prefixes(tables: list[list[int]], lens: list[int], block_size: int) -
         if shared * block_size * (len(members) - 1) >= GROUP_MIN_ROWS:
             groups.append((members, first[:shared]))
     return groups
+
+
+def in_window(groups: list[tuple[list[int], list[int]]], lens: list[int], block_size: int,
+              window: int | None) -> list[tuple[list[int], int, list[int]]]:
+    """The groups of ``shared_prefixes`` that a layer of ``window`` (None: full attention) reads:
+    ``(members, first, shared blocks)``, the group's rows being positions ``[first, len(shared)
+    * block_size)``.
+
+    A member of length n sees positions ``[n - window, n)``, so the rows every member sees start
+    at ``first``, the latest of those starts; each member reads the positions of its window below
+    ``first`` as rows of its own::
+
+        positions     0 ......... first ........ end ........ n
+        member A          [A's window ....................... nA)
+        member B               [B's window ..................... nB)
+        group rows                [first ..... end)
+        A's own rows      [.....)                [........... nA)
+
+    A group whose rows save fewer than GROUP_MIN_ROWS row reads is dropped: its members attend alone.
+    """
+    kept = []
+    for members, shared in groups:
+        end = len(shared) * block_size
+        first = 0 if window is None else max(max(0, lens[i] - window) for i in members)
+        if (end - first) * (len(members) - 1) >= GROUP_MIN_ROWS:
+            kept.append((members, first, shared))
+    return kept
 
 
 def grouped(queries: torch.Tensor, members: torch.Tensor) -> torch.Tensor:

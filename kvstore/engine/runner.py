@@ -93,7 +93,8 @@ class ModelRunner:
             batch.plan = StepPlan(batch.slot_mapping, [it.seq.block_table for it in decodes],
                                   [it.start + 1 for it in decodes],
                                   [(it.seq.block_table, it.start + it.num_tokens, it.num_tokens) for it in prefills],
-                                  bs, self.rows_per_block, dev, row_kernel=self.row_kernel)
+                                  bs, self.rows_per_block, dev, row_kernel=self.row_kernel,
+                                  windows=self.model.windows)
         max_pos = int(positions.max())
         return torch.tensor(ids, dtype=torch.long).to(dev), positions.to(dev), batch, max_pos
 

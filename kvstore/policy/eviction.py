@@ -46,6 +46,13 @@ class EvictionPolicy(ABC):
         """Forget a block that left the tier for any reason. Unknown keys are ignored."""
 
     @abstractmethod
+    def cool(self, keys: Sequence[Key]) -> None:
+        """Make tracked ``keys`` (chain order) the next victims, tails first: blocks that serve
+        only rarer hits than the rest (a sliding-window group's blocks below the window of the
+        boundaries their chain was used at). A later access treats them as any block again.
+        Unknown keys are ignored."""
+
+    @abstractmethod
     def pop_victim(self, can_evict: Callable[[Key], bool] | None = None) -> Key | None:
         """Remove and return the next block to evict.
 
@@ -97,6 +104,12 @@ class LRUPolicy(EvictionPolicy):
 
     def remove(self, key: Key) -> None:
         self._order.pop(key, None)
+
+    def cool(self, keys: Sequence[Key]) -> None:
+        order = self._order
+        for key in keys:  # head first: each goes to the front, so the tail ends up first
+            if key in order:
+                order.move_to_end(key, last=False)
 
     def pop_victim(self, can_evict: Callable[[Key], bool] | None = None) -> Key | None:
         key = self.peek_victim(can_evict)
@@ -247,6 +260,21 @@ class ReusePolicy(EvictionPolicy):
         self._uses.pop(key, None)
         self._parents.pop(key, None)
 
+    def cool(self, keys: Sequence[Key]) -> None:
+        # Cooled blocks count as seen once and go to the front of ``once`` with stamps older
+        # than any tracked block's (so ``_choose`` takes them before a reused head too; stamps
+        # stay ascending), head first so that the tail is first.
+        once, reused, uses = self._once, self._reused, self._uses
+        for key in keys:
+            if key not in uses:
+                continue
+            if once.pop(key, None) is None:
+                reused.pop(key)
+            oldest = min(next(iter(once.values()), self._clock), next(iter(reused.values()), self._clock))
+            uses[key] = 1
+            once[key] = oldest - 1
+            once.move_to_end(key, last=False)
+
     def pop_victim(self, can_evict: Callable[[Key], bool] | None = None) -> Key | None:
         victim, queue = self._choose(can_evict)
         if victim is None:
@@ -345,6 +373,10 @@ class DeferredAccess(EvictionPolicy):
     def remove(self, key: Key) -> None:
         self.apply_pending()
         self.policy.remove(key)
+
+    def cool(self, keys: Sequence[Key]) -> None:
+        self.apply_pending()
+        self.policy.cool(keys)
 
     def pop_victim(self, can_evict: Callable[[Key], bool] | None = None) -> Key | None:
         self.apply_pending()

@@ -121,6 +121,15 @@ class TenantPolicy(EvictionPolicy):
             self._policy(tenant).remove(key)
             self._forget(key, tenant)
 
+    def cool(self, keys: Sequence[Key]) -> None:
+        if self._shared is not None:
+            self._shared.cool(keys)
+            return
+        owners = self._owners
+        tracked = [k for k in keys if k in owners]
+        for tenant, (ks, _) in _groups(tracked, [None] * len(tracked), [owners[k] for k in tracked]).items():
+            self._parts[tenant].cool(ks)
+
     def pop_victim(self, can_evict: Callable[[Key], bool] | None = None) -> Key | None:
         if self._shared is not None:  # the common case, kept short: one policy, one order
             key = self._shared.pop_victim(can_evict)

@@ -64,7 +64,8 @@ from kvstore.store.reservations import HostReservations
 class Cascade:
     """The levels (rank 0 must be a HostLevel), the index, and the demotion/promotion paths."""
 
-    def __init__(self, levels: list[Level], shared: Sequence[SharedLevel] = (), staging_bytes: int = 0) -> None:
+    def __init__(self, levels: list[Level], shared: Sequence[SharedLevel] = (), staging_bytes: int = 0,
+                 demote_cold: bool = True) -> None:
         assert levels and isinstance(levels[0], HostLevel), "rank 0 must be host RAM"
         assert len({level.raw_bytes for level in levels}) == 1, "levels disagree on the raw block size"
         assert [level.rank for level in levels] == list(range(len(levels))), "levels out of rank order"
@@ -84,6 +85,7 @@ class Cascade:
             if level.tenants is not None:
                 level.tenants.owner = self._owner_of
         self.closed = False
+        self.demote_cold = demote_cold  # whether cooled blocks are written down when evicted
         # host's demotions written below after the lock is let go, up to ``staging_bytes``
         # staged at a time (kvstore/store/demotions.py); None: written at once, under the lock
         self.demotions = DeferredDemotions(self.lock, self.inflight, levels[1], staging_bytes, self._demoted) \
@@ -138,6 +140,7 @@ class Cascade:
 
     def note_use(self, entry: BlockEntry, now: float | None = None) -> None:
         entry.last_access = time.time() if now is None else now
+        entry.cold = False
         entry.num_uses += 1
         if entry.num_uses == 1 and entry.key in self.seen_once:
             entry.num_uses = 2  # put again after it was dropped: the second sighting
@@ -153,6 +156,19 @@ class Cascade:
                 if entry.key in seen:
                     entry.num_uses = 2  # put again after it was dropped: the second sighting
         return entries
+
+    def cool(self, keys: Sequence[bytes]) -> int:
+        """Make the held blocks of ``keys`` (chain order) every level's next victims, and
+        written down the tiers only under ``demote_cold``: they serve only hits at boundaries
+        their chain was not used at. A read or put of one warms it again. How many were held."""
+        entries = [e for e in map(self.index.entries.get, keys) if e is not None and e.is_held]
+        for entry in entries:
+            entry.cold = True
+        for level in self.levels:
+            held = [e.key for e in entries if e.slots[level.rank] is not None]
+            if held:
+                level.policy.cool(held)
+        return len(entries)
 
     def _owner_of(self, key: Hashable) -> str:
         return self.index.entries[key].tenant  # type: ignore[index]
@@ -171,7 +187,8 @@ class Cascade:
             below = self.levels[rank + 1]
             # victims come tail first; reversed, they are in chain order as store() expects
             entries = self.index.entries
-            demoted = below.admit([v for v in reversed(victims) if v.slots[below.rank] is None],
+            demoted = below.admit([v for v in reversed(victims)
+                                   if v.slots[below.rank] is None and (self.demote_cold or not v.cold)],
                                   lambda k: entries[k].is_evictable)  # type: ignore[index]
             if demoted:
                 payloads = level.export([v.key for v in demoted], [v.slots[rank] for v in demoted])  # type: ignore[misc]
@@ -215,8 +232,8 @@ class Cascade:
         leave ``level``, so they leave the store) to the shared levels that take demotions."""
         takers = [s for s in self.shared if s.takes_demotions]
         rank = level.rank
-        leaving = [e for e in entries
-                   if not any(slot is not None for r, slot in enumerate(e.slots) if r != rank)]
+        leaving = [e for e in entries if (self.demote_cold or not e.cold)
+                   and not any(slot is not None for r, slot in enumerate(e.slots) if r != rank)]
         if not takers or not leaving:
             return
         leaving.reverse()  # victims come tail first; offered in chain order
@@ -289,7 +306,7 @@ class Cascade:
         host_only: list[BlockEntry] = []
         while (key := self.host.policy.pop_victim()) is not None:
             entry = entries[key]  # type: ignore[index]
-            if entry.slots[below.rank] is None:
+            if entry.slots[below.rank] is None and (self.demote_cold or not entry.cold):
                 host_only.append(entry)
         host_only = below.admit(host_only)
         keep = host_only[-below.num_slots :][::-1]

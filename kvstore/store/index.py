@@ -34,6 +34,9 @@ class BlockEntry:
     # (InFlight.wait_written), and lookups report it there
     writing: bool = False
     landing: int = 0
+    # cooled (``Cascade.cool``): it serves only hits at boundaries no one used; evicted first,
+    # and written down the tiers only under cold_blocks="demote". A read or put warms it again.
+    cold: bool = False
 
     @property
     def best_rank(self) -> int | None:

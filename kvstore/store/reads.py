@@ -83,6 +83,7 @@ class ReadPath:
                     break
                 if entry.num_uses > 1:  # seen twice already: more uses change nothing
                     entry.last_access = now
+                    entry.cold = False
                 else:
                     cascade.note_use(entry, now)
                 host_entries.append(entry)

@@ -62,7 +62,8 @@ class TieredStore:
         self.hasher = BlockHasher(self.namespace)
         self._payload = self.layout.bytes_per_block
         self._cascade = cascade = Cascade(build_levels(config, self.namespace), build_shared(config),
-                                          staging_budget(config.settings.host_bytes))
+                                          staging_budget(config.settings.host_bytes),
+                                          demote_cold=config.settings.cold_blocks == "demote")
         build_admissions(config, cascade.levels, cascade.shared)  # disk_admission, remote_admission
         self._lock = cascade.lock
         self._index = cascade.index
@@ -100,6 +101,10 @@ class TieredStore:
         if self._cascade.shared:
             self.know_tenant(tenant)
         return self.hasher.block_keys(token_ids, tenant, extra_keys, parent)
+
+    def group_keys(self, keys: Sequence[bytes], group: int) -> list[bytes]:
+        """KV group ``group``'s keys of the prefixes ``keys`` name (kvstore.keys.BlockHasher)."""
+        return self.hasher.group_keys(keys, group)
 
     def know_tenant(self, tenant: str) -> None:
         """``tenant`` uses this store: blocks of its that the remote tier delivers are filed
@@ -273,6 +278,14 @@ class TieredStore:
         for level in self._cascade.shared:
             level.discard(doomed)
         return num_deleted
+
+    def cool(self, keys: Sequence[bytes]) -> int:
+        """Make the blocks of ``keys`` every tier's next victims (under ``cold_blocks="drop"``
+        never written down the tiers); a later read or put warms them. How many were held."""
+        keys = self._check_keys(keys)
+        with self._lock:
+            self._cascade.check_open()
+            return self._cascade.cool(keys)
 
     # ----------------------------------------------------------------------------- pins
 

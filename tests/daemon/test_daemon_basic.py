@@ -12,6 +12,7 @@ import torch
 
 from kvstore import CapacityError, KVLayout, LayoutMismatchError
 from kvstore.errors import ConfigError
+from kvstore.layout import KVGroup
 from kvstore.protocol import Code, RemoteError
 from kvstore.services.daemon.config import default_host_bytes, load_config
 
@@ -221,3 +222,21 @@ def test_once_close_returns_the_daemon_has_ended_the_connection(tmp_path: Path) 
                 assert other.stats()["host"]["used_bytes"] == 0  # no slot still reserved ahead
     finally:
         assert d.stop() == 0
+
+
+def test_a_client_whose_kv_groups_disagree_with_the_daemons_is_refused_at_hello(tmp_path: Path) -> None:
+    """Two engines of one model that disagree on which layers slide would hash and store blocks
+    the other cannot use: the second is refused at hello, both layouts named."""
+    sliding = KVLayout(2, 1, 8, 4, torch.float16, groups=(KVGroup("sliding", (0, 2), 8), KVGroup("full", (1, 3))))
+    other = KVLayout(2, 1, 8, 4, torch.float16, groups=(KVGroup("sliding", (0, 1), 8), KVGroup("full", (2, 3))))
+    d = DaemonProc(tmp_path / "data")
+    try:
+        with d.connect(layout=sliding, model_id="gemma-like") as s:
+            assert s.layout == sliding and s.namespace.layout.num_groups == 2
+            with pytest.raises(LayoutMismatchError) as refused:
+                d.connect(layout=other, model_id="gemma-like")
+            assert sliding.fingerprint() in str(refused.value) and other.fingerprint() in str(refused.value)
+            with d.connect(layout=other, model_id="another-model"):  # another model: its own namespace
+                pass
+    finally:
+        d.stop()

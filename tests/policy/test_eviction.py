@@ -58,6 +58,33 @@ def test_lru_skips_blocks_it_may_not_evict() -> None:
     assert len(lru) == 2
 
 
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_cooled_blocks_go_first_tails_first_and_an_access_warms_them(name: str) -> None:
+    """A sliding window's blocks below the window of its chain's used boundaries are cooled:
+    they leave before every other block (their tail first), until a hit uses them again."""
+    policy = make_policy(name)
+    policy.insert(*chain("a", 4))
+    policy.insert(*chain("b", 2))
+    policy.cool(["a0", "a1", "zz"])  # an unknown key is ignored
+    assert policy.pop_victim() == "a1" and policy.pop_victim() == "a0"
+    policy.insert(*chain("c", 2))
+    policy.cool(["c0", "c1"])
+    policy.access(["c0", "c1"])  # a hit: warm again, the newest
+    victims = drain(policy)
+    assert victims[-2:] == ["c1", "c0"] and set(victims) == {"a2", "a3", "b0", "b1", "c0", "c1"}
+    policy.check_integrity()
+
+
+def test_a_cooled_reused_block_leaves_before_once_seen_ones() -> None:
+    policy = ReusePolicy(min_samples=1)
+    policy.insert(*chain("a", 2))
+    policy.access(["a0", "a1"])  # reused: protected within the horizon
+    policy.insert(*chain("b", 2))
+    policy.cool(["a0", "a1"])
+    assert drain(policy)[:2] == ["a1", "a0"]
+    policy.check_integrity()
+
+
 # ----------------------------------------------------------------------------- the reuse policy
 
 
@@ -192,7 +219,7 @@ def test_reuse_policy_never_cuts_a_prefix(seed: int, capacity: int, horizon: int
 
 
 @settings(max_examples=80, deadline=None)
-@given(ops=st.lists(st.tuples(st.sampled_from("iarp"), st.integers(0, 40), st.integers(1, 4)), max_size=120))
+@given(ops=st.lists(st.tuples(st.sampled_from("iarpc"), st.integers(0, 40), st.integers(1, 4)), max_size=120))
 def test_reuse_policy_tracks_exactly_the_model_set(ops: list[tuple[str, int, int]]) -> None:
     policy, model = ReusePolicy(min_samples=1), set()
     for op, a, b in ops:
@@ -203,6 +230,11 @@ def test_reuse_policy_tracks_exactly_the_model_set(ops: list[tuple[str, int, int
         elif op == "a":
             keys = [k for k in range(a, a + b) if k in model]
             policy.access(keys)
+        elif op == "c":
+            cooled = list(range(a, a + b))
+            policy.cool(cooled)
+            if any(k in model for k in cooled):  # the cooled tail leaves first
+                assert policy.peek_victim() == max(k for k in cooled if k in model)
         elif op == "r":
             policy.remove(a)
             model.discard(a)
@@ -220,7 +252,7 @@ def test_reuse_policy_tracks_exactly_the_model_set(ops: list[tuple[str, int, int
 
 @settings(max_examples=60, deadline=None)
 @given(name=st.sampled_from(sorted(POLICIES)), max_pending=st.sampled_from([1, 3, 1000]),
-       ops=st.lists(st.tuples(st.sampled_from("iiaaarp"), st.integers(0, 30), st.integers(1, 6)), max_size=150))
+       ops=st.lists(st.tuples(st.sampled_from("iiaaarpc"), st.integers(0, 30), st.integers(1, 6)), max_size=150))
 def test_deferred_access_decides_exactly_as_the_policy_it_wraps(name: str, max_pending: int,
                                                                ops: list[tuple[str, int, int]]) -> None:
     """Hits recorded now and replayed at the next decision change no decision: the same ops on
@@ -242,6 +274,9 @@ def test_deferred_access_decides_exactly_as_the_policy_it_wraps(name: str, max_p
             plain.remove(a)
             deferred.remove(a)
             held.discard(a)
+        elif op == "c":
+            plain.cool(list(range(a, a + b)))
+            deferred.cool(list(range(a, a + b)))
         else:
             victim = plain.pop_victim(lambda k, b=b: k % (b + 1) != 0)
             assert deferred.pop_victim(lambda k, b=b: k % (b + 1) != 0) == victim

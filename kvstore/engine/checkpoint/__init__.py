@@ -10,7 +10,7 @@ The modules, each importing only those below it (no cycle):
 - ``gguf_reader``: a GGUF file as Hugging Face files. ``hf_dir``: a Hugging Face directory read.
   ``random_model``: the seeded random model.
 - ``gguf_tokenizer``: a GGUF's tokenizer rebuilt from its metadata.
-- ``types``: ``CheckpointError``, ``ModelConfig``, ``Checkpoint``, shared by all of the above.
+- ``types``: ``CheckpointError``, ``AttentionSpec``, ``ModelConfig``, ``Checkpoint``, shared by all of the above.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from kvstore.engine.checkpoint.bundled import SMOLLM2_FILE, SMOLLM2_INSTALL, def
 from kvstore.engine.checkpoint.loader import checkpoint_dir, load_checkpoint, read_model_config
 from kvstore.engine.checkpoint.model_cache import ConvertedGGUF, convert_gguf, default_cache_dir
 from kvstore.engine.checkpoint.random_model import random_checkpoint, save_random_checkpoint
-from kvstore.engine.checkpoint.types import Checkpoint, CheckpointError, ModelConfig
+from kvstore.engine.checkpoint.types import AttentionSpec, Checkpoint, CheckpointError, ModelConfig
 
-__all__ = ["SMOLLM2_FILE", "SMOLLM2_INSTALL", "Checkpoint", "CheckpointError", "ConvertedGGUF", "ModelConfig",
+__all__ = ["SMOLLM2_FILE", "SMOLLM2_INSTALL", "AttentionSpec", "Checkpoint", "CheckpointError", "ConvertedGGUF", "ModelConfig",
            "checkpoint_dir", "convert_gguf", "default_cache_dir", "default_model", "load_checkpoint",
            "random_checkpoint", "read_model_config", "save_random_checkpoint", "smollm2_gguf"]

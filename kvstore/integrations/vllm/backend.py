@@ -261,6 +261,10 @@ class GuardedStore:
             tenant = known
         return self.hasher.block_keys(token_ids, tenant, extra_keys, parent)
 
+    def group_keys(self, keys: Sequence[bytes], group: int) -> list[bytes]:
+        """KV group ``group``'s keys of the prefixes ``keys`` name (kvstore.keys.BlockHasher)."""
+        return self.hasher.group_keys(keys, group)
+
     def lookup(self, keys: Sequence[bytes]) -> PrefixMatch:
         """The leading run the store holds; a miss at once while it is down (never reconnects here:
         this runs on vLLM's scheduling thread)."""
@@ -319,6 +323,10 @@ class GuardedStore:
     def delete(self, keys: Sequence[bytes], *, descendants: bool = False) -> int:
         """Drop the blocks; 0 while the store is down."""
         return self._call(lambda store: store.delete(keys, descendants=descendants), 0, retry=True)
+
+    def cool(self, keys: Sequence[bytes]) -> int:
+        """Make the blocks every tier's next victims; 0 while the store is down."""
+        return self._call(lambda store: store.cool(keys), 0, retry=True)
 
     def pin(self, keys: Sequence[bytes], *, ttl_s: float | None = None) -> None:
         """Pin the blocks; while the store is down nothing is held, so nothing is pinned. A

@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from kvstore.codecs import CODECS
-from kvstore.config import PROMOTIONS, REMOTE_WRITES, WRITE_POLICIES, StoreSettings
+from kvstore.config import COLD_BLOCKS, PROMOTIONS, REMOTE_WRITES, WRITE_POLICIES, StoreSettings
 from kvstore.errors import ConfigError
 from kvstore.keys import HASHES
 from kvstore.policy.admission import ADMISSIONS
@@ -84,6 +84,8 @@ STORE_FLAGS: dict[str, StoreFlag] = {  # StoreSettings field -> its flag
                                "one per deployment sharing a cluster", "PREFIX"),
     "hash_algo": StoreFlag("--hash-algo", "the key hash; xxh3_128 is faster but not collision-resistant: "
                            "one tenant only", choices=tuple(HASHES)),
+    "cold_blocks": StoreFlag("--cold-blocks", "a sliding-window block below every used window, when host RAM "
+                             "evicts it: demote it like any block, or drop it", choices=COLD_BLOCKS),
 }
 assert set(STORE_FLAGS) == set(StoreSettings.names()), "every store setting has one flag"
 

@@ -62,6 +62,13 @@ def unpin(ctx: OpContext, session: Session, meta: dict[str, Any], data: bytes) -
     return {"num_blocks": len(keys)}, b""
 
 
+def cool(ctx: OpContext, session: Session, meta: dict[str, Any], data: bytes) -> Reply:
+    """Make the blocks every tier's next victims (kvstore.api.BlockStore.cool)."""
+    state, tenant, keys = _managed_keys(ctx, session, meta)
+    state.count(tenant, requests=1)
+    return {"num_blocks": state.store.cool(keys)}, b""
+
+
 def delete(ctx: OpContext, session: Session, meta: dict[str, Any], data: bytes) -> Reply:
     state, tenant, keys = _managed_keys(ctx, session, meta)
     descendants = field_of(meta, "descendants", bool, False)
@@ -120,5 +127,5 @@ def forget(ctx: OpContext, session: Session, meta: dict[str, Any], data: bytes) 
     return forget_everywhere(ctx.registry, tenant), b""
 
 
-HANDLERS: dict[str, Handler] = {"pin": pin, "unpin": unpin, "delete": delete, "prefetch": prefetch,
+HANDLERS: dict[str, Handler] = {"pin": pin, "unpin": unpin, "cool": cool, "delete": delete, "prefetch": prefetch,
                                 "prefetch_status": prefetch_status, "inspect": inspect, "forget": forget}

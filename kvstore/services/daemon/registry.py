@@ -141,7 +141,9 @@ class Registry:
         """The namespace of (model, layout, hash), opened on first use.
 
         Raises:
-            ProtocolError: LAYOUT when all namespace slots are taken or the store cannot open.
+            ProtocolError: LAYOUT when all namespace slots are taken, the store cannot open, or
+                the daemon holds this model's blocks in the same geometry but other KV groups
+                (two engines that disagree on which layers slide: both layouts are named).
         """
         if hash_algo not in HASHES:
             raise ProtocolError(Code.LAYOUT, f"hash_algo must be one of {sorted(HASHES)}, got {hash_algo!r}")
@@ -150,6 +152,12 @@ class Registry:
             state = self._namespaces.get(ns.id)
             if state is not None:
                 return state
+            for other in self._namespaces.values():
+                if other.model_id == model_id and other.layout.groups != layout.groups \
+                        and replace(other.layout, groups=()) == replace(layout, groups=()):
+                    raise ProtocolError(Code.LAYOUT, f"model {model_id}: this daemon holds its blocks in KV groups "
+                                        f"{other.layout.fingerprint()}, this client's are {layout.fingerprint()}; "
+                                        "the two disagree on the model's attention layers")
             cfg = self.config
             if cfg is None or len(self._namespaces) >= cfg.max_namespaces:
                 limit = cfg.max_namespaces if cfg else 1

@@ -78,6 +78,9 @@ class BeladyPolicy(EvictionPolicy):
     def remove(self, key: Key) -> None:
         self._live.pop(key, None)
 
+    def cool(self, keys: Sequence[Key]) -> None:
+        """A hint the optimum needs none of: it knows every block's next use already."""
+
     def pop_victim(self, can_evict: Callable[[Key], bool] | None = None) -> Key | None:
         heap, live = self._heap, self._live
         held: list[tuple[int, int, Key]] = []
