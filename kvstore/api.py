@@ -98,9 +98,11 @@ class BlockStore(KeyChain, Protocol):
         """The KV geometry of every block."""
         ...
 
-    def put(self, keys: Sequence[bytes], blocks: torch.Tensor, *, tenant: str = "") -> None:
+    def put(self, keys: Sequence[bytes], blocks: torch.Tensor, *, tenant: str = "", group: int | None = None) -> None:
         """Store ``blocks[i]`` (``layout.block_shape``, ``layout.dtype``) under ``keys[i]``.
-        ``tenant``: the one whose chain the keys are (it salted them)."""
+        ``tenant``: the one whose chain the keys are (it salted them). ``group``: the KV group
+        the blocks are of (a hybrid model's; the keys are that group's, ``group_keys``): the
+        tiers' KV events name it; None (any model of one group): not said."""
         ...
 
     def lookup(self, keys: Sequence[bytes]) -> PrefixMatch:

@@ -147,9 +147,10 @@ class StoreClient:
                 break
         return PrefixMatch(len(tiers), tuple(tiers))
 
-    def put(self, keys: Sequence[bytes], blocks: torch.Tensor, *, tenant: str = "") -> None:
+    def put(self, keys: Sequence[bytes], blocks: torch.Tensor, *, tenant: str = "", group: int | None = None) -> None:
         """Store ``blocks[i]`` under ``keys[i]`` (CapacityError when the daemon has no room).
         ``tenant`` salted the keys already; the daemon files them under the token's tenant.
+        ``group``: their KV group (the daemon's KV events name it).
 
         Over shared memory the call returns once the bytes are in the daemon's slots and their
         commit is sent: this client's next request is ordered after it (and reports its
@@ -159,9 +160,12 @@ class StoreClient:
         for start in range(0, len(keys), self.max_blocks):
             stop = min(len(keys), start + self.max_blocks)
             rows = src if stop - start == len(src) else src[start:stop]
-            if self._writes is None or not self._writes.put(keys[start:stop], rows):
+            if self._writes is None or not self._writes.put(keys[start:stop], rows, group):
                 data = raw_rows(rows).numpy().data.cast("B")
-                self._channel.call({"op": "put", "keys": self._channel.keys_blob(keys[start:stop])}, data)
+                meta: dict[str, object] = {"op": "put", "keys": self._channel.keys_blob(keys[start:stop])}
+                if group is not None:
+                    meta["group"] = group
+                self._channel.call(meta, data)
 
     def get(self, keys: Sequence[bytes], out: torch.Tensor | None = None) -> torch.Tensor:
         """The blocks under ``keys``; KeyError naming the first one the daemon lacks."""

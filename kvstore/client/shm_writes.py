@@ -48,7 +48,7 @@ class ShmWrites:
         self._copier.close()
         self._payloads = None
 
-    def put(self, keys: Sequence[bytes], src: torch.Tensor) -> bool:
+    def put(self, keys: Sequence[bytes], src: torch.Tensor, group: int | None = None) -> bool:
         """Write the blocks into reserved host slots and send their commit, without waiting for
         its reply. False when nothing was written: the caller puts over the socket (which may
         still overflow to disk)."""
@@ -66,7 +66,10 @@ class ShmWrites:
             return False
         self._copier.copy(payloads.pieces(slots, src))
         gens = self._reads.generations_of(slots)  # stable: the lease still holds the slots
-        commit = {"op": "commit", "lease": lease_id, "keys": self._channel.keys_blob(keys), "reserve": n}
+        commit: dict[str, object] = {"op": "commit", "lease": lease_id, "keys": self._channel.keys_blob(keys),
+                                     "reserve": n}
+        if group is not None:
+            commit["group"] = group
         with self._channel.lock:
             self._channel.pipeline_locked(commit, self._on_commit(list(keys), slots, gens))
         return True

@@ -38,7 +38,8 @@ class StoreEvents:
 
     # the listener interface TieredStore calls (under its lock: enqueue only)
 
-    def blocks_stored(self, tier: str, keys: list[bytes], parents: list[bytes | None]) -> None:
+    def blocks_stored(self, tier: str, keys: list[bytes], parents: list[bytes | None],
+                      groups: list[int | None] | None = None) -> None:
         with self._lock:
             if self._held_back is not None:
                 self._held_back.append(("stored", tier, list(keys), list(parents)))

@@ -99,6 +99,7 @@ def paged_decode_attention(
     split_k: bool | None = None,
     k_scales: torch.Tensor | None = None,
     v_scales: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Attention of one new query row per sequence over its paged KV (grouped-query).
 
@@ -124,22 +125,26 @@ def paged_decode_attention(
             its code times its row's scale, decoded as it is read (no page is decoded whole).
             ``q`` is then any float dtype.
         v_scales: the V scales, with ``k_scales``.
+        window: sliding-window attention: the new token, at position ``seq_len - 1``, sees only
+            the last ``window`` positions, ``[seq_len - window, seq_len)`` (its own included,
+            as transformers' sliding-window mask); None: every position. Blocks wholly below
+            the window are never read (their table entries may be anything in range).
 
     Returns:
         ``[num_seqs, num_heads, head_dim]`` in ``q``'s dtype.
 
     Raises:
-        ValueError: a shape, dtype, stride or device does not fit (on CPU also: a length or a
-            used block id out of range).
+        ValueError: a shape, dtype, stride or device does not fit, a window below 1 (on CPU
+            also: a length or a used block id out of range).
     """
     if _use_triton(q.device):
         launcher = _triton_module("decode_attention").paged_decode_attention
         return launcher(
             q, k_cache, v_cache, block_tables, seq_lens, scale, out=out, max_seq_len=max_seq_len, split_k=split_k,
-            k_scales=k_scales, v_scales=v_scales,
+            k_scales=k_scales, v_scales=v_scales, window=window,
         )
     return reference.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, out=out,
-                                            k_scales=k_scales, v_scales=v_scales)
+                                            k_scales=k_scales, v_scales=v_scales, window=window)
 
 
 def paged_prefill_attention(
@@ -155,12 +160,14 @@ def paged_prefill_attention(
     max_query_len: int | None = None,
     k_scales: torch.Tensor | None = None,
     v_scales: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of several sequences' new rows over their cached prefix and themselves.
 
     The new rows' K/V must already be in the cache (``store_kv`` first). Row r of sequence i
     (``q_len = cu_seqlens_q[i + 1] - cu_seqlens_q[i]`` new rows) sits at absolute position
-    ``seq_lens[i] - q_len + r`` and attends to positions ``[0, seq_lens[i] - q_len + r]``.
+    ``p = seq_lens[i] - q_len + r`` and attends to positions ``[0, p]``, or with ``window`` to
+    ``(p - window, p]``.
 
     Args:
         q: ``[total_new_tokens, num_heads, head_dim]``, sequences packed one after another.
@@ -174,6 +181,7 @@ def paged_prefill_attention(
         max_query_len: host-side max of the new-row counts; computing it otherwise syncs.
         k_scales: quantized pages, as for ``paged_decode_attention``.
         v_scales: the V scales, with ``k_scales``.
+        window: sliding-window attention, as for ``paged_decode_attention``; None: causal over all.
 
     Returns:
         ``[total_new_tokens, num_heads, head_dim]`` in ``q``'s dtype.
@@ -185,8 +193,9 @@ def paged_prefill_attention(
     args = (q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale)
     if _use_triton(q.device):
         launcher = _triton_module("prefill_attention").paged_prefill_attention
-        return launcher(*args, out=out, max_query_len=max_query_len, k_scales=k_scales, v_scales=v_scales)
-    return reference.paged_prefill_attention(*args, out=out, k_scales=k_scales, v_scales=v_scales)
+        return launcher(*args, out=out, max_query_len=max_query_len, k_scales=k_scales, v_scales=v_scales,
+                        window=window)
+    return reference.paged_prefill_attention(*args, out=out, k_scales=k_scales, v_scales=v_scales, window=window)
 
 
 def store_kv(

@@ -135,6 +135,15 @@ def check_block_table(
         )
 
 
+FULL_WINDOW = 2**31 - 1  # the window the Triton kernels are given for full attention: longer than any sequence
+
+
+def check_window(window: int | None) -> None:
+    """A sliding window is None (full attention) or a positive int of positions, the query's own included."""
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"window must be None or an int >= 1, got {window!r}")
+
+
 def check_power_of_two_block(block_size: int) -> None:
     # tl.dot needs every dim >= 16 and tiles are powers of two.
     if block_size < 16 or block_size & (block_size - 1):

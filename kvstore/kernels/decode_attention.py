@@ -4,6 +4,10 @@ One program serves one (sequence, KV head) pair and all ``group`` query heads th
 head, so each K/V row is read once per group (grouped-query attention). The split-K variant adds
 a third grid axis over partitions of the context; each partition writes a normalised partial
 output and its log-sum-exp, and ``_reduce_kernel`` merges them.
+
+With a sliding window W the new token (position ``seq_len - 1``) reads positions ``[lo, seq_len)``,
+``lo = max(0, seq_len - W)``: the loop (and the split-K partitions) start at ``lo``, so blocks below
+the window are never read. Full attention passes a window longer than any sequence (``lo = 0``).
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ _LOG2E = 1.4426950408889634
 @triton.jit
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, out_ptr, tables_ptr, lens_ptr, part_out_ptr, part_lse_ptr,
-    scale_log2, num_heads, num_partitions,
+    scale_log2, num_heads, num_partitions, window,
     stride_qs, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     stride_ksb, stride_kst, stride_ksh, stride_vsb, stride_vst, stride_vsh,
     stride_os, stride_oh, stride_table,
@@ -36,12 +40,13 @@ def _decode_kernel(
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     seq_len = tl.load(lens_ptr + seq)
+    lo = tl.maximum(seq_len - window, 0)  # the window's first position
     if SPLIT:
         part = tl.program_id(2)
-        start = part * PARTITION
+        start = lo + part * PARTITION
         end = tl.minimum(seq_len, start + PARTITION)
     else:
-        start = 0
+        start = lo
         end = seq_len
     rows = tl.arange(0, GROUP_PAD)  # padded to 16 rows: tl.dot needs M >= 16
     heads = kv_head * GROUP + rows
@@ -97,12 +102,13 @@ def _decode_kernel(
 
 @triton.jit
 def _reduce_kernel(
-    part_out_ptr, part_lse_ptr, out_ptr, lens_ptr, num_heads, num_partitions, stride_os, stride_oh,
+    part_out_ptr, part_lse_ptr, out_ptr, lens_ptr, num_heads, num_partitions, window, stride_os, stride_oh,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, PARTITION: tl.constexpr, CHUNK: tl.constexpr,
 ):  # fmt: skip
     seq = tl.program_id(0)
     head = tl.program_id(1)
-    num_used = tl.cdiv(tl.load(lens_ptr + seq), PARTITION)
+    seq_len = tl.load(lens_ptr + seq)
+    num_used = tl.cdiv(seq_len - tl.maximum(seq_len - window, 0), PARTITION)  # partitions from the window's start
     base = (seq * num_heads + head).to(tl.int64) * num_partitions
     dims = tl.arange(0, HEAD_DIM_PAD)
     dim_mask = dims < HEAD_DIM
@@ -157,6 +163,7 @@ def paged_decode_attention(
     partition_size: int = PARTITION_SIZE,
     k_scales: torch.Tensor | None = None,
     v_scales: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Triton launcher of ``kernels.paged_decode_attention``; ``partition_size`` is for tests."""
     num_blocks, block_size, num_kv_heads, head_dim = _checks.check_paged_cache(k_cache, v_cache, k_scales, v_scales)
@@ -164,6 +171,7 @@ def paged_decode_attention(
     _checks.check_block_table(block_tables, seq_lens, num_seqs, num_blocks, block_size)
     _checks.check_power_of_two_block(block_size)
     _checks.check_head_dim(head_dim)
+    _checks.check_window(window)
     _checks.check_launchable(_decode_kernel, q.device)
     out = _checks.check_out(out, q)
     tile_n = max(64, block_size)
@@ -175,7 +183,10 @@ def paged_decode_attention(
         max_seq_len = block_tables.shape[1] * block_size
     elif seq_lens.device.type == "cpu" and int(seq_lens.max()) > max_seq_len:
         raise ValueError(f"max_seq_len {max_seq_len} is below the longest sequence, {int(seq_lens.max())} tokens")
-    num_partitions = max(1, math.ceil(max_seq_len / partition_size))
+    # partitions cover the window (from its start), at most the longest sequence
+    span = max_seq_len if window is None else min(max_seq_len, window)
+    num_partitions = max(1, math.ceil(span / partition_size))
+    window_arg = _checks.FULL_WINDOW if window is None else window
     if split_k is None:
         split_k = _should_split(num_seqs * num_kv_heads, num_partitions, q.device)
     group = num_heads // num_kv_heads
@@ -194,7 +205,7 @@ def paged_decode_attention(
     with _checks.device_guard(q.device):
         _decode_kernel[grid](
             q, k_cache, v_cache, ks, vs, out, block_tables, seq_lens, part_out, part_lse,
-            scale * _LOG2E, num_heads, num_partitions,
+            scale * _LOG2E, num_heads, num_partitions, window_arg,
             q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], *scale_strides,
             out.stride(0), out.stride(1), block_tables.stride(0),
             GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
@@ -204,7 +215,7 @@ def paged_decode_attention(
         )  # fmt: skip
         if split_k:
             _reduce_kernel[(num_seqs, num_heads)](
-                part_out, part_lse, out, seq_lens, num_heads, num_partitions, out.stride(0), out.stride(1),
+                part_out, part_lse, out, seq_lens, num_heads, num_partitions, window_arg, out.stride(0), out.stride(1),
                 HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, PARTITION=partition_size, CHUNK=16, num_warps=4,
             )  # fmt: skip
     return out

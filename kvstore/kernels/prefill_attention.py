@@ -11,6 +11,16 @@ Row r of a sequence with ``q_len`` new rows and length ``seq_len`` sits at absol
     row 0 xxxxxxxxxxxxxxxx x
     row 1 xxxxxxxxxxxxxxxx xx
     row r xxxxxxxxxxxxxxxx xx...x (r + 1 new keys)
+
+With a sliding window W, row r sees ``(p - W, p]`` only::
+
+    keys  0 ............ context_len ........ seq_len
+    row 0          xxxxxxx x                 (W keys, its own last)
+    row r                 xxxxxxxx           (p - W, p]
+
+A tile of rows starts its loop at its first row's window start; tiles of keys that some row's
+window begins inside are masked on that side too. Full attention passes a window longer than
+any sequence.
 """
 
 from __future__ import annotations
@@ -27,7 +37,7 @@ _LOG2E = 1.4426950408889634
 
 @triton.jit
 def _prefill_kernel(
-    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, out_ptr, tables_ptr, lens_ptr, cu_ptr, scale_log2,
+    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, out_ptr, tables_ptr, lens_ptr, cu_ptr, scale_log2, window,
     stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vh,
     stride_sb, stride_st, stride_sh,
     stride_ot, stride_oh, stride_table,
@@ -56,8 +66,13 @@ def _prefill_kernel(
     has_rows = first_row < q_len
     # Keys below `unmasked_end` are visible to every row of this tile (all lie at or before
     # context_len + first_row); keys in [unmasked_end, kv_end) need the causal/length mask.
-    kv_end = tl.where(has_rows, context_len + tl.minimum(q_len, first_row + BLOCK_M), 0)
+    last_row = tl.minimum(q_len, first_row + BLOCK_M) - 1
+    kv_end = tl.where(has_rows, context_len + last_row + 1, 0)
     unmasked_end = tl.where(has_rows, (context_len + first_row + 1) // BLOCK_N * BLOCK_N, 0)
+    # The window: the first row sees keys from kv_start on; keys from masked_below on are seen
+    # by the last row too (below it, the window's side of the mask applies).
+    kv_start = tl.maximum(context_len + first_row - window + 1, 0) // BLOCK_N * BLOCK_N
+    masked_below = context_len + last_row - window + 1
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
@@ -65,7 +80,7 @@ def _prefill_kernel(
     table_row = tables_ptr + seq.to(tl.int64) * stride_table
     k_base = k_ptr + kv_head * stride_kh + dims[None, :]
     v_base = v_ptr + kv_head * stride_vh + dims[None, :]
-    for tile_start in range(0, kv_end, BLOCK_N):
+    for tile_start in range(kv_start, kv_end, BLOCK_N):
         pos = tile_start + offs
         in_seq = pos < kv_end
         block_ids = tl.load(table_row + pos // BLOCK_SIZE, mask=in_seq, other=0).to(tl.int64)
@@ -76,13 +91,16 @@ def _prefill_kernel(
             s_off = block_ids * stride_sb + (pos % BLOCK_SIZE) * stride_st + kv_head * stride_sh
             k = (decode_codes(k, FP8) * tl.load(ks_ptr + s_off, mask=in_seq, other=0.0).to(tl.float32)[:, None]).to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
-        if tile_start + BLOCK_N > unmasked_end:
-            visible = (pos[None, :] <= (context_len + rows)[:, None]) & in_seq[None, :]
+        if (tile_start + BLOCK_N > unmasked_end) | (tile_start < masked_below):
+            at = (context_len + rows)[:, None]
+            visible = (pos[None, :] <= at) & (pos[None, :] > at - window) & in_seq[None, :]
             s = tl.where(visible, s, float("-inf"))
-        # Key 0 is visible to every row, so each row's running max is finite after tile 0.
+        # A row may see nothing of a tile below its window, so its running max can still be
+        # -inf here: exponents are taken from 0 then (alpha and p come out 0, not NaN).
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         # K and V strides match (check_paged_cache), so one offset serves both.
         v = tl.load(v_base + kv_off, mask=kv_mask, other=0)
@@ -111,6 +129,7 @@ def paged_prefill_attention(
     block_n: int = 64,
     k_scales: torch.Tensor | None = None,
     v_scales: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Triton launcher of ``kernels.paged_prefill_attention``; ``block_m``/``block_n`` are tile sizes."""
     num_blocks, block_size, num_kv_heads, head_dim = _checks.check_paged_cache(k_cache, v_cache, k_scales, v_scales)
@@ -120,6 +139,7 @@ def paged_prefill_attention(
     _checks.check_cu_seqlens(cu_seqlens_q, seq_lens, total_tokens)
     _checks.check_power_of_two_block(block_size)
     _checks.check_head_dim(head_dim)
+    _checks.check_window(window)
     _checks.check_launchable(_prefill_kernel, q.device)
     if k_cache.stride() != v_cache.stride():
         raise ValueError(f"k_cache strides {k_cache.stride()} must equal v_cache strides {v_cache.stride()}")
@@ -144,6 +164,7 @@ def paged_prefill_attention(
     with _checks.device_guard(q.device):
         _prefill_kernel[grid](
             q, k_cache, v_cache, ks, vs, out, block_tables, seq_lens, cu_seqlens_q, scale * _LOG2E,
+            _checks.FULL_WINDOW if window is None else window,
             q.stride(0), q.stride(1), *k_cache.stride()[:3], v_cache.stride(2), *scale_strides,
             out.stride(0), out.stride(1), block_tables.stride(0),
             GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, HEAD_DIM_PAD=triton.next_power_of_2(head_dim),

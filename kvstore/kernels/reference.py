@@ -90,11 +90,14 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,
     k_scales: torch.Tensor | None = None,
     v_scales: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """Reference of ``kernels.paged_decode_attention`` (one query row per sequence)."""
+    """Reference of ``kernels.paged_decode_attention`` (one query row per sequence; with
+    ``window``, over its sequence's last ``window`` positions)."""
     num_blocks, block_size, num_kv_heads, head_dim = _checks.check_paged_cache(k_cache, v_cache, k_scales, v_scales)
     num_seqs, num_heads, _ = _checks.check_query("q", q, k_cache)
     _checks.check_block_table(block_tables, seq_lens, num_seqs, num_blocks, block_size)
+    _checks.check_window(window)
     out = _checks.check_out(out, q)
     if num_seqs == 0:
         return out
@@ -106,7 +109,10 @@ def paged_decode_attention(
     # The `group` query heads sharing a KV head become `group` query rows of that head.
     queries = q.float().view(num_seqs, num_kv_heads, group, head_dim)
     lens = seq_lens.long()
-    visible = torch.arange(keys.shape[2], device=q.device) < lens[:, None]  # [S, T]
+    positions = torch.arange(keys.shape[2], device=q.device)
+    visible = positions < lens[:, None]  # [S, T]
+    if window is not None:  # the new token at n - 1 sees (n - 1 - window, n - 1]
+        visible &= positions >= lens[:, None] - window
     attn = F.scaled_dot_product_attention(
         queries, keys, values, attn_mask=visible[:, None, None, :], scale=scale
     )
@@ -128,8 +134,11 @@ def paged_prefill_attention(
     out: torch.Tensor | None = None,
     k_scales: torch.Tensor | None = None,
     v_scales: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """Reference of ``kernels.paged_prefill_attention`` (causal over the cached prefix + new rows)."""
+    """Reference of ``kernels.paged_prefill_attention`` (causal over the cached prefix + new rows;
+    with ``window``, each row over the last ``window`` positions up to its own)."""
+    _checks.check_window(window)
     num_blocks, block_size, num_kv_heads, head_dim = _checks.check_paged_cache(k_cache, v_cache, k_scales, v_scales)
     total_tokens, num_heads, _ = _checks.check_query("q", q, k_cache)
     num_seqs = _checks.check_tensor("seq_lens", seq_lens, 1, (torch.int32,)).shape[0]
@@ -146,9 +155,13 @@ def paged_prefill_attention(
         context_len = seq_len - q_len
         keys = _gather_paged(k_cache, block_tables[i : i + 1], seq_lens[i : i + 1], k_scales)[0].transpose(0, 1)
         values = _gather_paged(v_cache, block_tables[i : i + 1], seq_lens[i : i + 1], v_scales)[0].transpose(0, 1)
-        # New row r sits at absolute position context_len + r and sees positions [0, context_len + r].
+        # New row r sits at absolute position p = context_len + r and sees positions [0, p], or
+        # with a window (p - window, p].
         positions = torch.arange(seq_len, device=q.device)
-        visible = positions[None, :] <= (context_len + torch.arange(q_len, device=q.device))[:, None]
+        at = (context_len + torch.arange(q_len, device=q.device))[:, None]
+        visible = positions[None, :] <= at
+        if window is not None:
+            visible &= positions[None, :] > at - window
         # [q_len, H, D] -> [kvh, group * q_len, D]: rows of one KV head share its keys.
         queries = q[start:end].float().view(q_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
         attn = F.scaled_dot_product_attention(

@@ -37,6 +37,7 @@ class BlockEntry:
     # cooled (``Cascade.cool``): it serves only hits at boundaries no one used; evicted first,
     # and written down the tiers only under cold_blocks="demote". A read or put warms it again.
     cold: bool = False
+    group: int | None = None  # the KV group its put named (kvstore/layout.py); None: not said
 
     @property
     def best_rank(self) -> int | None:

@@ -154,9 +154,10 @@ class HostLeases:
         with self.cascade.lock:
             self.cascade.reservations.end(len(slots), slots)
 
-    def commit(self, keys: Sequence[bytes], slots: Sequence[int], *, tenant: str = "",
+    def commit(self, keys: Sequence[bytes], slots: Sequence[int], *, tenant: str = "", group: int | None = None,
                blocking: bool = True) -> bool:
-        """Publish ``keys[i]`` as the bytes just written into reserved ``slots[i]`` (like put).
+        """Publish ``keys[i]`` as the bytes just written into reserved ``slots[i]`` (like put,
+        ``group`` too).
 
         Without ``blocking`` the commit happens only if it waits on nothing (it stays in
         memory: no write-through, no shared level taking puts; the store lock is free; none of
@@ -181,7 +182,7 @@ class HostLeases:
                     return False
                 cascade.inflight.wait_written(keys)  # another put or a demotion writing some
                 cascade.check_open()
-                durable = self.writes.commit(keys, slots, tenant)
+                durable = self.writes.commit(keys, slots, tenant, group)
         finally:
             cascade.write_owed()  # disk writes of the demotions its hard quota made room with
         if durable is not None:  # write-through: the disk write, outside the lock

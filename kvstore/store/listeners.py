@@ -18,8 +18,11 @@ log = logging.getLogger(__name__)
 
 
 class StoreListener(Protocol):
-    def blocks_stored(self, tier: str, keys: list[bytes], parents: list[bytes | None]) -> None:
-        """``tier`` now holds ``keys`` (chain order where they form a chain)."""
+    def blocks_stored(self, tier: str, keys: list[bytes], parents: list[bytes | None],
+                      groups: list[int | None]) -> None:
+        """``tier`` now holds ``keys`` (chain order where they form a chain); ``groups[i]``: the
+        KV group key i's put named (kvstore/layout.py), None where the store does not know it
+        (a block recovered from disk or delivered by the remote tier)."""
 
     def blocks_removed(self, tier: str, keys: list[bytes]) -> None:
         """``keys`` have left ``tier``."""
@@ -40,9 +43,11 @@ class Listeners:
     def remove(self, listener: StoreListener) -> None:
         self._listeners.remove(listener)
 
-    def stored(self, tier: str, keys: Sequence[bytes], parents: Sequence[bytes | None]) -> None:
+    def stored(self, tier: str, keys: Sequence[bytes], parents: Sequence[bytes | None],
+               groups: Sequence[int | None] | None = None) -> None:
         if self._listeners and keys:
-            self._each(lambda listener: listener.blocks_stored(tier, list(keys), list(parents)))
+            known = list(groups) if groups is not None else [None] * len(keys)
+            self._each(lambda listener: listener.blocks_stored(tier, list(keys), list(parents), known))
 
     def removed(self, tier: str, keys: Sequence[bytes]) -> None:
         if self._listeners and keys:

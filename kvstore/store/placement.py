@@ -69,7 +69,8 @@ class Placement:
     def announce(self, rank: int, entries: list[BlockEntry]) -> None:
         """The second half of ``publish``: tell the listeners level ``rank`` holds ``entries``."""
         if self.listeners:
-            self.listeners.stored(self.levels[rank].name, [e.key for e in entries], [e.parent for e in entries])
+            self.listeners.stored(self.levels[rank].name, [e.key for e in entries], [e.parent for e in entries],
+                                  [e.group for e in entries])
 
     def unplace(self, rank: int, entries: list[BlockEntry]) -> None:
         """Undo ``place`` (the bytes could not be written); the caller frees the slots."""

@@ -114,8 +114,9 @@ class TieredStore:
 
     # ----------------------------------------------------------------------------- writes
 
-    def put(self, keys: Sequence[bytes], blocks: torch.Tensor, *, tenant: str = "") -> None:
-        """Store ``blocks[i]`` under ``keys[i]``; keys are one chain, in prefix order.
+    def put(self, keys: Sequence[bytes], blocks: torch.Tensor, *, tenant: str = "", group: int | None = None) -> None:
+        """Store ``blocks[i]`` under ``keys[i]``; keys are one chain, in prefix order. ``group``:
+        the KV group the blocks are of (their KV events say so; None: not said).
 
         Blocks land in host RAM (and on disk before returning under write-through). A key the
         store already holds is only refreshed: equal keys mean equal bytes.
@@ -147,7 +148,7 @@ class TieredStore:
                 with self._lock:
                     cascade.inflight.wait_written(keys[start:stop])  # another put or a demotion writing some
                     cascade.check_open()
-                    pending = self._writes.put(keys, start, stop, src, tenant)
+                    pending = self._writes.put(keys, start, stop, src, tenant, group)
                 if isinstance(pending, HostWrite):  # a big put's copy, outside the lock: its blocks
                     self._writes.finish(pending)  # are published before the demotions are written down
                     pending = None

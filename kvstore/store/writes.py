@@ -79,8 +79,8 @@ class WritePath:
         a shared level (listeners are told, as always)."""
         return not self.write_through and not self.takers
 
-    def put(self, keys: list[bytes], start: int, stop: int, src: torch.Tensor, tenant: str
-            ) -> DurableWrite | HostWrite | None:
+    def put(self, keys: list[bytes], start: int, stop: int, src: torch.Tensor, tenant: str,
+            group: int | None = None) -> DurableWrite | HostWrite | None:
         """Store blocks ``src[start:stop]`` (the layout's ``[n, *block_shape]``, contiguous,
         CPU) under ``keys[start:stop]``. Returns what ``finish`` does outside the lock: under
         write-through the disk half, for a big put the host copy (see ``HostWrite``); None when
@@ -93,6 +93,9 @@ class WritePath:
         now = time.time()
         refreshed: list[bytes] = []  # keys host already holds: only touched
         entries, fresh = self._entries_for(keys, start, stop, tenant, now, refreshed)
+        if group is not None:
+            for entry in entries:
+                entry.group = group
         limited = bool(fresh) and cascade.quota.capped(tenant)
         if cascade.host.num_free >= len(fresh) and not self.write_through and not limited:  # nothing evicts: nothing to protect
             busy: list[BlockEntry] = []
@@ -329,7 +332,8 @@ class WritePath:
                     rows = [rows[i] for i, e in enumerate(placed) if id(e) in ids]
                 level.offer([e.key for e in sent], rows, [e.tenant for e in sent])
 
-    def commit(self, keys: list[bytes], slots: Sequence[int], tenant: str) -> DurableWrite | None:
+    def commit(self, keys: list[bytes], slots: Sequence[int], tenant: str, group: int | None = None
+               ) -> DurableWrite | None:
         """Publish ``keys[i]`` as the bytes just written into reserved host ``slots[i]``.
 
         Same semantics as put: a key host already holds as put keeps its copy (the reserved
@@ -343,6 +347,9 @@ class WritePath:
         now = time.time()
         refreshed: list[bytes] = []
         placed, fresh = self._entries_for(keys, 0, len(keys), tenant, now, refreshed)
+        if group is not None:
+            for entry in placed:
+                entry.group = group
         if placed and cascade.quota.capped(tenant):  # the room its hard quota makes must not take these
             busy = placed + [cascade.index.entries[k] for k in refreshed]
             cascade.inflight.start_read(busy)

@@ -233,6 +233,15 @@ def test_a_client_whose_kv_groups_disagree_with_the_daemons_is_refused_at_hello(
     try:
         with d.connect(layout=sliding, model_id="gemma-like") as s:
             assert s.layout == sliding and s.namespace.layout.num_groups == 2
+            keys = s.group_keys(s.block_keys(prompt(7, 2)), 1)
+            s.put(keys, blocks(keys, sliding), group=1)  # a group's blocks, named as such (shared memory)
+            assert s.lookup(keys).num_blocks == 2
+        with d.connect(url=d.tcp, layout=sliding, model_id="gemma-like") as s:  # over the socket
+            keys = s.group_keys(s.block_keys(prompt(8, 2)), 0)
+            s.put(keys, blocks(keys, sliding), group=0)
+            with pytest.raises(ValueError, match="group 2 is not one of the namespace's 2 KV groups"):
+                s.put(keys, blocks(keys, sliding), group=2)
+        with d.connect(layout=sliding, model_id="gemma-like") as s:
             with pytest.raises(LayoutMismatchError) as refused:
                 d.connect(layout=other, model_id="gemma-like")
             assert sliding.fingerprint() in str(refused.value) and other.fingerprint() in str(refused.value)

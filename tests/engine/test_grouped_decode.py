@@ -1,5 +1,5 @@
-"""Decoding sequences that share a cached prefix read its K/V once per step (kvstore/engine/decode_parts.py, attention.py,
-``shared_prefixes``): attention over the shared rows and over each sequence's own rows, merged by
+"""Decoding sequences that share a cached prefix read its K/V once per step (kvstore/engine/decode_parts.py,
+read_plan.py, ``shared_prefixes``): attention over the shared rows and over each sequence's own rows, merged by
 their log-sum-exps (torch's path) or under one softmax (the CPU decode kernel), equals attention
 over each sequence's whole context."""
 
@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 import torch
 
-import kvstore.engine.attention as attention
 import kvstore.engine.decode_parts as decode_parts
+import kvstore.engine.read_plan as read_plan
 from kvstore.engine.attention import StepPlan, row_view
 from kvstore.engine.decode_parts import GROUP_MIN_ROWS, by_length, shared_prefixes
 from kvstore.kernels import cpu_rows
@@ -57,8 +57,9 @@ def test_attention_in_groups_equals_attention_over_each_whole_context(dtype: tor
     k_new = torch.randn((d, kv_heads, dim), generator=g).to(dtype)
     v_new = torch.randn((d, kv_heads, dim), generator=g).to(dtype)
     slots = torch.tensor([t[(n - 1) // bs] * bs + (n - 1) % bs for t, n in zip(tables, lens, strict=True)])
-    plan = StepPlan(slots, tables, lens, [], bs, pool.stride(0) // pool.stride(3), torch.device("cpu"),
+    step = StepPlan(slots, tables, lens, [], bs, pool.stride(0) // pool.stride(3), torch.device("cpu"),
                     row_kernel=row_kernel)
+    plan = step.reads[None]
     assert [(m.tolist(), r.numel()) for m, r in plan.decode_groups] == [([0, 1, 2], len(shared) * bs)]
     if row_kernel:  # one kernel call: the group's items and the sequence alone, each its own lengths
         assert plan.row_index is not None and not plan.decode_parts
@@ -71,7 +72,7 @@ def test_attention_in_groups_equals_attention_over_each_whole_context(dtype: tor
     else:  # own rows 6, 1, 9 and 10: the one-row sequence apart from the others
         assert [None if p.index is None else p.index.tolist() for p in plan.decode_parts] == [[0, 2, 3], [1]]
     k_rows, v_rows = row_view(pool[:, 0, 0]), row_view(pool[:, 0, 1])
-    out = plan.attend(q, k_new, v_new, k_rows, v_rows, scale=dim ** -0.5)
+    out = step.attend(q, k_new, v_new, k_rows, v_rows, scale=dim ** -0.5)
     for i, (table, n) in enumerate(zip(tables, lens, strict=True)):  # float64, each context whole
         pos = torch.arange(n)
         blocks = torch.tensor(table)[pos // bs]
@@ -93,14 +94,14 @@ def test_a_batch_over_one_cached_prefix_decodes_as_each_sequence_alone(hf_llama:
     prefix = [(7 * i) % 120 + 3 for i in range(100)]  # 25 blocks of 4, read by 4 sequences
     prompts = [[*prefix, 10 + i, 20 + i, 30 + i] for i in range(4)]
     formed: list[int] = []
-    real = attention.shared_prefixes
+    real = read_plan.shared_prefixes
 
     def spy(*args: Any) -> Any:
         groups = real(*args)
         formed.extend(len(members) for members, _ in groups)
         return groups
 
-    monkeypatch.setattr(attention, "shared_prefixes", spy)
+    monkeypatch.setattr(read_plan, "shared_prefixes", spy)
     llm = make_engine(path, kv_cache_dtype=kv_cache_dtype)
     try:
         # a float32 pool decodes through the CPU kernel (groups in the same call), int8 pages through torch

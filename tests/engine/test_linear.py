@@ -1,11 +1,11 @@
-"""kvstore/engine/model.py's Linear gives F.linear's result for every row count, with and without
+"""kvstore/engine/layers.py's Linear gives F.linear's result for every row count, with and without
 a bias: the weight kept transposed (plain products), or prepacked in oneDNN's blocked layout."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from kvstore.engine.model import Linear, can_prepack
+from kvstore.engine.layers import Linear, can_prepack
 
 CPU = torch.device("cpu")
 

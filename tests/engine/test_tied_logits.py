@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvstore.engine.model import TIED_ROWS, tied_logits
+from kvstore.engine.layers import TIED_ROWS, tied_logits
 
 
 @pytest.mark.parametrize("rows", [0, 1, 2, 3, 16, TIED_ROWS, TIED_ROWS + 1])

@@ -248,7 +248,8 @@ def test_listeners_hear_the_blocks_this_store_wrote_remote(cluster: RedisCluster
     heard: list[tuple[str, list[bytes]]] = []
 
     class Listener:
-        def blocks_stored(self, tier: str, keys: list[bytes], parents: list[bytes | None]) -> None:
+        def blocks_stored(self, tier: str, keys: list[bytes], parents: list[bytes | None],
+                      groups: list[int | None]) -> None:
             heard.append((tier, keys))
 
         def blocks_removed(self, tier: str, keys: list[bytes]) -> None:

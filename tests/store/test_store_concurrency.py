@@ -83,7 +83,8 @@ class HeldUpListener:
     def __init__(self) -> None:
         self.inside, self.gate = threading.Event(), threading.Event()
 
-    def blocks_stored(self, tier: str, keys: list[bytes], parents: list[bytes | None]) -> None:
+    def blocks_stored(self, tier: str, keys: list[bytes], parents: list[bytes | None],
+                      groups: list[int | None]) -> None:
         self.inside.set()
         self.gate.wait(10)
 
@@ -163,7 +164,8 @@ class StoredKeys:
     def __init__(self) -> None:
         self.keys: list[bytes] = []
 
-    def blocks_stored(self, tier: str, keys: list[bytes], parents: list[bytes | None]) -> None:
+    def blocks_stored(self, tier: str, keys: list[bytes], parents: list[bytes | None],
+                      groups: list[int | None]) -> None:
         if tier == "host":
             self.keys += keys
 

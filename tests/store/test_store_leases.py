@@ -129,7 +129,8 @@ class _LockHolder:
         self.armed = False
         self.inside, self.release = threading.Event(), threading.Event()
 
-    def blocks_stored(self, tier: str, keys: list[bytes], parents: list[bytes | None]) -> None:
+    def blocks_stored(self, tier: str, keys: list[bytes], parents: list[bytes | None],
+                      groups: list[int | None]) -> None:
         if self.armed:
             self.inside.set()
             self.release.wait(10)

@@ -16,13 +16,16 @@ class Recorder:
     def __init__(self) -> None:
         self.held: dict[str, set[bytes]] = {}
         self.parents: dict[bytes, bytes | None] = {}
+        self.groups: dict[bytes, int | None] = {}
         self.events: list[tuple[str, str, int]] = []
 
-    def blocks_stored(self, tier: str, keys: list[bytes], parents: list[bytes | None]) -> None:
+    def blocks_stored(self, tier: str, keys: list[bytes], parents: list[bytes | None],
+                      groups: list[int | None]) -> None:
         tier_set = self.held.setdefault(tier, set())
         assert not tier_set & set(keys), f"{tier} told twice that it stores a block"
         tier_set.update(keys)
         self.parents.update(zip(keys, parents, strict=True))
+        self.groups.update(zip(keys, groups, strict=True))
         self.events.append(("stored", tier, len(keys)))
 
     def blocks_removed(self, tier: str, keys: list[bytes]) -> None:
@@ -85,7 +88,8 @@ def test_a_corrupt_disk_block_is_reported_removed(tmp_path: Path) -> None:
 
 def test_a_failing_listener_is_dropped_and_the_store_carries_on(tmp_path: Path) -> None:
     class Broken:
-        def blocks_stored(self, tier: str, keys: list[bytes], parents: list[bytes | None]) -> None:
+        def blocks_stored(self, tier: str, keys: list[bytes], parents: list[bytes | None],
+                      groups: list[int | None]) -> None:
             raise RuntimeError("listener bug")
 
         def blocks_removed(self, tier: str, keys: list[bytes]) -> None:
@@ -108,3 +112,16 @@ def test_levels_name_the_cascade(tmp_path: Path) -> None:
     assert store.levels == ("host", "disk")
     assert store.level("disk") is not None and store.level("remote") is None
     store.close()
+
+
+def test_a_blocks_kv_group_reaches_the_listeners_in_every_tier_it_enters(tmp_path: Path) -> None:
+    store = make_store(tmp_path, host_blocks=2, disk_blocks=8)
+    recorder = Recorder()
+    store.add_listener(recorder)
+    first, second = chain(store, 2), chain(store, 2, salt=1)
+    store.put(first, blocks_for(first), group=1)
+    store.put(second, blocks_for(second))  # demotes the first chain: its group goes with it
+    assert {recorder.groups[k] for k in first} == {1} and {recorder.groups[k] for k in second} == {None}
+    assert first[0] in recorder.held["disk"]
+    store.close()
+

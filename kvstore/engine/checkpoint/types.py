@@ -221,10 +221,10 @@ def layer_attention(cfg: dict[str, Any], model_type: str, num_layers: int) -> tu
     if len(kinds) != num_layers:
         raise CheckpointError(f"config.json is malformed: layer_types has {len(kinds)} entries for "
                               f"{num_layers} layers")
-    if SLIDING in kinds and window is None:
-        raise CheckpointError(f"{model_type}: layer_types names {SLIDING} layers but no sliding_window is set")
     if SLIDING not in kinds:
         return ()
+    if window is None:
+        raise CheckpointError(f"{model_type}: layer_types names {SLIDING} layers but no sliding_window is set")
     return tuple(AttentionSpec(SLIDING, int(window)) if k == SLIDING else AttentionSpec() for k in kinds)
 
 

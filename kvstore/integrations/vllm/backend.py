@@ -287,11 +287,11 @@ class GuardedStore:
 
         return FetchHandle(self._executor.submit(self._call, op, FetchResult(0, ()), True, True), len(keys))
 
-    def put(self, keys: Sequence[bytes], blocks: torch.Tensor, *, tenant: str = "") -> None:
+    def put(self, keys: Sequence[bytes], blocks: torch.Tensor, *, tenant: str = "", group: int | None = None) -> None:
         """Store the blocks, or drop them (counted in ``failures`` when the store failed)."""
-        self.try_put(keys, blocks)
+        self.try_put(keys, blocks, group)
 
-    def try_put(self, keys: Sequence[bytes], blocks: torch.Tensor) -> bool:
+    def try_put(self, keys: Sequence[bytes], blocks: torch.Tensor, group: int | None = None) -> bool:
         """Store the blocks; False when the store is down or refused them. Blocks of the wrong
         shape are the caller's error, not the store's: LayoutMismatchError."""
         self.layout.check_blocks(blocks, len(keys))
@@ -301,7 +301,7 @@ class GuardedStore:
         def put(store: BlockStore) -> bool:
             try:
                 with torch.inference_mode(False):
-                    store.put(keys, blocks)
+                    store.put(keys, blocks, group=group)
             except CapacityError as exc:  # full of pinned or in-flight blocks: the store is fine
                 logger.info("kvstore: put of %d blocks refused: %s", len(keys), exc)
                 return False

@@ -110,7 +110,7 @@ def put(ctx: OpContext, session: Session, meta: dict[str, Any], data: bytes | by
                             f"{layout.bytes_per_block} bytes")
     if keys:
         blocks = torch.frombuffer(data, dtype=torch.uint8).view(layout.dtype).view(len(keys), *layout.block_shape)
-        state.store.put(keys, blocks, tenant=tenant)
+        state.store.put(keys, blocks, tenant=tenant, group=ctx.request_group(state, meta))
     state.count(tenant, requests=1, put_blocks=len(keys), bytes_in=len(data))
     return {"num_blocks": len(keys)}, b""
 

@@ -39,6 +39,7 @@ class ReservedPut:
     slots: list[int]
     views: list[memoryview]
     num_bytes: int
+    group: int | None = None  # the KV group the put named
 
 
 @dataclass
@@ -73,6 +74,7 @@ def reserve_put(ctx: OpContext, session: Session, meta: dict[str, Any], data_len
         return None
     try:
         keys = ctx.request_keys(session, meta)[2]
+        group = ctx.request_group(state, meta)
         pool = state.store.host_leases.shared_pool
         n, payload = len(keys), state.layout.bytes_per_block
         if pool is None or n == 0 or data_len != n * payload or n > pool[2] // 2:
@@ -86,7 +88,7 @@ def reserve_put(ctx: OpContext, session: Session, meta: dict[str, Any], data_len
             return None
     except (ProtocolError, KVStoreError, OSError, ValueError):
         return None
-    return ReservedPut(state, keys, slots, slot_views(ctx, state, pool, slots), data_len)
+    return ReservedPut(state, keys, slots, slot_views(ctx, state, pool, slots), data_len, group)
 
 
 def cancel_put(reserved: ReservedPut) -> None:
@@ -101,7 +103,8 @@ def commit_put(session: Session, data: ReservedPut, *, blocking: bool) -> Reply 
     store, principal = data.state.store, session.principal
     assert principal is not None
     try:
-        if not store.host_leases.commit(data.keys, data.slots, tenant=principal.tenant, blocking=blocking):
+        if not store.host_leases.commit(data.keys, data.slots, tenant=principal.tenant, group=data.group,
+                                        blocking=blocking):
             return None
     except BaseException:
         store.host_leases.cancel(data.slots)

@@ -82,6 +82,14 @@ class OpContext:
             raise ProtocolError(Code.BAD_REQUEST, f"{len(keys)} keys in one request, the limit is {self.max_keys(state)}")
         return state.scope(tenant, keys)
 
+    def request_group(self, state: NamespaceState, meta: dict[str, Any]) -> int | None:
+        """A put's or commit's ``group``: the KV group its blocks are of (None: not said)."""
+        group = field_of(meta, "group", (int, type(None)), None)
+        if group is not None and (isinstance(group, bool) or not 0 <= group < state.layout.num_groups):
+            raise ProtocolError(Code.BAD_REQUEST, f"group {group!r} is not one of the namespace's "
+                                f"{state.layout.num_groups} KV groups")
+        return group
+
     def request_keys(self, session: Session, meta: dict[str, Any]) -> tuple[NamespaceState, str, list[bytes]]:
         """The session's namespace and tenant, and the request's keys scoped as that tenant's."""
         state, principal = session.state, session.principal

@@ -63,7 +63,9 @@ def _commit_lease(ctx: OpContext, session: Session, meta: dict[str, Any], *, blo
             raise ProtocolError(Code.BAD_REQUEST, f"{len(keys)} keys for a lease of {len(lease.slots)} slots")
         lease.keys = keys
     try:
-        if not lease.state.store.host_leases.commit(lease.keys, lease.slots, tenant=lease.tenant, blocking=blocking):
+        group = ctx.request_group(lease.state, meta)
+        if not lease.state.store.host_leases.commit(lease.keys, lease.slots, tenant=lease.tenant, group=group,
+                                                    blocking=blocking):
             ctx.leases.put_back(lease)  # for the worker's try
             return None
     except BaseException:
