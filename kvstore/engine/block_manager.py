@@ -10,6 +10,12 @@ A block is in exactly one of three states:
   cached    ref_count == 0, has a key: findable by lookup, in ``evictable`` (LRU first)
   free      ref_count == 0, no key: in the DevicePool's free list
 Sequences release their blocks tail first, so a prefix's tail is evicted before its head.
+
+A hybrid model (kvstore/engine/groups.py) keeps every layer of a token block in one device
+block as well, but the store keeps a block per KV group: a device block goes to the store as
+one put per group (its group keys, its group's layers), and ``Block.valid`` says which groups'
+layers hold the block's KV (all for a computed block; those fetched, for one filled from the
+store).
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import torch
 from kvstore import kernels
 from kvstore.api import BlockStore
 from kvstore.engine.demoter import Demoter
+from kvstore.engine.groups import DeviceGroups
 from kvstore.errors import KVStoreError
 from kvstore.events.publisher import EventPublisher
 from kvstore.events.wire import GPU
@@ -35,7 +42,7 @@ DEMOTE_RUN = 16
 
 
 class Block:
-    __slots__ = ("block_id", "key", "parent_key", "ref_count", "tenant")
+    __slots__ = ("block_id", "key", "parent_key", "ref_count", "tenant", "valid")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
@@ -43,14 +50,16 @@ class Block:
         self.key: bytes | None = None
         self.parent_key: bytes | None = None
         self.tenant = ""
+        self.valid = 0  # KV groups whose layers hold the block's KV (a bitmask; set when sealed)
 
 
 class BlockManager:
     """Device block allocation, sharing and eviction (single-threaded: the engine loop)."""
 
     def __init__(self, pool: DevicePool, block_size: int, store: BlockStore | None = None, events: EventPublisher | None = None,
-                 write_through: bool = False) -> None:
+                 write_through: bool = False, groups: DeviceGroups | None = None) -> None:
         self.pool = pool
+        self.groups = groups  # a hybrid model's KV groups; None: one group, the device block
         self.block_size = block_size
         self.store = store  # None: evicted blocks are dropped
         self.events = events  # an EventPublisher (stored/removed never block), or None
@@ -69,6 +78,11 @@ class BlockManager:
         self._sealed: list[int] = []
 
     @property
+    def all_groups(self) -> int:
+        """The bitmask of every KV group (1 for a model of one group)."""
+        return self.groups.all_groups if self.groups is not None else 1
+
+    @property
     def num_available(self) -> int:
         """Blocks an allocation can get: free ones plus cached ones it may evict."""
         return self.pool.num_free + len(self.evictable)
@@ -82,6 +96,10 @@ class BlockManager:
                 break
             ids.append(block_id)
         return ids
+
+    def cached_ids(self, keys: Sequence[bytes]) -> list[int | None]:
+        """Pure query: per key, its cached device block (None where there is none)."""
+        return [self.cached.get(key) for key in keys]
 
     def num_reusable(self, block_ids: Sequence[int]) -> int:
         """How many of ``block_ids`` are cached but unreferenced (acquiring them uses availability)."""
@@ -122,15 +140,16 @@ class BlockManager:
         self.pool.release(freed)
 
     def seal(self, block_id: int, key: bytes, parent_key: bytes | None, tenant: str,
-             token_ids: Sequence[int] | None = None, computed: bool = True) -> None:
+             token_ids: Sequence[int] | None = None, computed: bool = True, valid: int | None = None) -> None:
         """Publish a full block under its key (``token_ids``: its tokens, for the KV events;
-        ``computed``: False for a block fetched from the store, which write-through skips).
-        A key already cached elsewhere keeps that block; this one stays private and is freed
-        with its sequence."""
+        ``computed``: False for a block fetched from the store, which write-through skips;
+        ``valid``: the KV groups it holds, default all). A key already cached elsewhere keeps
+        that block; this one stays private and is freed with its sequence."""
         block = self.blocks[block_id]
         if block.key is not None or key in self.cached:
             return
         block.key, block.parent_key, block.tenant = key, parent_key, tenant
+        block.valid = valid if valid is not None else self.all_groups
         self.cached[key] = block_id
         if computed and self.write_through:
             self._sealed.append(block_id)
@@ -153,6 +172,7 @@ class BlockManager:
             keys.append(block.key)  # type: ignore[arg-type]  # a cached block has a key
             del self.cached[block.key]  # type: ignore[arg-type]
             block.key = block.parent_key = None
+            block.valid = 0
         self.pool.release(victims)
         if self.events is not None:
             self.events.removed(GPU, keys)
@@ -193,6 +213,13 @@ class BlockManager:
         """
         if self.store is None or not block_ids:
             self.num_dropped += len(block_ids) if self.store is None else 0
+            return
+        if self.groups is not None and not self.groups.trivial:
+            t0 = time.perf_counter()
+            try:
+                self._demote_groups(block_ids, background, optional)
+            finally:
+                self.demote_s += time.perf_counter() - t0
             return
         t0 = time.perf_counter()
         try:
@@ -243,6 +270,57 @@ class BlockManager:
             except KVStoreError:
                 self.num_dropped += len(run)  # the store is full of pinned or in-flight blocks
 
+    def _demote_groups(self, block_ids: list[int], background: bool, optional: bool) -> None:
+        """``_demote`` of a hybrid model: per chain run and KV group, one put of the group's
+        layers under the group's keys (only the groups a block holds and the store lacks)."""
+        assert self.store is not None and self.groups is not None
+        store, groups = self.store, self.groups
+        if not background and self.demoter is not None:
+            self.demoter.drain()  # keep the order: heads queued before are stored first
+        missing = self._missing_groups(block_ids)
+        for run in self._runs([self.blocks[b] for b in block_ids if missing.get(b)]):
+            for g in range(groups.num_groups):
+                for part in _consecutive([b for b in run if missing[b.block_id] >> g & 1]):
+                    keys = store.group_keys(_keys(part), g)
+                    data = groups.gather(self.pool.pool, [b.block_id for b in part], g)
+                    if background and self.demoter is not None:
+                        self.demoter.submit(keys, data, part[0].tenant, optional, group=g, tags=_keys(part))
+                        continue
+                    try:  # counted in group blocks, as the demoter counts them
+                        store.put(keys, data, tenant=part[0].tenant, group=g)
+                        self.num_demoted += len(part)
+                    except KVStoreError:
+                        self.num_dropped += len(part)
+
+    def _missing_groups(self, block_ids: list[int]) -> dict[int, int]:
+        """Per block (not queued for the store already), the groups it holds that the store
+        lacks, as a bitmask."""
+        assert self.store is not None and self.groups is not None
+        blocks = [self.blocks[b] for b in block_ids if self.blocks[b].key is not None]
+        queued = self.demoter.queued(_keys(blocks)) if self.demoter is not None else [False] * len(blocks)
+        ask = [b for b, q in zip(blocks, queued, strict=True) if not q]
+        out: dict[int, int] = {}
+        for g in range(self.groups.num_groups):
+            holders = [b for b in ask if b.valid >> g & 1]
+            if not holders:
+                continue
+            held = self.store.contains(self.store.group_keys(_keys(holders), g))
+            for b, h in zip(holders, held, strict=True):
+                if not h:
+                    out[b.block_id] = out.get(b.block_id, 0) | 1 << g
+        return out
+
+    def cool(self, chain_keys: Sequence[bytes], group: int) -> None:
+        """Tell the store that group ``group``'s blocks of these prefixes serve only hits at
+        other boundaries (``BlockStore.cool``), after the puts queued before."""
+        if self.store is None or not chain_keys:
+            return
+        keys = self.store.group_keys(list(chain_keys), group)
+        if self.demoter is not None:
+            self.demoter.cool(keys)
+        else:
+            self.store.cool(keys)
+
     def held_blocks(self) -> list[tuple[bytes, bytes | None]]:
         """(key, parent key) of every block in the device prefix cache. Safe to call from
         another thread (the KV-event snapshot): it copies the map in one step."""
@@ -275,3 +353,16 @@ def _keys(blocks: list[Block]) -> list[bytes]:
     keys = [b.key for b in blocks]
     assert None not in keys
     return keys  # type: ignore[return-value]
+
+
+def _consecutive(blocks: list[Block]) -> list[list[Block]]:
+    """``blocks`` (one chain's, in order, some left out) as runs whose each block chains the one
+    before it."""
+    runs: list[list[Block]] = []
+    for b in blocks:
+        if runs and b.parent_key == runs[-1][-1].key:
+            runs[-1].append(b)
+        else:
+            runs.append([b])
+    return runs
+

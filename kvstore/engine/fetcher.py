@@ -23,6 +23,7 @@ import torch
 
 from kvstore import kernels
 from kvstore.api import BlockStore
+from kvstore.engine.groups import DeviceGroups
 from kvstore.results import FetchResult
 
 LATENCY_S = 5e-4  # fixed cost of one fetch: thread hand-off, lookups, the scatter launch
@@ -188,6 +189,93 @@ class Fetcher:
     def record_prefill(self, num_tokens: int, seconds: float) -> None:
         if num_tokens >= self.block_size and seconds > 0:
             self.prefill_rate = self._blend("prefill", self.prefill_rate, num_tokens / seconds)
+
+
+@dataclass
+class GroupLoading:
+    """A hybrid model's fetch in flight (kvstore/engine/groups.py): per KV group, the group's
+    keys of the blocks it fills, those blocks' indices in the sequence and their device ids,
+    fetched into a staging tensor of group blocks and scattered into the group's layers once
+    done. ``handles[g]`` is None for a group with nothing to fetch."""
+
+    handles: list[Any]
+    keys: list[list[bytes]]
+    indices: list[list[int]]
+    block_ids: list[list[int]]
+    staging: list[torch.Tensor | None]
+    started_s: float
+    finished_s: list[float] = field(default_factory=list)
+    copy_s: float = 0.0
+
+    def done(self) -> bool:
+        return all(h is None or h.done() for h in self.handles)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait up to ``timeout`` seconds (None: as long as it takes); True when every group's
+        fetch is done."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for h in self.handles:
+            if h is None:
+                continue
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not h.wait(left):
+                return False
+        return True
+
+
+def start_groups(fetcher: Fetcher, groups: DeviceGroups, wants: list[list[tuple[int, int, bytes]]]) -> GroupLoading:
+    """Fetch, per KV group g, ``wants[g]``: ``(block index, device id, group key)`` in block
+    order, into staging group blocks (scattered by ``finish_groups``)."""
+    layout = groups.layout
+    loading = GroupLoading([], [], [], [], [], time.perf_counter())
+    for want in wants:
+        loading.indices.append([i for i, _, _ in want])
+        loading.block_ids.append([b for _, b, _ in want])
+        loading.keys.append([k for _, _, k in want])
+        if not want:
+            loading.handles.append(None)
+            loading.staging.append(None)
+            continue
+        staging = torch.empty((len(want), *layout.block_shape), dtype=layout.dtype, device=fetcher.pool.device)
+        loading.staging.append(staging)
+        loading.handles.append(fetcher.store.fetch(loading.keys[-1], into=staging))
+    pending = [h for h in loading.handles if h is not None]
+    left = [len(pending)]
+    lock = threading.Lock()
+
+    def one_done(_h: Any) -> None:
+        with lock:
+            left[0] -= 1
+            if left[0] == 0:
+                loading.finished_s.append(time.perf_counter())
+
+    for h in pending:
+        h.add_done_callback(one_done)
+    return loading
+
+
+def finish_groups(fetcher: Fetcher, groups: DeviceGroups, loading: GroupLoading) -> list[tuple[str, ...]]:
+    """Scatter what each group delivered into its layers of the device blocks; per group, the
+    tiers of its delivered leading run (a failed fetch: a shorter run, possibly empty)."""
+    out: list[tuple[str, ...]] = []
+    t0 = time.perf_counter()
+    for g, handle in enumerate(loading.handles):
+        if handle is None:
+            out.append(())
+            continue
+        try:
+            tiers = tuple(handle.result().tiers)
+        except Exception:  # an error inside the transfer thread: that group delivered nothing
+            tiers = ()
+        n = len(tiers)
+        staging = loading.staging[g]
+        if n and staging is not None:
+            groups.scatter(fetcher.pool, loading.block_ids[g][:n], g, staging[:n])
+        fetcher.num_fetched_blocks += n
+        fetcher.num_failed_blocks += len(loading.keys[g]) - n
+        out.append(tiers)
+    loading.copy_s = time.perf_counter() - t0
+    return out
 
 
 def _runs(ids: list[int]) -> list[tuple[int, int, int]]:

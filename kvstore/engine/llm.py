@@ -18,8 +18,10 @@ from kvstore.api import BlockStore, KeyChain
 from kvstore.client.client import connect
 from kvstore.engine.block_manager import BlockManager
 from kvstore.engine.checkpoint import load_checkpoint, random_checkpoint
+from kvstore.engine.checkpoint.types import FULL as FULL_ATTENTION
 from kvstore.engine.config import EngineConfig, pool_format
 from kvstore.engine.fetcher import Fetcher
+from kvstore.engine.groups import DeviceGroups
 from kvstore.engine.model import LlamaModel
 from kvstore.engine.runner import ModelRunner
 from kvstore.engine.sampling import SamplingParams
@@ -30,7 +32,7 @@ from kvstore.events import GPU, EventPublisher, EventsConfig
 from kvstore.events.store_events import StoreEvents
 from kvstore.kernels import packed_head_dim
 from kvstore.keys import BlockHasher, Namespace
-from kvstore.layout import DTYPE_NAMES, KVLayout
+from kvstore.layout import DTYPE_NAMES, FULL, SLIDING, KVLayout, group_layers
 from kvstore.store import TieredStore
 from kvstore.tiers.device import DevicePool
 
@@ -65,11 +67,19 @@ class LLMEngine:
         # what the pool holds, by name: "float32", "float16", "bfloat16", "int8" or "fp8"
         self.kv_cache_dtype = c.kv_cache_dtype if c.kv_cache_dtype != "auto" else DTYPE_NAMES[c.dtype]
         head_bytes = mc.head_dim if self.kv_codes is None else packed_head_dim(mc.head_dim)
-        self.layout = KVLayout(mc.num_layers, mc.num_kv_heads, head_bytes, c.block_size, pool_dtype)
-        num_blocks = c.kv_cache_bytes // self.layout.bytes_per_block
+        # The device pool keeps every layer of a token block in one block; the store keeps a
+        # hybrid model's blocks per KV group (kvstore/engine/groups.py): ``layout`` is the
+        # store's (the device's too for a model whose layers all attend fully).
+        self.pool_layout = KVLayout(mc.num_layers, mc.num_kv_heads, head_bytes, c.block_size, pool_dtype)
+        slots, kv_groups = group_layers([(FULL, None) if spec.kind == FULL_ATTENTION else (SLIDING, spec.window)
+                                         for spec in mc.layer_specs])
+        self.layout = KVLayout(slots, mc.num_kv_heads, head_bytes, c.block_size, pool_dtype, groups=kv_groups)
+        self.groups = DeviceGroups(self.layout, mc.num_layers)
+        num_blocks = c.kv_cache_bytes // self.pool_layout.bytes_per_block
         if num_blocks < 1:
-            raise ConfigError(f"kv_cache_bytes={c.kv_cache_bytes} holds no block of {self.layout.bytes_per_block} bytes")
-        self.pool = DevicePool(num_blocks, self.layout.block_shape, pool_dtype, self.device)
+            raise ConfigError(f"kv_cache_bytes={c.kv_cache_bytes} holds no block of "
+                              f"{self.pool_layout.bytes_per_block} bytes")
+        self.pool = DevicePool(num_blocks, self.pool_layout.block_shape, pool_dtype, self.device)
         # A sequence never holds more tokens than the whole pool: one that reaches it stops
         # with "length", as at the context limit (growing further could only preempt itself).
         self._max_seq_tokens = min(self.max_model_len, num_blocks * c.block_size)
@@ -85,10 +95,11 @@ class LLMEngine:
         if c.kv_events is not None:
             self.kv_events = EventPublisher(EventsConfig(c.kv_events, c.kv_events_replay))
         self.block_manager = BlockManager(self.pool, c.block_size, self.store, events=self.kv_events,
-                                          write_through=c.device_write_policy == "write_through")
+                                          write_through=c.device_write_policy == "write_through",
+                                          groups=None if self.groups.trivial else self.groups)
         if self.kv_events is not None:
             self.kv_events.set_media(GPU, {"kv_cache_dtype": self.kv_cache_dtype,
-                                           "block_bytes": self.layout.bytes_per_block})
+                                           "block_bytes": self.pool_layout.bytes_per_block})
             self.kv_events.add_source(lambda: [(GPU, c.block_size, self.block_manager.held_blocks())])
             if isinstance(self.store, TieredStore):  # embedded (a daemon publishes its own tiers' events)
                 self._store_events = StoreEvents(self.kv_events, self.store).attach()

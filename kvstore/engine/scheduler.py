@@ -25,6 +25,7 @@ from typing import Any
 
 from kvstore.engine.block_manager import BlockManager
 from kvstore.engine.fetcher import Fetcher
+from kvstore.engine.group_hits import GroupFetch, admit_groups, cool_below_windows, finish_group_fetch
 from kvstore.engine.sequence import SeqStatus, Sequence
 
 KeysFn = Callable[[list[int], str, "bytes | None"], list[bytes]]
@@ -184,6 +185,18 @@ class Scheduler:
         keys = self.ensure_keys(seq, seq.num_tokens // self.block_size) if caching else []
         t1 = time.perf_counter()
         stages["hash"] += t1 - t0
+        if self.blocks.groups is not None and not self.blocks.groups.trivial:
+            admitted = admit_groups(self.blocks, self.fetcher, seq, keys)
+            if admitted is None:
+                return False
+            if isinstance(admitted, GroupFetch):
+                seq.loading, seq.status = admitted, SeqStatus.LOADING
+                self.loading.append(seq)
+            else:
+                self._whole_hit(seq)
+                seq.status = SeqStatus.RUNNING
+                self.running.append(seq)
+            return True
         hits = self.blocks.match(keys)
         rest = keys[len(hits):]
         tiers: tuple[str, ...] = ()
@@ -230,6 +243,14 @@ class Scheduler:
     def finish_loading(self, seq: Sequence) -> None:
         """Complete ``seq``'s fetch: publish the delivered blocks, free the rest, start running."""
         assert self.fetcher is not None
+        if isinstance(seq.loading, GroupFetch):
+            finish_group_fetch(self.blocks, self.fetcher, seq)
+            seq.loading = None
+            self._whole_hit(seq)
+            seq.status = SeqStatus.RUNNING
+            self.loading.remove(seq)
+            self.running.append(seq)
+            return
         loading = seq.loading
         tiers = self.fetcher.finish(loading)
         n = len(tiers)
@@ -278,6 +299,7 @@ class Scheduler:
     def finish(self, seq: Sequence, reason: str) -> None:
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
+        cool_below_windows(self.blocks, seq)
         self.blocks.release(seq.block_table)
         seq.block_table = []
         self.running.remove(seq)

@@ -116,6 +116,7 @@ class Sequence:
         self.finish_reason: str | None = None
         self.generator = request.generators[index]
         self.loading: Any = None  # the fetch in flight while LOADING
+        self.hit_blocks = 0  # the boundary its prefix hit ended at (a hybrid model's windows there were used)
 
     @property
     def num_tokens(self) -> int:
@@ -138,6 +139,7 @@ class Sequence:
         child.block_keys = list(self.block_keys)
         child.num_cached_tokens = self.num_cached_tokens
         child.kv_filled = self.kv_filled
+        child.hit_blocks = self.hit_blocks
         return child
 
 
