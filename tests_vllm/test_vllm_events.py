@@ -1,7 +1,7 @@
 """KV events against the pinned vLLM's own code (vllm.distributed.kv_events): its msgspec
-types decode what kvstore's publisher sends, kvstore decodes what vLLM encodes, and the
-Subscriber follows vLLM's real ZmqEventPublisher, through replay and across a restart (which
-vLLM tells by nothing but its seq starting again at 0)."""
+types decode what kvstore's publisher sends (a hybrid model's KV groups included), kvstore
+decodes what vLLM encodes, and the Subscriber follows vLLM's real ZmqEventPublisher, through
+replay and across a restart (which vLLM tells by nothing but its seq starting again at 0)."""
 
 from __future__ import annotations
 
@@ -10,13 +10,16 @@ from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
+import torch
 import zmq
 from vllm.distributed.kv_events import AllBlocksCleared as VCleared
 from vllm.distributed.kv_events import BlockRemoved as VRemoved
 from vllm.distributed.kv_events import BlockStored as VStored
 from vllm.distributed.kv_events import KVEventBatch, ZmqEventPublisher
 
-from kvstore.events import EventPublisher, EventsConfig, Subscriber
+from kvstore import StoreConfig, TieredStore
+from kvstore.events import EventPublisher, EventsConfig, Subscriber, event_groups
+from kvstore.events.store_events import StoreEvents
 from kvstore.events.wire import (
     AllBlocksCleared,
     BlockRemoved,
@@ -25,6 +28,7 @@ from kvstore.events.wire import (
     decode_batch,
     encode_batch,
 )
+from kvstore.layout import KVGroup, KVLayout
 from tests.waiting import wait_until
 
 K1, K2, K3 = b"\x11" * 32, b"\x22" * 32, b"\x33" * 32
@@ -47,7 +51,8 @@ def test_vllms_decoder_reads_kvstores_batches_and_kvstore_reads_vllms() -> None:
         VRemoved(block_hashes=[6], medium="GPU")], data_parallel_rank=1)
     back = decode_batch(msgspec.msgpack.Encoder().encode(vllm_batch))
     assert back.ts == 2.0 and back.data_parallel_rank == 1 and back.epoch is None
-    assert back.events == [BlockStored([7, 8], 6, [1, 2], 1, "GPU", group_idx=None, kv_cache_spec_kind=None),
+    assert back.events == [BlockStored([7, 8], 6, [1, 2], 1, "GPU", group_idx=None, kv_cache_spec_kind=None,
+                                       locality="LOCAL", session_id="s"),
                            BlockRemoved([6], "GPU", group_idx=None)]  # what vLLM left out stays unset
 
 
@@ -73,6 +78,69 @@ def test_kvstores_publisher_is_read_by_a_consumer_written_against_vllms_types() 
         finally:
             sub.close(0)
             ctx.term()
+
+
+def test_a_consumer_on_vllms_own_types_reads_a_hybrid_publishers_groups() -> None:
+    """A kvstore publisher of a hybrid layout (a full group and a sliding window of 64 tokens):
+    the device side publishes blocks of both groups in one call, a real store's host tier puts
+    and deletes blocks of each group. A consumer decoding with vLLM's KVEventBatch reads every
+    batch and sees each block's group_idx, kv_cache_spec_kind and window."""
+    layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=8, block_size=4, dtype=torch.float32,
+                      groups=(KVGroup("full", (0,)), KVGroup("sliding", (1,), window=64)))
+    full, sliding = event_groups(layout)
+    store = TieredStore(StoreConfig(layout, "vllm-events-test", host_bytes=1 << 20))
+    with EventPublisher(EventsConfig("tcp://127.0.0.1:*", heartbeat_s=0.05)) as pub:
+        ctx = zmq.Context()
+        sub = ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(pub.endpoint)
+        decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+        events: list[object] = []
+        try:
+            def receive() -> int:  # every batch, heartbeats included, decodes with vLLM's types
+                while sub.poll(50):
+                    events.extend(decoder.decode(sub.recv_multipart()[2]).events)
+                return len(events)
+
+            wait_until(lambda: sub.poll(100), 30, "a heartbeat (ZeroMQ's slow joiner)", poll_s=0)
+            StoreEvents(pub, store).attach()
+            keys = store.block_keys(list(range(8)))
+            group_keys = [store.group_keys(keys, g) for g in range(2)]
+            pub.stored("GPU", [group_keys[0][0], group_keys[1][0]], [None, None], 4, [0, 1, 2, 3] * 2,
+                       groups=[full, sliding])
+            for g in range(2):
+                store.put(group_keys[g], torch.zeros((2, *layout.block_shape)), group=g)
+            store.delete(group_keys[1][:1])
+            pub.removed("GPU", [group_keys[1][0]], group=sliding)
+
+            def seen() -> bool:
+                receive()
+                removed = [e for e in events if isinstance(e, VRemoved)]
+                return len(removed) == 2 and len([e for e in events if isinstance(e, VStored)]) == 4
+
+            wait_until(seen, 30, lambda: f"the events ({events})", poll_s=0)
+        finally:
+            sub.close(0)
+            ctx.term()
+            store.close()
+    fields = [(e.medium, e.block_hashes, e.group_idx, e.kv_cache_spec_kind, e.kv_cache_spec_sliding_window)
+              for e in events if isinstance(e, VStored)]
+    assert fields == [("GPU", [group_keys[0][0]], 0, "full_attention", None),
+                      ("GPU", [group_keys[1][0]], 1, "sliding_window", 64),
+                      ("CPU", group_keys[0], 0, "full_attention", None),
+                      ("CPU", group_keys[1], 1, "sliding_window", 64)]
+    assert [(e.medium, e.block_hashes, e.group_idx) for e in events if isinstance(e, VRemoved)] == [
+        ("CPU", group_keys[1][:1], None),  # a store does not say the group of what leaves it
+        ("GPU", group_keys[1][:1], 1)]
+    # and vLLM's own encoder writes kvstore's bytes for them, group fields included
+    ours = EventBatch(1.0, [BlockStored(group_keys[1], None, [], 4, "CPU").set_group(sliding),
+                            BlockRemoved(group_keys[1][:1], "CPU", 1)], 0)
+    theirs = KVEventBatch(ts=1.0, data_parallel_rank=0, events=[
+        VStored(block_hashes=group_keys[1], parent_block_hash=None, token_ids=[], block_size=4, lora_id=None,
+                medium="CPU", lora_name=None, group_idx=1, kv_cache_spec_kind="sliding_window",
+                kv_cache_spec_sliding_window=64),
+        VRemoved(block_hashes=group_keys[1][:1], medium="CPU", group_idx=1)])
+    assert encode_batch(ours) == msgspec.msgpack.encode(theirs)
 
 
 def _vllm_publisher(where: Path) -> ZmqEventPublisher:

@@ -2,8 +2,8 @@
 prefix cache (key -> block) and the LRU of free-but-cached blocks; writes blocks to the store on
 the demoter's thread (the engine loop only gathers the bytes): each block right after the step
 that filled it (write-through), or, with write-back, when an allocation evicts it.
-With an event publisher it announces the device tier (medium GPU): a block when it is sealed
-under its key, its removal when the key leaves the device cache.
+With KV events (kvstore/engine/device_events.py) it announces the device tier (medium GPU): a
+block when it is sealed under its key, its removal when the key leaves the device cache.
 
 A block is in exactly one of three states:
   in use    ref_count > 0 (held by sequences; never evicted or overwritten)
@@ -29,10 +29,9 @@ import torch
 from kvstore import kernels
 from kvstore.api import BlockStore
 from kvstore.engine.demoter import Demoter
+from kvstore.engine.device_events import DeviceEvents
 from kvstore.engine.groups import DeviceGroups
 from kvstore.errors import KVStoreError
-from kvstore.events.publisher import EventPublisher
-from kvstore.events.wire import GPU
 from kvstore.tiers.device import DevicePool
 
 # Blocks per background put: a put holds the store lock while it indexes its blocks and takes
@@ -56,13 +55,13 @@ class Block:
 class BlockManager:
     """Device block allocation, sharing and eviction (single-threaded: the engine loop)."""
 
-    def __init__(self, pool: DevicePool, block_size: int, store: BlockStore | None = None, events: EventPublisher | None = None,
+    def __init__(self, pool: DevicePool, block_size: int, store: BlockStore | None = None, events: DeviceEvents | None = None,
                  write_through: bool = False, groups: DeviceGroups | None = None) -> None:
         self.pool = pool
         self.groups = groups  # a hybrid model's KV groups; None: one group, the device block
         self.block_size = block_size
         self.store = store  # None: evicted blocks are dropped
-        self.events = events  # an EventPublisher (stored/removed never block), or None
+        self.events = events  # the device tier's KV events (never block), or None
         self.blocks = [Block(i) for i in range(pool.num_blocks)]
         self.cached: dict[bytes, int] = {}
         self.evictable: OrderedDict[int, None] = OrderedDict()
@@ -154,7 +153,7 @@ class BlockManager:
         if computed and self.write_through:
             self._sealed.append(block_id)
         if self.events is not None:
-            self.events.stored(GPU, [key], [parent_key], self.block_size, token_ids)
+            self.events.stored(key, parent_key, token_ids, block.valid)
 
     def copy_on_write(self, block_id: int) -> int:
         """A private copy of a shared block (the caller's reference moves to the copy)."""
@@ -166,16 +165,16 @@ class BlockManager:
     def _evict(self, n: int, background: bool = True) -> None:
         victims = [self.evictable.popitem(last=False)[0] for _ in range(n)]
         self._demote(victims, background)
-        keys: list[bytes] = []
+        gone: list[tuple[bytes, int]] = []
         for b in victims:
             block = self.blocks[b]
-            keys.append(block.key)  # type: ignore[arg-type]  # a cached block has a key
+            gone.append((block.key, block.valid))  # type: ignore[arg-type]  # a cached block has a key
             del self.cached[block.key]  # type: ignore[arg-type]
             block.key = block.parent_key = None
             block.valid = 0
         self.pool.release(victims)
         if self.events is not None:
-            self.events.removed(GPU, keys)
+            self.events.removed(gone)
 
     def evict_all(self) -> int:
         """Push every cached-but-unused block out of the device (to the store); returns how many."""
@@ -321,12 +320,12 @@ class BlockManager:
         else:
             self.store.cool(keys)
 
-    def held_blocks(self) -> list[tuple[bytes, bytes | None]]:
-        """(key, parent key) of every block in the device prefix cache. Safe to call from
-        another thread (the KV-event snapshot): it copies the map in one step."""
+    def held_blocks(self) -> list[tuple[bytes, bytes | None, int]]:
+        """(key, parent key, valid groups) of every block in the device prefix cache. Safe to
+        call from another thread (the KV-event snapshot): it copies the map in one step."""
         items = list(self.cached.items())
         blocks = self.blocks
-        return [(key, blocks[b].parent_key) for key, b in items]
+        return [(key, blocks[b].parent_key, blocks[b].valid) for key, b in items]
 
     def stats(self) -> dict[str, int]:
         d = self.demoter

@@ -20,6 +20,7 @@ from kvstore.engine.block_manager import BlockManager
 from kvstore.engine.checkpoint import load_checkpoint, random_checkpoint
 from kvstore.engine.checkpoint.types import FULL as FULL_ATTENTION
 from kvstore.engine.config import EngineConfig, pool_format
+from kvstore.engine.device_events import DeviceEvents
 from kvstore.engine.fetcher import Fetcher
 from kvstore.engine.groups import DeviceGroups
 from kvstore.engine.model import LlamaModel
@@ -92,15 +93,18 @@ class LLMEngine:
                                      else Namespace(self.model_id, self.layout))
         self.kv_events: EventPublisher | None = None
         self._store_events: StoreEvents | None = None
+        device_events = None
         if c.kv_events is not None:
             self.kv_events = EventPublisher(EventsConfig(c.kv_events, c.kv_events_replay))
-        self.block_manager = BlockManager(self.pool, c.block_size, self.store, events=self.kv_events,
+            device_events = DeviceEvents(self.kv_events, self.layout, BlockHasher(self.namespace).group_keys)
+        self.block_manager = BlockManager(self.pool, c.block_size, self.store, events=device_events,
                                           write_through=c.device_write_policy == "write_through",
                                           groups=None if self.groups.trivial else self.groups)
-        if self.kv_events is not None:
+        if self.kv_events is not None and device_events is not None:
             self.kv_events.set_media(GPU, {"kv_cache_dtype": self.kv_cache_dtype,
                                            "block_bytes": self.pool_layout.bytes_per_block})
-            self.kv_events.add_source(lambda: [(GPU, c.block_size, self.block_manager.held_blocks())])
+            held = device_events.held
+            self.kv_events.add_source(lambda: [(GPU, c.block_size, held(self.block_manager.held_blocks()))])
             if isinstance(self.store, TieredStore):  # embedded (a daemon publishes its own tiers' events)
                 self._store_events = StoreEvents(self.kv_events, self.store).attach()
         fetcher = Fetcher(self.store, self.pool.pool, c.fetch_policy, c.block_size) if self.store is not None else None

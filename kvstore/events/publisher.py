@@ -4,8 +4,8 @@ Producers (the engine loop, the store under its lock) call ``stored``/``removed`
 each appends one item to a bounded deque (no lock, no wake-up) and returns at once; a full
 queue drops the item and counts it. One publisher thread owns both sockets: every
 ``POLL_S`` it takes what is queued and packs it into batches of at most ``max_batch_events``
-items, sent back to back (consecutive chain runs of one medium merge into one
-``BlockStored``), gives each the next seq,
+items, sent back to back (consecutive chain runs of one medium and KV group merge into one
+``BlockStored``; blocks of several groups make one event per group), gives each the next seq,
 sends it on the PUB socket, keeps it in the replay ring, answers replay and snapshot requests
 between batches, and sends a heartbeat (an empty batch) after ``heartbeat_s`` of silence.
 
@@ -31,11 +31,13 @@ from kvstore.errors import ConfigError
 from kvstore.events.config import EventsConfig
 from kvstore.events.replay_ring import Held, ReplayRing, serve_request, snapshot_batches
 from kvstore.events.wire import (
+    FULL_GROUP,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     Event,
     EventBatch,
+    EventGroup,
     encode_batch,
     seq_frame,
 )
@@ -45,8 +47,10 @@ log = logging.getLogger("kvstore.events")
 # waking a thread per event costs the engine loop more than the event (GIL hand-offs).
 POLL_S = 0.005
 Source = Callable[[], list[Held]]
-# queue items: ("stored", medium, keys, parents, block_size, tokens) | ("removed", medium, keys) | ("cleared",)
+# queue items: ("stored", medium, keys, parents, block_size, tokens, groups) | ("removed", medium, keys,
+# groups) | ("cleared",); groups: one EventGroup (or None) for every key, or a list of one per key
 _Item = tuple[Any, ...]
+Groups = EventGroup | None | list[EventGroup | None]
 
 
 class EventPublisher:
@@ -108,16 +112,28 @@ class EventPublisher:
     # ----------------------------------------------------------------------------- producers
 
     def stored(self, medium: str, keys: Sequence[bytes], parents: Sequence[bytes | None], block_size: int,
-               token_ids: Sequence[int] | None = None) -> bool:
-        """``medium`` now holds ``keys`` (``parents[i]`` is key i's parent). ``token_ids``: the
-        blocks' tokens, concatenated, or None where the tier does not know them. Never blocks;
-        False when the queue was full and the event was dropped."""
-        return self._put(("stored", medium, list(keys), list(parents), block_size,
-                          None if token_ids is None else list(token_ids)))
+               token_ids: Sequence[int] | None = None, *, group: EventGroup | None = FULL_GROUP,
+               groups: Sequence[EventGroup | None] | None = None) -> bool:
+        """``medium`` now holds ``keys`` (``parents[i]`` is key i's parent). Never blocks; False
+        when the queue was full and the event was dropped.
 
-    def removed(self, medium: str, keys: Sequence[bytes]) -> bool:
-        """The last copy of each of ``keys`` left ``medium``. Never blocks (False: dropped)."""
-        return self._put(("removed", medium, list(keys)))
+        Args:
+            token_ids: the blocks' tokens, concatenated in ``keys`` order, or None where the
+                tier does not know them.
+            group: the KV group of every key (kvstore/events/groups.py ``event_groups``): its
+                index, kind and window go on the wire. The default is a layout without groups
+                (group 0, full attention); None: not known (no group fields).
+            groups: instead, the group of each key. A call of several groups is published as
+                one event per group (and chain run).
+        """
+        return self._put(("stored", medium, list(keys), list(parents), block_size,
+                          None if token_ids is None else list(token_ids), _groups(group, groups, keys)))
+
+    def removed(self, medium: str, keys: Sequence[bytes], *, group: EventGroup | None = FULL_GROUP,
+                groups: Sequence[EventGroup | None] | None = None) -> bool:
+        """The last copy of each of ``keys`` left ``medium``; ``group``/``groups`` as for
+        ``stored`` (only the index goes on the wire). Never blocks (False: dropped)."""
+        return self._put(("removed", medium, list(keys), _groups(group, groups, keys)))
 
     def cleared(self) -> bool:
         """The publisher holds nothing any more, on any medium."""
@@ -137,8 +153,9 @@ class EventPublisher:
 
     def add_source(self, source: Source) -> None:
         """Register a snapshot source: a callable returning ``[(medium, block_size, [(key,
-        parent)])]``, the blocks a tier holds now. Called on the publisher thread; it must be
-        safe to call from another thread."""
+        parent)])]``, the blocks a tier holds now (``(key, parent, group)`` where a block's KV
+        group is not ``FULL_GROUP``; kvstore/events/replay_ring.py). Called on the publisher
+        thread; it must be safe to call from another thread."""
         with self._sources_lock:
             self._sources.append(source)
 
@@ -262,31 +279,72 @@ class EventPublisher:
         self.close()
 
 
+def _groups(group: EventGroup | None, groups: Sequence[EventGroup | None] | None,
+            keys: Sequence[bytes]) -> Groups:
+    if groups is None:
+        return group
+    if len(groups) != len(keys):
+        raise ValueError(f"{len(groups)} groups for {len(keys)} keys")
+    first = groups[0] if groups else group
+    return first if all(g == first for g in groups) else list(groups)
+
+
+def _by_group(groups: Groups, num_keys: int) -> list[tuple[EventGroup | None, list[int]]]:
+    """The positions of each group's keys, groups in order of first appearance."""
+    if not isinstance(groups, list):
+        return [(groups, list(range(num_keys)))]
+    positions: dict[EventGroup | None, list[int]] = {}
+    for i, g in enumerate(groups):
+        positions.setdefault(g, []).append(i)
+    return list(positions.items())
+
+
+def _open_event(events: list[Event], kind: type[BlockStored] | type[BlockRemoved], medium: str,
+                group_idx: int | None) -> BlockStored | BlockRemoved | None:
+    """The event a new run of (``kind``, ``medium``, group) may extend: the latest one of that
+    kind and medium, if only events of that kind and medium for other groups follow it (events
+    of other groups touch other keys, so extending an earlier one reorders nothing that matters).
+    With one group this is the last event or none: a layout without groups packs as before."""
+    for event in reversed(events):
+        if not isinstance(event, kind) or event.medium != medium:
+            return None
+        if event.group_idx == group_idx:
+            return event
+    return None
+
+
 def _pack(items: list[_Item]) -> list[Event]:
-    """Queued items -> events: each stored item is cut into chain runs, and a run that
-    continues the previous BlockStored (same medium and block size, tokens known for both
-    or neither) extends it; consecutive removals of one medium merge."""
+    """Queued items -> events: each stored item is split by KV group and cut into chain runs,
+    and a run that continues an open BlockStored (same medium, group and block size, tokens
+    known for both or neither) extends it; removals of one medium and group merge alike."""
     events: list[Event] = []
     for item in items:
         kind = item[0]
-        last = events[-1] if events else None
         if kind == "stored":
-            _, medium, keys, parents, block_size, tokens = item
-            for i, key in enumerate(keys):
-                span = tokens[i * block_size : (i + 1) * block_size] if tokens is not None else None
-                if (isinstance(last, BlockStored) and last.medium == medium and last.block_size == block_size
-                        and last.block_hashes[-1] == parents[i] and (span is None) == (not last.token_ids)):
-                    last.block_hashes.append(key)
-                    last.token_ids.extend(span or [])
-                else:
-                    last = BlockStored([key], parents[i], list(span or []), block_size, medium)
-                    events.append(last)
+            _, medium, keys, parents, block_size, tokens, groups = item
+            for group, positions in _by_group(groups, len(keys)):
+                idx = None if group is None else group.idx
+                last = _open_event(events, BlockStored, medium, idx)
+                for i in positions:
+                    key = keys[i]
+                    span = tokens[i * block_size : (i + 1) * block_size] if tokens is not None else None
+                    if (isinstance(last, BlockStored) and last.block_size == block_size
+                            and last.group == group and last.block_hashes[-1] == parents[i]
+                            and (span is None) == (not last.token_ids)):
+                        last.block_hashes.append(key)
+                        last.token_ids.extend(span or [])
+                    else:
+                        last = BlockStored([key], parents[i], list(span or []), block_size, medium).set_group(group)
+                        events.append(last)
         elif kind == "removed":
-            _, medium, keys = item
-            if isinstance(last, BlockRemoved) and last.medium == medium:
-                last.block_hashes.extend(keys)
-            elif keys:
-                events.append(BlockRemoved(list(keys), medium))
+            _, medium, keys, groups = item
+            for group, positions in _by_group(groups, len(keys)):
+                idx = None if group is None else group.idx
+                last = _open_event(events, BlockRemoved, medium, idx)
+                if isinstance(last, BlockRemoved):
+                    last.block_hashes.extend(keys[i] for i in positions)
+                elif positions:
+                    events.append(BlockRemoved([keys[i] for i in positions], medium, idx))
         else:
             events.append(AllBlocksCleared())
     return events

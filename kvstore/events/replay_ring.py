@@ -9,8 +9,9 @@ Subscriber reads both.)
 kvstore's extension: the request frame ``SNAPSHOT_REQUEST`` (16 bytes, so a vLLM publisher
 reads it as an out-of-range seq and answers only the end marker) is answered with the
 publisher's whole state as of seq N: messages ``(topic, N, batch)`` whose batches carry
-``snapshot: true``, the first holding ``AllBlocksCleared``, the rest ``BlockStored`` runs,
-then the end marker. A consumer applies them, then every live batch after N.
+``snapshot: true``, the first holding ``AllBlocksCleared``, the rest ``BlockStored`` runs
+(each of one KV group, its fields as the live events carry them), then the end marker. A
+consumer applies them, then every live batch after N.
 """
 
 from __future__ import annotations
@@ -18,26 +19,31 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import zmq
 
 from kvstore.events.wire import (
     END_SEQ,
+    FULL_GROUP,
     SNAPSHOT_REQUEST,
     AllBlocksCleared,
     BlockHash,
     BlockStored,
     Event,
     EventBatch,
+    EventGroup,
     encode_batch,
     seq_frame,
 )
 
 log = logging.getLogger("kvstore.events")
 SNAPSHOT_CHUNK = 1024  # block hashes per snapshot batch
-Held = tuple[str, int, list[tuple[bytes, bytes | None]]]  # (medium, block_size, [(key, parent)])
+# What a snapshot source returns per medium: (medium, block_size, blocks), each block (key, parent)
+# (a layout without groups: FULL_GROUP) or (key, parent, group) (None: its group is not known).
+HeldBlock = tuple[bytes, bytes | None] | tuple[bytes, bytes | None, EventGroup | None]
+Held = tuple[str, int, Sequence[HeldBlock]]
 
 
 class ReplayRing:
@@ -66,7 +72,7 @@ def snapshot_batches(held: Iterable[Held], epoch: int, rank: int,
                      media: dict[str, dict[str, Any]] | None = None) -> list[EventBatch]:
     """The snapshot reply's batches: AllBlocksCleared (with the media's metadata), then each
     medium's blocks as chain runs (a run continues while a block's parent is the block before
-    it), at most SNAPSHOT_CHUNK hashes a batch."""
+    it and its group is the run's), at most SNAPSHOT_CHUNK hashes a batch."""
     ts = time.time()
     out = [EventBatch(ts, [AllBlocksCleared()], rank, epoch, snapshot=True, media=media or None)]
     events: list[Event] = []
@@ -80,18 +86,21 @@ def snapshot_batches(held: Iterable[Held], epoch: int, rank: int,
         events.append(event)
         size += len(event.block_hashes)
 
-    for medium, block_size, pairs in held:
+    for medium, block_size, blocks in held:
         run: list[BlockHash] = []
         parent: BlockHash | None = None
-        for key, key_parent in pairs:
-            if run and key_parent == run[-1] and len(run) < SNAPSHOT_CHUNK:
+        group: EventGroup | None = FULL_GROUP
+        for block in blocks:
+            key, key_parent = block[0], block[1]
+            key_group = block[2] if len(block) > 2 else FULL_GROUP
+            if run and key_parent == run[-1] and key_group == group and len(run) < SNAPSHOT_CHUNK:
                 run.append(key)
                 continue
             if run:
-                add(BlockStored(run, parent, [], block_size, medium))
-            run, parent = [key], key_parent
+                add(BlockStored(run, parent, [], block_size, medium).set_group(group))
+            run, parent, group = [key], key_parent, key_group
         if run:
-            add(BlockStored(run, parent, [], block_size, medium))
+            add(BlockStored(run, parent, [], block_size, medium).set_group(group))
     if events:
         out.append(EventBatch(ts, events, rank, epoch, snapshot=True))
     return out

@@ -11,6 +11,11 @@ vLLM's own decoder (an ``array_like`` struct) ignores. docs/kv-events.md gives t
 ``decode_batch`` reads both event encodings vLLM has used: tagged maps and the older tagged
 arrays (``["BlockStored", hashes, parent, tokens, block_size, lora_id, medium, ...]``), and
 a batch as an array of 2-4 elements or as a map.
+
+An event names its blocks' KV group as vLLM does (``EventGroup``): ``group_idx``,
+``kv_cache_spec_kind`` (``"full_attention"``, ``"sliding_window"``) and
+``kv_cache_spec_sliding_window`` on ``BlockStored``, ``group_idx`` on ``BlockRemoved``; a
+layout without groups is group 0, full attention, as every event said before groups existed.
 """
 
 from __future__ import annotations
@@ -32,8 +37,25 @@ MAX_PAYLOAD = 64 << 20  # a batch larger than this is refused by the decoder
 BlockHash = bytes | int  # kvstore sends bytes (its full block keys); vLLM may send ints
 
 
+FULL_ATTENTION, SLIDING_WINDOW = "full_attention", "sliding_window"  # vLLM's KVCacheSpecKind values
+
+
 class WireError(ValueError):
     """A message that is not a KV-event batch (wrong frames, bad msgpack, wrong shapes)."""
+
+
+@dataclass(frozen=True, slots=True)
+class EventGroup:
+    """A KV group as the events name it (vLLM's fields): ``idx`` is ``group_idx``, ``kind``
+    ``kv_cache_spec_kind`` (vLLM's names: ``"full_attention"``, ``"sliding_window"``, ...),
+    ``sliding_window`` ``kv_cache_spec_sliding_window`` (tokens; None unless sliding)."""
+
+    idx: int
+    kind: str | None = FULL_ATTENTION
+    sliding_window: int | None = None
+
+
+FULL_GROUP = EventGroup(0)  # a layout without groups: what every event said before groups
 
 
 @dataclass(slots=True)
@@ -51,8 +73,28 @@ class BlockStored:
     lora_name: str | None = None
     extra_keys: list[Any] | None = None
     group_idx: int | None = 0
-    kv_cache_spec_kind: str | None = "full_attention"
+    kv_cache_spec_kind: str | None = FULL_ATTENTION
     kv_cache_spec_sliding_window: int | None = None
+    # vLLM's other optional fields, which kvstore sets on none of its events: locality,
+    # ownership and session_id (0.32) are read and written back; 0.34's lookahead_token_ids is
+    # read, never written (a 16th map entry would change every event's map header, see _StoredOut)
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
+    lookahead_token_ids: Any = None
+
+    @property
+    def group(self) -> EventGroup | None:
+        """The blocks' KV group; None where the event names none."""
+        if self.group_idx is None:
+            return None
+        return EventGroup(self.group_idx, self.kv_cache_spec_kind, self.kv_cache_spec_sliding_window)
+
+    def set_group(self, group: EventGroup | None) -> BlockStored:
+        """Name ``group`` (None: no group fields on the wire); returns self."""
+        self.group_idx, self.kv_cache_spec_kind, self.kv_cache_spec_sliding_window = (
+            (None, None, None) if group is None else (group.idx, group.kind, group.sliding_window))
+        return self
 
 
 @dataclass(slots=True)
@@ -62,6 +104,8 @@ class BlockRemoved:
     block_hashes: list[BlockHash]
     medium: str | None
     group_idx: int | None = 0
+    locality: str | None = None
+    ownership: str | None = None
 
 
 @dataclass(frozen=True)
@@ -100,6 +144,9 @@ class EventBatch:
 
 # vLLM's event structs as its encoder sees them (msgspec writes the tag first, then the fields
 # in declaration order, leaving out those equal to their default): vLLM 0.32's bytes exactly.
+# msgspec sizes a map's header by the struct's declared fields, not by those it writes: with
+# the tag, 0.32's BlockStored has 15 entries at most (a fixmap, 0x8N), 0.34's 16 (lookahead_token_ids:
+# a map16, de 00 NN, for every event). Hence BlockStored stops at session_id here.
 class _Out(msgspec.Struct, tag_field="type", tag=True, omit_defaults=True, gc=False):
     pass
 
@@ -116,12 +163,17 @@ class _StoredOut(_Out, tag="BlockStored"):
     group_idx: Any = None
     kv_cache_spec_kind: Any = None
     kv_cache_spec_sliding_window: Any = None
+    locality: Any = None
+    ownership: Any = None
+    session_id: Any = None
 
 
 class _RemovedOut(_Out, tag="BlockRemoved"):
     block_hashes: list[Any]
     medium: Any
     group_idx: Any = None
+    locality: Any = None
+    ownership: Any = None
 
 
 class _ClearedOut(_Out, tag="AllBlocksCleared"):
@@ -135,9 +187,10 @@ def _wire_event(event: Event) -> _Out:
     if isinstance(event, BlockStored):
         return _StoredOut(event.block_hashes, event.parent_block_hash, event.token_ids, event.block_size,
                           event.lora_id, event.medium, event.lora_name, event.extra_keys, event.group_idx,
-                          event.kv_cache_spec_kind, event.kv_cache_spec_sliding_window)
+                          event.kv_cache_spec_kind, event.kv_cache_spec_sliding_window, event.locality,
+                          event.ownership, event.session_id)
     if isinstance(event, BlockRemoved):
-        return _RemovedOut(event.block_hashes, event.medium, event.group_idx)
+        return _RemovedOut(event.block_hashes, event.medium, event.group_idx, event.locality, event.ownership)
     if isinstance(event, AllBlocksCleared):
         return _ClearedOut()
     raise TypeError(f"cannot encode {type(event).__name__}")
@@ -196,12 +249,18 @@ class _StoredIn(_In, tag="BlockStored"):
     group_idx: int | None = None
     kv_cache_spec_kind: str | None = None
     kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
+    lookahead_token_ids: list[int] | None = None
 
 
 class _RemovedIn(_In, tag="BlockRemoved"):
     block_hashes: list[bytes | int]
     medium: str | None = None
     group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
 
 
 class _ClearedIn(_In, tag="AllBlocksCleared"):
@@ -241,9 +300,10 @@ def decode_batch(payload: bytes) -> EventBatch:
         if type(e) is _StoredIn:
             events.append(BlockStored(e.block_hashes, e.parent_block_hash, e.token_ids, e.block_size, e.medium,
                                       e.lora_id, e.lora_name, e.extra_keys, e.group_idx, e.kv_cache_spec_kind,
-                                      e.kv_cache_spec_sliding_window))
+                                      e.kv_cache_spec_sliding_window, e.locality, e.ownership, e.session_id,
+                                      e.lookahead_token_ids))
         elif type(e) is _RemovedIn:
-            events.append(BlockRemoved(e.block_hashes, e.medium, e.group_idx))
+            events.append(BlockRemoved(e.block_hashes, e.medium, e.group_idx, e.locality, e.ownership))
         else:
             events.append(AllBlocksCleared())
     ext = typed.ext or _ExtensionIn()
@@ -289,8 +349,9 @@ def _decode_generic(payload: bytes) -> EventBatch:
 
 
 _STORED_ORDER = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
-                 "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window")
-_REMOVED_ORDER = ("block_hashes", "medium", "group_idx")
+                 "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window",
+                 "locality", "ownership", "session_id", "lookahead_token_ids")
+_REMOVED_ORDER = ("block_hashes", "medium", "group_idx", "locality", "ownership")
 
 
 def _decode_event(raw: Any, i: int) -> Event:
@@ -316,10 +377,13 @@ def _decode_event(raw: Any, i: int) -> Event:
         if parent is not None and not isinstance(parent, bytes | int):
             raise WireError(f"event #{i}: parent_block_hash must be bytes, an int or nil")
         return BlockStored(hashes, parent, tokens, block_size, _medium(fields, i), fields.get("lora_id"),
-                           fields.get("lora_name"), fields.get("extra_keys"), fields.get("group_idx"),
-                           fields.get("kv_cache_spec_kind"), fields.get("kv_cache_spec_sliding_window"))
+                           fields.get("lora_name"), fields.get("extra_keys"), _int(fields, "group_idx", i),
+                           _text(fields, "kv_cache_spec_kind", i), _int(fields, "kv_cache_spec_sliding_window", i),
+                           fields.get("locality"), fields.get("ownership"), fields.get("session_id"),
+                           fields.get("lookahead_token_ids"))
     if tag == "BlockRemoved":
-        return BlockRemoved(_hashes(fields.get("block_hashes"), i), _medium(fields, i), fields.get("group_idx"))
+        return BlockRemoved(_hashes(fields.get("block_hashes"), i), _medium(fields, i), _int(fields, "group_idx", i),
+                            fields.get("locality"), fields.get("ownership"))
     if tag == "AllBlocksCleared":
         return AllBlocksCleared()
     return UnknownEvent(tag)
@@ -337,6 +401,21 @@ def _medium(fields: dict[str, Any], i: int) -> str | None:
     if medium is not None and not isinstance(medium, str):
         raise WireError(f"event #{i}: medium must be a string or nil, got {medium!r:.40}")
     return medium
+
+
+def _int(fields: dict[str, Any], name: str, i: int) -> int | None:
+    """An optional int field (a group's index or window): what a consumer keys its view by."""
+    value = fields.get(name)
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+        raise WireError(f"event #{i}: {name} must be an int or nil, got {value!r:.40}")
+    return value
+
+
+def _text(fields: dict[str, Any], name: str, i: int) -> str | None:
+    value = fields.get(name)
+    if value is not None and not isinstance(value, str):
+        raise WireError(f"event #{i}: {name} must be a string or nil, got {value!r:.40}")
+    return value
 
 
 def _size(doc: Any) -> str:

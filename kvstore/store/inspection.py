@@ -17,16 +17,18 @@ class StoreView:
         self.cascade = cascade
         self.payload_bytes = payload_bytes
 
-    def held_by_tier(self) -> dict[str, list[tuple[bytes, bytes | None]]]:
-        """Per tier name, ``(key, parent)`` of every block that tier holds."""
+    def held_by_tier(self) -> dict[str, list[tuple[bytes, bytes | None, int | None]]]:
+        """Per tier name, ``(key, parent, group)`` of every block that tier holds (group: the KV
+        group its put named, None where the store does not know it)."""
         cascade = self.cascade
         with cascade.lock:
-            held: dict[str, list[tuple[bytes, bytes | None]]] = {level.name: [] for level in cascade.levels}
+            held: dict[str, list[tuple[bytes, bytes | None, int | None]]] = {
+                level.name: [] for level in cascade.levels}
             names = cascade.index.level_names
             for entry in cascade.index.entries.values():
                 for rank, slot in enumerate(entry.slots):
                     if slot is not None:
-                        held[names[rank]].append((entry.key, entry.parent))
+                        held[names[rank]].append((entry.key, entry.parent, entry.group))
             return held
 
     def held_keys(self, tenant: str | None = None) -> list[bytes]:

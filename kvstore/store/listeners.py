@@ -24,8 +24,8 @@ class StoreListener(Protocol):
         KV group key i's put named (kvstore/layout.py), None where the store does not know it
         (a block recovered from disk or delivered by the remote tier)."""
 
-    def blocks_removed(self, tier: str, keys: list[bytes]) -> None:
-        """``keys`` have left ``tier``."""
+    def blocks_removed(self, tier: str, keys: list[bytes], groups: list[int | None]) -> None:
+        """``keys`` have left ``tier``; ``groups[i]``: key i's KV group, as for ``blocks_stored``."""
 
 
 class Listeners:
@@ -49,9 +49,10 @@ class Listeners:
             known = list(groups) if groups is not None else [None] * len(keys)
             self._each(lambda listener: listener.blocks_stored(tier, list(keys), list(parents), known))
 
-    def removed(self, tier: str, keys: Sequence[bytes]) -> None:
+    def removed(self, tier: str, keys: Sequence[bytes], groups: Sequence[int | None] | None = None) -> None:
         if self._listeners and keys:
-            self._each(lambda listener: listener.blocks_removed(tier, list(keys)))
+            known = list(groups) if groups is not None else [None] * len(keys)
+            self._each(lambda listener: listener.blocks_removed(tier, list(keys), known))
 
     def _each(self, call: object) -> None:
         for listener in list(self._listeners):

@@ -96,7 +96,7 @@ class Placement:
             level.drop([entry.key], [slot])
         level.policy.remove(entry.key)
         entry.slots[rank] = None
-        self.listeners.removed(level.name, [entry.key])
+        self.listeners.removed(level.name, [entry.key], [entry.group])
 
     def lost(self, rank: int, entries: list[BlockEntry]) -> None:
         """Level ``rank`` found these blocks corrupt or unreadable and already freed their slots."""
@@ -105,7 +105,7 @@ class Placement:
         for entry in gone:
             entry.slots[rank] = None
             level.policy.remove(entry.key)
-        self.listeners.removed(level.name, [e.key for e in gone])
+        self.listeners.removed(level.name, [e.key for e in gone], [e.group for e in gone])
 
     def delete(self, entries: list[BlockEntry]) -> None:
         """Remove ``entries`` (none pinned or being read) from every level and the index."""
@@ -117,7 +117,7 @@ class Placement:
                 for entry in held:
                     level.policy.remove(entry.key)
                     entry.slots[level.rank] = None
-                self.listeners.removed(level.name, [e.key for e in held])
+                self.listeners.removed(level.name, [e.key for e in held], [e.group for e in held])
         for entry in entries:
             self.index.discard(entry.key)
 
@@ -137,7 +137,7 @@ class Placement:
             return False
         for entry in entries:
             entry.slots[rank] = None
-        self.listeners.removed(level.name, [e.key for e in entries])
+        self.listeners.removed(level.name, [e.key for e in entries], [e.group for e in entries])
         for entry in entries:
             self.forget_if_unheld(entry)
         return True

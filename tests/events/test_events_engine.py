@@ -40,7 +40,7 @@ def converse(llm: LLMEngine, turns: int, first: int = 0) -> None:
 
 
 def device_keys(llm: LLMEngine) -> set[bytes]:
-    return {k for k, _ in llm.block_manager.held_blocks()}
+    return {k for k, _, _ in llm.block_manager.held_blocks()}
 
 
 def truth(llm: LLMEngine) -> dict[str, set[bytes]]:
@@ -54,7 +54,7 @@ def truth(llm: LLMEngine) -> dict[str, set[bytes]]:
     def agreeing() -> dict[str, set[bytes]] | None:
         held = {GPU: device_keys(llm)}
         by_tier = llm.store.view.held_by_tier()
-        held[CPU], held[DISK] = {k for k, _ in by_tier["host"]}, {k for k, _ in by_tier["disk"]}
+        held[CPU], held[DISK] = {e[0] for e in by_tier["host"]}, {e[0] for e in by_tier["disk"]}
         return held if set(llm.store.view.held_keys()) == held[CPU] | held[DISK] else None
 
     held = wait_until(agreeing, 5, "the store's two views agreeing", poll_s=0.01)

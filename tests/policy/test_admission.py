@@ -74,7 +74,7 @@ def test_tinylfu_disk_admission_in_a_store(tmp_path: Path) -> None:
     for s in range(10, 30):  # cold, one-off blocks: the disk fills, then refuses them
         keys = chain(store, 1, salt=s)
         store.put(keys, blocks_for(keys))
-    disk_keys = {k for k, _ in store.view.held_by_tier()["disk"]}
+    disk_keys = {k for k, _, _ in store.view.held_by_tier()["disk"]}
     assert len(disk_keys) == 4
     assert sum(keys[0] in disk_keys for keys in hot) >= 2, "the read blocks left the disk for one-off ones"
     written = store.stats()["disk"]["bytes_written"]
@@ -98,5 +98,5 @@ def test_seen_twice_disk_admission_writes_only_reused_blocks(tmp_path: Path) -> 
     for s in range(200, 204):
         keys = chain(store, 1, salt=s)
         store.put(keys, blocks_for(keys))
-    assert {k for k, _ in store.view.held_by_tier()["disk"]} == {twice[0]}
+    assert {k for k, _, _ in store.view.held_by_tier()["disk"]} == {twice[0]}
     store.close()

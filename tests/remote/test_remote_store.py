@@ -252,7 +252,7 @@ def test_listeners_hear_the_blocks_this_store_wrote_remote(cluster: RedisCluster
                       groups: list[int | None]) -> None:
             heard.append((tier, keys))
 
-        def blocks_removed(self, tier: str, keys: list[bytes]) -> None:
+        def blocks_removed(self, tier: str, keys: list[bytes], groups: list[int | None]) -> None:
             heard.append((f"-{tier}", keys))
 
     with remote(cluster) as node_a:

@@ -88,7 +88,7 @@ class HeldUpListener:
         self.inside.set()
         self.gate.wait(10)
 
-    def blocks_removed(self, tier: str, keys: list[bytes]) -> None:
+    def blocks_removed(self, tier: str, keys: list[bytes], groups: list[int | None]) -> None:
         pass
 
 
@@ -169,7 +169,7 @@ class StoredKeys:
         if tier == "host":
             self.keys += keys
 
-    def blocks_removed(self, tier: str, keys: list[bytes]) -> None:
+    def blocks_removed(self, tier: str, keys: list[bytes], groups: list[int | None]) -> None:
         pass
 
 

@@ -135,7 +135,7 @@ class _LockHolder:
             self.inside.set()
             self.release.wait(10)
 
-    def blocks_removed(self, tier: str, keys: list[bytes]) -> None:
+    def blocks_removed(self, tier: str, keys: list[bytes], groups: list[int | None]) -> None:
         pass
 
 

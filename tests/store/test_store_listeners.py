@@ -28,7 +28,7 @@ class Recorder:
         self.groups.update(zip(keys, groups, strict=True))
         self.events.append(("stored", tier, len(keys)))
 
-    def blocks_removed(self, tier: str, keys: list[bytes]) -> None:
+    def blocks_removed(self, tier: str, keys: list[bytes], groups: list[int | None]) -> None:
         tier_set = self.held.setdefault(tier, set())
         assert set(keys) <= tier_set, f"{tier} told it lost a block it never stored"
         tier_set.difference_update(keys)
@@ -36,7 +36,7 @@ class Recorder:
 
 
 def _as_sets(store) -> dict[str, set[bytes]]:  # type: ignore[no-untyped-def]
-    return {tier: {k for k, _ in held} for tier, held in store.view.held_by_tier().items()}
+    return {tier: {k for k, _, _ in held} for tier, held in store.view.held_by_tier().items()}
 
 
 def test_events_rebuild_every_level_through_eviction_promotion_and_delete(tmp_path: Path) -> None:
@@ -56,7 +56,7 @@ def test_events_rebuild_every_level_through_eviction_promotion_and_delete(tmp_pa
     store.delete(chains[3])
     assert {t: recorder.held.get(t, set()) for t in store.levels} == _as_sets(store)
     assert not any(k in recorder.held[t] for t in store.levels for k in chains[3])
-    held = {k: p for pairs in store.view.held_by_tier().values() for k, p in pairs}
+    held = {k: p for triples in store.view.held_by_tier().values() for k, p, _ in triples}
     assert all(recorder.parents[k] == p for k, p in held.items())
     store.check_integrity()
     store.close()
@@ -76,7 +76,7 @@ def test_a_corrupt_disk_block_is_reported_removed(tmp_path: Path) -> None:
         f.write(bytes([byte[0] ^ 0x01]))
     store = make_store(tmp_path, host_blocks=4, disk_blocks=8)
     recorder = Recorder()
-    recorder.held["disk"] = {k for k, _ in store.view.held_by_tier()["disk"]}  # what a snapshot gives
+    recorder.held["disk"] = {k for k, _, _ in store.view.held_by_tier()["disk"]}  # what a snapshot gives
     store.add_listener(recorder)
     with pytest.raises(KeyError):
         store.get(keys)
@@ -92,7 +92,7 @@ def test_a_failing_listener_is_dropped_and_the_store_carries_on(tmp_path: Path) 
                       groups: list[int | None]) -> None:
             raise RuntimeError("listener bug")
 
-        def blocks_removed(self, tier: str, keys: list[bytes]) -> None:
+        def blocks_removed(self, tier: str, keys: list[bytes], groups: list[int | None]) -> None:
             raise RuntimeError("listener bug")
 
     store = make_store(None, host_blocks=4)

@@ -41,6 +41,9 @@ class ServerState:
                 "namespace": {"model_id": ns.model_id, "num_layers": layout.num_layers,
                               "num_kv_heads": layout.num_kv_heads, "head_dim": layout.head_dim,
                               "dtype": layout.dtype_name, "block_size": layout.block_size,
-                              "tp_rank": layout.tp_rank, "tp_size": layout.tp_size, "hash_algo": ns.hash_algo},
+                              "tp_rank": layout.tp_rank, "tp_size": layout.tp_size, "hash_algo": ns.hash_algo,
+                              # KV groups as KVLayout.groups holds them: [] is one full-attention group
+                              "groups": [{"kind": g.kind, "layers": list(g.layers), "window": g.window}
+                                         for g in layout.groups]},
                 "tokenizer": self.tokenizer.info(), "kv_events": self.kv_events, "max_model_len": llm.max_model_len,
                 "kv_cache_dtype": llm.kv_cache_dtype}

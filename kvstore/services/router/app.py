@@ -145,6 +145,8 @@ class RouteState:
         router = self.router
         return {"policy": self.config.routing.policy,
                 "block_size": self.recipe.block_size if self.recipe else None,
+                "kv_groups": [{"kind": g.kind, "layers": list(g.layers), "window": g.window}
+                              for g in self.recipe.namespace.layout.kv_groups] if self.recipe else [],
                 "model": self.recipe.model if self.recipe else None,
                 "decisions": dict(router.reasons) if router else {},
                 "replicas": [link.status(router) for link in self.links.values()] if router else []}

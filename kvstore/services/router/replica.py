@@ -1,7 +1,7 @@
 """One replica as the router sees it: its recipe, its event stream, its health and load.
 
-``ReplicaLink`` learns a replica from ``GET /v1/kvstore/info`` (model, key namespace, block
-size, tokenizer kind, event endpoints), follows its KV events with the events library's
+``ReplicaLink`` learns a replica from ``GET /v1/kvstore/info`` (model, key namespace with its
+KV groups, block size, tokenizer kind, event endpoints), follows its KV events with the events library's
 ``Subscriber`` (sequence numbers, replay of gaps, snapshot on start and on epoch change) into
 the Router's index, and polls ``GET /v1/kvstore/load`` every ``health_interval_s``: the load
 feeds the Router's costs, and a replica that has not answered for ``dead_after_s`` is taken
@@ -21,7 +21,7 @@ import httpx
 from kvstore.errors import ConfigError
 from kvstore.events import CallbackSink, Subscriber
 from kvstore.keys import Namespace
-from kvstore.layout import DTYPES_BY_NAME, KVLayout
+from kvstore.layout import DTYPES_BY_NAME, KVGroup, KVLayout
 from kvstore.services.router.policy import LoadReport, Router
 
 log = logging.getLogger("kvstore.services.router")
@@ -49,9 +49,11 @@ def parse_info(body: Any) -> ReplicaInfo:
     """A replica's info body -> ReplicaInfo; ValueError naming what is missing or wrong."""
     try:
         ns = body["namespace"]
+        # a replica from before KV groups lists none: one full-attention group, as its keys say
+        groups = tuple(KVGroup(g["kind"], tuple(g["layers"]), g.get("window")) for g in ns.get("groups") or ())
         layout = KVLayout(num_layers=ns["num_layers"], num_kv_heads=ns["num_kv_heads"], head_dim=ns["head_dim"],
                           block_size=ns["block_size"], dtype=DTYPES_BY_NAME[ns["dtype"]], tp_rank=ns["tp_rank"],
-                          tp_size=ns["tp_size"])
+                          tp_size=ns["tp_size"], groups=groups)
         events = body.get("kv_events") or {}
         return ReplicaInfo(str(body["model"]), str(body["engine_id"]), Namespace(ns["model_id"], layout, ns["hash_algo"]),
                            str(body["tokenizer"]["kind"]), events.get("endpoint"), events.get("replay_endpoint"),

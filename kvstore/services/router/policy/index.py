@@ -3,6 +3,10 @@
 Fed by the replicas' KV events (``stored``/``removed``/``cleared``, one call per event) and by
 the router's own routing history (the ``ROUTED`` bit, see history.py). One ``KeyTable``
 column per replica, one bit per tier in it. Not thread-safe: the Router serialises calls.
+
+A hybrid model's KV groups (kvstore/layout.py) store their blocks under keys of their own, so
+the index holds every group's keys like any others; ``match`` with ``windows`` reconciles a
+prompt's groups into one hit per replica (kvstore/events/groups.py).
 """
 
 from __future__ import annotations
@@ -12,9 +16,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvstore.events.groups import needed, reconciled_hits
 from kvstore.services.router.policy.keytable import KeyTable, key_ids
 from kvstore.services.router.policy.tiers import (
     BITS,
+    GPU,
     MEDIA,
     REMOTE,
     ROUTED,
@@ -24,6 +30,8 @@ from kvstore.services.router.policy.tiers import (
     TierWeights,
     medium_bit,
 )
+
+NO_TIER = len(TIERS)  # a tier index meaning "none": the block is not held (or not in the hit)
 
 
 @dataclass(frozen=True)
@@ -60,6 +68,15 @@ class PrefixIndex:
     def set_weights(self, weights: TierWeights) -> None:
         self.weights = weights
         self._weight_of, self._tier_of = weights.tables()
+        by_medium = weights.by_medium()
+        self._tier_weight = np.array([by_medium[t] for t in TIERS] + [0.0])  # tier index -> weight
+        # tier index -> how slow it is (lower weight = slower; between equal weights, the later
+        # tier: a guess (ROUTED) is slower than a device block); NO_TIER is never needed
+        order = sorted(range(len(TIERS)), key=lambda t: (-self._tier_weight[t], t))
+        self._slowness = np.zeros(len(TIERS) + 1, dtype=np.int64)
+        self._slowness[order] = np.arange(len(TIERS))
+        self._slowness[NO_TIER] = -1
+        self._tier_by_slowness = np.array(order, dtype=np.int64)
 
     # -- replicas --------------------------------------------------------------------------
     @property
@@ -133,23 +150,46 @@ class PrefixIndex:
 
     # -- queries ---------------------------------------------------------------------------
     def match(self, ids: np.ndarray, replicas: Sequence[str] | None = None,
-              shared_remote: bool = False) -> PrefixMatches:
+              shared_remote: bool = False, windows: Sequence[int | None] | None = None) -> PrefixMatches:
         """Per replica, the leading run of ``ids`` (a chain, root first) it holds. Pure query.
 
         With ``shared_remote`` the replicas share one remote tier: a block any replica
         published in ``REMOTE`` counts as in ``REMOTE`` for all of them.
+
+        With ``windows`` (a hybrid model's KV groups: per group ``window_blocks``, None for full
+        attention), ``ids`` is ``[groups, blocks]``, each group's keys of the chain, and the run
+        is the reconciled hit: the longest boundary at which every group holds what it needs
+        (full groups every block before it, sliding groups the window ending at it). Each block
+        of the hit counts in the slowest tier among the group blocks the hit reads at its
+        position (a position is served once all of them arrived); a position no group reads
+        (below every window of a model without a full group) costs no fetch and counts as a
+        device block.
         """
         names = tuple(self._columns) if replicas is None else tuple(replicas)
         columns = [self._column(r) for r in names]
-        every = self._table.rows(self._table.find(ids))
-        rows = every[:, columns]  # [blocks, replicas]
+        every = self._table.rows(self._table.find(ids.ravel()))
+        rows = every[:, columns]  # [blocks (of every group), replicas]
         if shared_remote:
             remote = np.uint8(BITS[REMOTE])
             rows |= np.where((every & remote).any(axis=1), remote, np.uint8(0))[:, None]
+        if windows is not None:
+            return self._reconciled(names, rows.reshape(*ids.shape, len(names)), windows)
         run = np.logical_and.accumulate(rows != 0, axis=0)
         tiers = np.where(run, self._tier_of[rows], len(TIERS))
         by_tier = (tiers[:, :, None] == np.arange(len(TIERS))).sum(axis=0)
         return PrefixMatches(names, run.sum(axis=0), (self._weight_of[rows] * run).sum(axis=0), by_tier)
+
+    def _reconciled(self, names: tuple[str, ...], rows: np.ndarray, windows: Sequence[int | None]) -> PrefixMatches:
+        """``match`` over a hybrid model's groups: ``rows`` is ``[groups, blocks, replicas]``."""
+        num_blocks = rows.shape[1]
+        hits = reconciled_hits(rows != 0, windows)  # [replicas]
+        reads = needed(num_blocks, hits, windows)  # [groups, blocks, replicas]
+        slowness = np.where(reads, self._slowness[self._tier_of[rows]], -1).max(axis=0)  # [blocks, replicas]
+        in_hit = np.arange(num_blocks)[:, None] < hits[None, :]
+        tiers = np.where(slowness >= 0, self._tier_by_slowness[np.maximum(slowness, 0)], TIERS.index(GPU))
+        tiers = np.where(in_hit, tiers, NO_TIER)
+        by_tier = (tiers[:, :, None] == np.arange(len(TIERS))).sum(axis=0)
+        return PrefixMatches(names, hits, self._tier_weight[tiers].sum(axis=0), by_tier)
 
     def num_blocks(self, replica: str) -> dict[str, int]:
         """Blocks indexed for ``replica``, per medium, and ``ROUTED``: the router's live guesses

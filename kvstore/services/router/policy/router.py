@@ -5,7 +5,8 @@ the tests drive this same object. A request's life in the router:
 
 1. ``route(tokens, tenant)`` hashes the prompt with the replicas' recipe (the tenant salts the
    keys, so tenants never share a prefix) and returns a ``Decision``; ``route_keys`` takes a
-   chain already hashed.
+   chain already hashed. For a hybrid model (KV groups in the recipe's layout) each group's
+   keys of the chain are looked up, and a replica scores its reconciled hit (index.py).
 2. The caller sends the request, calls ``prefill_done(decision)`` at its first token and
    ``finished(decision)`` at its end (or on failure): the router's own in-flight counts and
    queued prefill tokens, which cover what the replicas' load reports have not seen yet.
@@ -26,6 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvstore.api import KeyChain
+from kvstore.events.groups import window_blocks
 from kvstore.services.router.policy import scoring
 from kvstore.services.router.policy.config import (
     CACHE_AWARE,
@@ -97,7 +99,14 @@ class Decision:
 
 
 class Router:
-    """The routing library's front object (see module)."""
+    """The routing library's front object (see module).
+
+    Args:
+        block_tokens: tokens per block (the replicas' block size).
+        config: the policy and its weights.
+        hasher: the replicas' key recipe (``route`` needs it). A hybrid layout's groups are
+            looked up group by group (``group_keys``), by ``route_keys`` too.
+    """
 
     def __init__(self, block_tokens: int, config: RoutingPolicyConfig | None = None,
                  hasher: KeyChain | None = None) -> None:
@@ -109,6 +118,9 @@ class Router:
         self.config = config or RoutingPolicyConfig()
         self.block_tokens = block_tokens
         self.hasher = hasher
+        layout = hasher.namespace.layout if hasher is not None else None
+        # per KV group, the blocks a hit reads ending at its boundary; None: one full group (a chain)
+        self.windows = window_blocks(layout) if layout is not None and layout.is_hybrid else None
         self.index = PrefixIndex(self.config.weights)
         self.history = RoutingHistory(self.index, self.config.pending_ttl_s, self.config.history_blocks)
         self.replicas: dict[str, ReplicaState] = {}
@@ -178,12 +190,20 @@ class Router:
         if self.hasher is None:
             raise RoutingError("this router has no hasher: use route_keys with hashed blocks")
         started = time.perf_counter()
-        ids = key_ids(self.hasher.block_keys(tokens, tenant))
+        ids = self._ids(self.hasher.block_keys(tokens, tenant))
         return self._route(ids, len(tokens), started, now)
 
     def route_keys(self, keys: Sequence[bytes], prompt_tokens: int, now: float | None = None) -> Decision:
-        """As ``route``, for a prompt already hashed into its full blocks' ``keys``."""
-        return self._route(key_ids(keys), prompt_tokens, time.perf_counter(), now)
+        """As ``route``, for a prompt already hashed into its full blocks' (chain) ``keys``."""
+        started = time.perf_counter()
+        return self._route(self._ids(keys), prompt_tokens, started, now)
+
+    def _ids(self, keys: Sequence[bytes]) -> np.ndarray:
+        """The index ids of a chain: ``[blocks]``, or ``[groups, blocks]`` for a hybrid model."""
+        if self.windows is None:
+            return key_ids(keys)
+        assert self.hasher is not None
+        return np.stack([key_ids(self.hasher.group_keys(keys, g)) for g in range(len(self.windows))])
 
     def _route(self, ids: np.ndarray, prompt_tokens: int, started: float, now: float | None) -> Decision:
         policy = self.config.policy
@@ -205,9 +225,9 @@ class Router:
                              for s in states])  # the router's own requests will fill some
             if policy == CACHE_AWARE:
                 self.history.expire(now)
-            match = self.index.match(ids, [s.name for s in states], self.config.shared_remote)
+            match = self.index.match(ids, [s.name for s in states], self.config.shared_remote, self.windows)
             saved = scoring.saved_tokens(match.saved_blocks, self.block_tokens, prompt_tokens)
-            saved[match.num_blocks < self.config.min_match * ids.size] = 0.0
+            saved[match.num_blocks < self.config.min_match * ids.shape[-1]] = 0.0
             if policy == ROUND_ROBIN:
                 choice, reason = start, ROUND_ROBIN
                 cost = scoring.costs(prompt_tokens, saved, queued, decoding, free, self.config)
@@ -219,7 +239,7 @@ class Router:
                 allowed = ~scoring.overloaded(in_flight, queued, self.config)
                 choice = scoring.pick(cost, in_flight, allowed, last_chosen)
                 reason = self._reason(match, saved, allowed, choice, states)
-                self.history.record(states[choice].name, ids, now)
+                self.history.record(states[choice].name, ids.ravel(), now)  # every group's keys
             state = states[choice]
             # as the engine counts: every token of the run's whole blocks (a prompt found whole
             # counts all its tokens cached; only its last runs again, for its logits)
