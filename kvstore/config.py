@@ -72,7 +72,8 @@ class StoreSettings:
             tenant sends prompts).
         cold_blocks: what becomes of a cooled block (``BlockStore.cool``: a sliding-window
             group's block below the window of every boundary its chain was used at) that host
-            RAM evicts: "demote" it like any block, or "drop" it (never written down the tiers).
+            RAM evicts: "drop" it (the default: never written down the tiers), or "demote" it like
+            any block (for disk to spare and prompts that branch at many boundaries).
 
     What the check needs a layout for (a capacity of at least one block slot, a codec that
     fits the geometry, write_through having a disk tier) is checked by ``StoreConfig``.
@@ -94,7 +95,7 @@ class StoreSettings:
     remote_queue_blocks: int = 256
     remote_prefix: str = "kvstore"
     hash_algo: str = "sha256"
-    cold_blocks: str = "demote"
+    cold_blocks: str = "drop"
 
     def __post_init__(self) -> None:
         _check_settings(self)

@@ -80,7 +80,7 @@ def test_store_config_round_trips_every_setting(tmp_path: Path) -> None:
                              promotion="lookup",
                              host_codec="int8", disk_codec="fp8", remote_codec="int8-fp32", remote_url=URL,
                              remote_writes="demote", remote_timeout_s=2.5, remote_queue_blocks=9,
-                             remote_prefix="blue", hash_algo="xxh3_128", cold_blocks="drop")
+                             remote_prefix="blue", hash_algo="xxh3_128", cold_blocks="demote")
     assert settings.disk_path == tmp_path / "kv"  # a Path, as StoreConfig keeps it
     assert settings.changed_from() == list(StoreSettings.names())  # every field is set off its default
     config = settings.store_config(LAYOUT, "m", transfer_threads=3, pin_host_memory=False)

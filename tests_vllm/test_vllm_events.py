@@ -130,7 +130,7 @@ def test_a_consumer_on_vllms_own_types_reads_a_hybrid_publishers_groups() -> Non
                       ("CPU", group_keys[0], 0, "full_attention", None),
                       ("CPU", group_keys[1], 1, "sliding_window", 64)]
     assert [(e.medium, e.block_hashes, e.group_idx) for e in events if isinstance(e, VRemoved)] == [
-        ("CPU", group_keys[1][:1], None),  # a store does not say the group of what leaves it
+        ("CPU", group_keys[1][:1], 1),  # a store names the group of what leaves it too
         ("GPU", group_keys[1][:1], 1)]
     # and vLLM's own encoder writes kvstore's bytes for them, group fields included
     ours = EventBatch(1.0, [BlockStored(group_keys[1], None, [], 4, "CPU").set_group(sliding),

@@ -220,13 +220,19 @@ def finish_group_fetch(blocks: BlockManager, fetcher: Fetcher | None, seq: Seq) 
 
 
 def cool_below_windows(blocks: BlockManager, seq: Seq) -> None:
-    """A hybrid model's sequence ended at boundary n: each sliding group's blocks below its
-    window there serve only hits at other boundaries, so the store evicts them first; but not
-    those in the window of the boundary its hit was at (a boundary that was used)."""
+    """A hybrid model's sequence is done: each sliding group's blocks below its window at the
+    end of the prompt (boundary n, its last full block) serve only hits at earlier
+    boundaries, so the store evicts them first; but not those in the window of the boundary
+    its hit was at (a boundary that was used).
+
+    n is the prompt's end, not the output's: a follow-up turn resends the prompt, but its
+    copy of the output may tokenize otherwise (a chat template's end of turn), and a hit
+    anywhere from n on then still finds every window it needs."""
     groups = blocks.groups
     if groups is None or groups.trivial or not seq.request.params.writes_prefix_cache:
         return
-    n = min(seq.num_cached_tokens // blocks.block_size, len(seq.block_keys))
+    n = min(seq.request.num_prompt_tokens, seq.num_cached_tokens) // blocks.block_size
+    n = min(n, len(seq.block_keys))
     for g in groups.sliding_groups:
         used = range(groups.window_start(g, seq.hit_blocks), seq.hit_blocks)
         cold = [seq.block_keys[i] for i in range(groups.window_start(g, n)) if i not in used]

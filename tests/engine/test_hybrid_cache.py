@@ -133,10 +133,14 @@ def test_the_blocks_below_the_window_of_a_finished_request_are_cooled(tmp_path: 
         llm.block_manager.demoter.drain()  # type: ignore[union-attr]
         store = llm.store
         keys = store.block_keys(PROMPT)  # type: ignore[union-attr]
-        sliding_low = store.group_keys(keys[:10], 0)  # type: ignore[union-attr]  # below the window of 16
+        # the prompt ends at block 14 (the output's blocks do not count: a follow-up resends
+        # the prompt, its copy of the output may tokenize otherwise): the window there is 12, 13
+        sliding_low = store.group_keys(keys[:12], 0)  # type: ignore[union-attr]
+        window = store.group_keys(keys[12:14], 0)  # type: ignore[union-attr]
         full = store.group_keys(keys, 2)  # type: ignore[union-attr]
         assert store.contains(full) == [True] * len(full)  # type: ignore[union-attr]
         assert not any(store.contains(sliding_low))  # type: ignore[union-attr]
+        assert store.contains(window) == [True, True]  # type: ignore[union-attr]
         llm.check_integrity()
 
 

@@ -85,7 +85,7 @@ STORE_FLAGS: dict[str, StoreFlag] = {  # StoreSettings field -> its flag
     "hash_algo": StoreFlag("--hash-algo", "the key hash; xxh3_128 is faster but not collision-resistant: "
                            "one tenant only", choices=tuple(HASHES)),
     "cold_blocks": StoreFlag("--cold-blocks", "a sliding-window block below every used window, when host RAM "
-                             "evicts it: demote it like any block, or drop it", choices=COLD_BLOCKS),
+                             "evicts it: drop it (default) or demote it like any block", choices=COLD_BLOCKS),
 }
 assert set(STORE_FLAGS) == set(StoreSettings.names()), "every store setting has one flag"
 

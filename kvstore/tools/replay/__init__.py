@@ -4,7 +4,9 @@
 --disk N`` (the demotion cascade). Modules: ``trace`` (load, validate, key chains), ``belady``
 (the offline optimum as a policy), ``sim`` (the replay loop and its semantics), ``estimate``
 (bytes moved, prefill time saved), ``route_sim`` (a trace through the router's policies,
-for ``kvstore bench route``), ``command`` (the CLI). Semantics: docs/eviction.md.
+for ``kvstore bench route``), ``hybrid`` (the trace as a hybrid model's KV groups, ``--layout``),
+``hybrid_command`` (its runs beside all-full blocks in the same bytes), ``command`` (the CLI).
+Semantics: docs/eviction.md.
 """
 
 from __future__ import annotations

@@ -17,6 +17,8 @@ from kvstore.policy.quotas import QuotaTable
 from kvstore.services.common.argtypes import positive
 from kvstore.services.common.sizes import parse_size
 from kvstore.tools.replay import estimate as est
+from kvstore.tools.replay import hybrid_command
+from kvstore.tools.replay.hybrid import COOL_AT, GroupLayout, parse_layout
 from kvstore.tools.replay.sim import ReplayResult, TierSpec, replay
 from kvstore.tools.replay.trace import ReplayError, Trace, load_trace
 
@@ -34,6 +36,13 @@ def _admissions(text: str) -> list[str]:
         if name not in ADMISSIONS:
             raise argparse.ArgumentTypeError(f"unknown admission policy {name!r}; known: {list(ADMISSIONS)}")
     return names
+
+
+def _layout(text: str) -> GroupLayout | None:
+    try:
+        return parse_layout(text)
+    except ReplayError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("--layout ")) from None
 
 
 def quota_setting(spec: str, trace: Trace) -> tuple[str, QuotaTable | None]:
@@ -85,6 +94,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    "of [quotas.TENANT] tables (default none)")
     p.add_argument("--policy", action="append", choices=[*POLICIES, OPTIMUM],
                    help=f"policies to run (repeatable; default: {DEFAULT_POLICY}, {BASELINE}, {OPTIMUM})")
+    p.add_argument("--layout", type=_layout, metavar="SPEC",
+                   help="replay as a model's KV groups, beside all-full blocks in the same bytes: full (today's "
+                   "replay, the default), gemma3-270m, or groups:TERM+TERM... with TERM <count>f (full "
+                   "attention) or <count>s<W> (sliding window of W tokens), e.g. groups:1f+5s512")
+    p.add_argument("--cold-blocks", type=hybrid_command.cold_blocks_list, action="append", metavar="S[,S...]",
+                   help="with --layout: what a tier's eviction does with a cooled sliding-window block, one run "
+                   "each: demote (write it down the tiers, the default) or drop")
+    p.add_argument("--cool-at", choices=COOL_AT,
+                   help="with --layout: where a request ends, for cooling: its full prompt blocks "
+                   "(input_length // block tokens, the default) or its last id")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("--plot", metavar="FILE.png", help="draw hit ratio vs capacity for every policy")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -134,6 +153,10 @@ def run(args: argparse.Namespace) -> int:
         if args.plot:
             require("matplotlib", "--plot")  # before the replay, not after it
         configs = tier_configs(args)
+        hybrid_command.check_options(args)
+        if getattr(args, "layout", None) is not None:
+            print(hybrid_command.run(args, configs))
+            return 0
         trace = load_trace(args.trace, tenants=getattr(args, "tenants", None))
         policies = list(dict.fromkeys(args.policy or [DEFAULT_POLICY, BASELINE, OPTIMUM]))
         quotas = [quota_setting(spec, trace) for spec in dict.fromkeys(getattr(args, "quotas", None) or ["none"])]

@@ -46,6 +46,7 @@ class Trace:
     parents: dict[bytes, bytes | None] = field(repr=False)
     tenants: list[str] = field(default_factory=list, repr=False)  # per request ("" for all: none)
     owners: dict[bytes, str] = field(default_factory=dict, repr=False)  # key -> its tenant
+    input_lengths: list[int | None] = field(default_factory=list, repr=False)  # per request, where given
 
     @property
     def tenant_names(self) -> list[str]:
@@ -133,12 +134,14 @@ def load_trace(path: str | Path, hasher: BlockHasher | None = None, tenants: int
     except (OSError, UnicodeDecodeError) as exc:
         raise ReplayError(f"cannot read trace {path}: {exc}") from None
     requests: list[list[int]] = []
+    lengths: list[int | None] = []
     named: list[str | None] = []
     for lineno, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
-        ids, _, tenant = parse_line(line, f"{path} line {lineno}")
+        ids, length, tenant = parse_line(line, f"{path} line {lineno}")
         requests.append(ids)
+        lengths.append(length)
         named.append(tenant)
     if not requests:
         raise ReplayError(f"trace {path} holds no requests")
@@ -161,4 +164,4 @@ def load_trace(path: str | Path, hasher: BlockHasher | None = None, tenants: int
         if tenant:
             owners.update(dict.fromkeys(chain, tenant))
         chains.append(chain)
-    return Trace(str(path), chains, parents, owners_of if any(owners_of) else [], owners)
+    return Trace(str(path), chains, parents, owners_of if any(owners_of) else [], owners, lengths)
