@@ -51,7 +51,7 @@ import torch
 import torch.nn.functional as F
 
 from kvstore import kernels
-from kvstore.engine.decode_parts import grouped, merge
+from kvstore.engine.decode_parts import grouped, merge, shared_prefixes
 from kvstore.engine.read_plan import ReadPlan
 from kvstore.kernels import cpu_rows, pack_rows, unpack_rows
 
@@ -101,8 +101,11 @@ class StepPlan:
             self.store_sel = keep.nonzero().flatten().to(device)
             self.store_rows = self._rows(slots[keep]).to(device)
         self.num_decode = len(decode_lens)
-        self.reads = {window: ReadPlan(decode_tables, decode_lens, prefill, block_size, rows_per_block, device,
-                                       row_kernel, window) for window in dict.fromkeys(windows)}
+        # decoding sequences whose tables begin alike, once for every window; merging a group's
+        # part into its members' needs the CPU flash kernel's log-sum-exp (none on CUDA)
+        groups = shared_prefixes(decode_tables, decode_lens, block_size) if device.type == "cpu" else None
+        self.reads = {window: ReadPlan(decode_tables, decode_lens, groups, prefill, block_size, rows_per_block,
+                                       device, row_kernel, window) for window in dict.fromkeys(windows)}
 
     def _rows(self, slots: torch.Tensor) -> torch.Tensor:
         return (slots // self.block_size) * self.rows_per_block + slots % self.block_size

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from kvstore.engine.decode_parts import DecodePart, by_length, in_window, shared_prefixes
+from kvstore.engine.decode_parts import DecodePart, by_length, in_window
 
 # cpu_rows.row_attention's index tensors: own rows and lengths, members and counts, shared rows and lengths
 RowIndex = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
@@ -29,6 +29,8 @@ class ReadPlan:
 
     Args:
         decode_tables, decode_lens: each decoding sequence's block table and length (new token included).
+        groups: ``shared_prefixes`` of the decoding sequences (computed once a step for every
+            window), or None where groups are not merged (CUDA: no log-sum-exp to merge by).
         prefill: per prefill chunk ``(block_table, seq_len, num_new)``.
         block_size, rows_per_block: the pool's geometry.
         row_kernel: decode through ``kvstore.kernels.cpu_rows`` (``row_index``) rather than in parts.
@@ -43,8 +45,9 @@ class ReadPlan:
     """
 
     def __init__(self, decode_tables: list[list[int]], decode_lens: list[int],
-                 prefill: list[tuple[list[int], int, int]], block_size: int, rows_per_block: int,
-                 device: torch.device, row_kernel: bool = False, window: int | None = None) -> None:
+                 groups: list[tuple[list[int], list[int]]] | None, prefill: list[tuple[list[int], int, int]],
+                 block_size: int, rows_per_block: int, device: torch.device, row_kernel: bool = False,
+                 window: int | None = None) -> None:
         self.block_size, self.rows_per_block, self.window = block_size, rows_per_block, window
         d = len(decode_lens)
         # each sequence's own positions: [head_start, head_start + head_len) then [tail_start, n)
@@ -52,9 +55,7 @@ class ReadPlan:
         head_start, head_len, tail_start = list(firsts), [0] * d, list(firsts)
         # decoding sequences that share a prefix: (their indices, the shared rows) read once for all
         self.decode_groups: list[tuple[torch.Tensor, torch.Tensor]] = []
-        merge = device.type == "cpu"  # merging parts needs the CPU flash kernel's log-sum-exp
-        if merge:
-            groups = shared_prefixes(decode_tables, decode_lens, block_size)
+        if groups is not None:
             for members, first, shared in in_window(groups, decode_lens, block_size, window):
                 end = len(shared) * block_size
                 rows = self._rows_of(torch.tensor([shared]), torch.arange(first, end)[None])[0]
@@ -69,12 +70,14 @@ class ReadPlan:
         # Sequences whose own rows differ by more than 2x attend in separate parts (each padded
         # to its longest): a sequence outside any group would otherwise pad every other one to
         # its whole context. Where the merge is not available (CUDA), one part.
-        parts = by_length(own) if merge else [list(range(d))]
+        parts = by_length(own) if groups is not None else [list(range(d))]
         self.decode_parts: list[DecodePart] = []
         for part in parts if d and self.row_index is None else []:
             part_own = [own[i] for i in part]
             length = max(part_own)
-            # Padding positions read the sequence's row 0 (always written, so finite) and are masked.
+            # Padding positions read the sequence's last row (its new token's, written this step,
+            # so finite) and are masked. (Not row 0: below a sliding window a block may be one
+            # the store never filled for that layer.)
             rows = self._own_rows([decode_tables[i] for i in part], *([s[i] for i in part] for s in spans))
             mask = None
             if min(part_own) != length:
@@ -112,11 +115,12 @@ class ReadPlan:
     def _own_rows(self, tables: list[list[int]], head_start: list[int], head_len: list[int], tail_start: list[int],
                   own: list[int]) -> torch.Tensor:
         """``[len(tables), max(own)]`` row ids: sequence i's ``own[i]`` rows (``head_len[i]`` from
-        ``head_start[i]``, the rest from ``tail_start[i]``), padded with its row 0."""
+        ``head_start[i]``, the rest from ``tail_start[i]``), padded with its last row."""
         col = torch.arange(max(own))[None, :]
         head_t, start_t = torch.tensor(head_len)[:, None], torch.tensor(head_start)[:, None]
-        pos = torch.where(col < head_t, start_t + col, torch.tensor(tail_start)[:, None] + col - head_t)
-        pos = torch.where(col < torch.tensor(own)[:, None], pos, 0)
+        tail_t, own_t = torch.tensor(tail_start)[:, None], torch.tensor(own)[:, None]
+        pos = torch.where(col < head_t, start_t + col, tail_t + col - head_t)
+        pos = torch.where(col < own_t, pos, tail_t + own_t - head_t - 1)
         width = max(len(t) for t in tables)
         padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
         return self._rows_of(padded, pos)

@@ -71,7 +71,8 @@ def _prefill_kernel(
     unmasked_end = tl.where(has_rows, (context_len + first_row + 1) // BLOCK_N * BLOCK_N, 0)
     # The window: the first row sees keys from kv_start on; keys from masked_below on are seen
     # by the last row too (below it, the window's side of the mask applies).
-    kv_start = tl.maximum(context_len + first_row - window + 1, 0) // BLOCK_N * BLOCK_N
+    kv_lo = tl.maximum(context_len + first_row - window + 1, 0)
+    kv_start = kv_lo // BLOCK_N * BLOCK_N
     masked_below = context_len + last_row - window + 1
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -82,7 +83,8 @@ def _prefill_kernel(
     v_base = v_ptr + kv_head * stride_vh + dims[None, :]
     for tile_start in range(kv_start, kv_end, BLOCK_N):
         pos = tile_start + offs
-        in_seq = pos < kv_end
+        # below kv_lo lie keys no row of the tile sees (maybe blocks never written): never loaded
+        in_seq = (pos < kv_end) & (pos >= kv_lo)
         block_ids = tl.load(table_row + pos // BLOCK_SIZE, mask=in_seq, other=0).to(tl.int64)
         kv_off = block_ids[:, None] * stride_kb + (pos % BLOCK_SIZE)[:, None] * stride_kt
         kv_mask = in_seq[:, None] & dim_mask[None, :]

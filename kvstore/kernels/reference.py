@@ -52,12 +52,13 @@ def dequantize_rows(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 
 
 def _gather_paged(cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                  scales: torch.Tensor | None = None) -> torch.Tensor:
+                  scales: torch.Tensor | None = None, starts: torch.Tensor | None = None) -> torch.Tensor:
     """Gather each sequence's rows contiguous: ``[num_seqs, max_len, kv_heads, head_dim]`` (float32;
     codes times their ``scales`` for quantized pages: only the rows a sequence reads are decoded).
 
-    Rows past a sequence's length are zero: the slots behind them hold stale bytes (maybe inf or
-    NaN), and a masked score times a NaN value would still poison the output.
+    Rows past a sequence's length, and below ``starts`` (a sliding window's first position), are
+    zero: the slots behind them hold stale bytes (maybe inf or NaN: below a window, a block the
+    store never delivered), and a masked score times a NaN value would still poison the output.
     """
     num_seqs = block_tables.shape[0]
     block_size = cache.shape[1]
@@ -75,7 +76,10 @@ def _gather_paged(cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: tor
         picked_scales = scales.index_select(0, table.flatten()).view(num_seqs, num_cols, *scales.shape[1:])
         picked = dequantize_rows(picked, picked_scales)
     rows = picked.float().flatten(1, 2)[:, :max_len]  # [num_seqs, max_len, kv_heads, head_dim]
-    in_seq = torch.arange(max_len, device=rows.device) < lens[:, None]
+    positions = torch.arange(max_len, device=rows.device)
+    in_seq = positions < lens[:, None]
+    if starts is not None:
+        in_seq &= positions >= starts[:, None]
     return torch.where(in_seq[:, :, None, None], rows, 0.0)
 
 
@@ -102,8 +106,10 @@ def paged_decode_attention(
     if num_seqs == 0:
         return out
     group = num_heads // num_kv_heads
-    keys = _gather_paged(k_cache, block_tables, seq_lens, k_scales).transpose(1, 2)  # [S, kvh, T, D]
-    values = _gather_paged(v_cache, block_tables, seq_lens, v_scales).transpose(1, 2)
+    # the new token at n - 1 sees [n - window, n) (its own included)
+    starts = None if window is None else (seq_lens.long() - window).clamp_(min=0)
+    keys = _gather_paged(k_cache, block_tables, seq_lens, k_scales, starts).transpose(1, 2)  # [S, kvh, T, D]
+    values = _gather_paged(v_cache, block_tables, seq_lens, v_scales, starts).transpose(1, 2)
     if keys.shape[2] == 0:
         return out.zero_()
     # The `group` query heads sharing a KV head become `group` query rows of that head.
@@ -111,8 +117,8 @@ def paged_decode_attention(
     lens = seq_lens.long()
     positions = torch.arange(keys.shape[2], device=q.device)
     visible = positions < lens[:, None]  # [S, T]
-    if window is not None:  # the new token at n - 1 sees (n - 1 - window, n - 1]
-        visible &= positions >= lens[:, None] - window
+    if starts is not None:
+        visible &= positions >= starts[:, None]
     attn = F.scaled_dot_product_attention(
         queries, keys, values, attn_mask=visible[:, None, None, :], scale=scale
     )
@@ -153,8 +159,10 @@ def paged_prefill_attention(
         if q_len == 0:
             continue
         context_len = seq_len - q_len
-        keys = _gather_paged(k_cache, block_tables[i : i + 1], seq_lens[i : i + 1], k_scales)[0].transpose(0, 1)
-        values = _gather_paged(v_cache, block_tables[i : i + 1], seq_lens[i : i + 1], v_scales)[0].transpose(0, 1)
+        # the first new row's window start: nothing below it is read
+        first = None if window is None else torch.tensor([max(0, context_len - window + 1)], device=q.device)
+        keys = _gather_paged(k_cache, block_tables[i : i + 1], seq_lens[i : i + 1], k_scales, first)[0].transpose(0, 1)
+        values = _gather_paged(v_cache, block_tables[i : i + 1], seq_lens[i : i + 1], v_scales, first)[0].transpose(0, 1)
         # New row r sits at absolute position p = context_len + r and sees positions [0, p], or
         # with a window (p - window, p].
         positions = torch.arange(seq_len, device=q.device)

@@ -147,3 +147,40 @@ def test_random_model_runs_without_a_checkpoint() -> None:
                                       vocab_size=100, intermediate_size=96))
     assert llm.generate([1, 2, 3, 4, 5], GREEDY)[0].token_ids == a.token_ids  # seeded weights
     llm.close()
+
+
+LLAMA = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2}
+
+
+@pytest.mark.parametrize(("config", "named"), [
+    ({"model_type": "qwen3_next", "layer_types": ["linear_attention", "full_attention"]},
+     r"model_type 'qwen3_next': layer 0 is 'linear_attention', a layer kind the engine lacks"),
+    ({"model_type": "llama4_text", "layer_types": ["chunked_attention", "full_attention"]},
+     r"layer 0 is 'chunked_attention'"),
+    ({"model_type": "falcon_h1", "layer_types": ["full_attention", "mamba"]}, r"layer 1 is 'mamba'"),
+    ({"model_type": "lfm2", "layer_types": ["conv", "full_attention"]}, r"layer 0 is 'conv'"),
+    ({"model_type": "qwen2", "layer_types": ["full_attention", "hybrid"]}, r"model_type 'qwen2': layer 1 is 'hybrid'"),
+    ({"model_type": "gpt_oss", "layer_types": ["sliding_attention", "full_attention"], "sliding_window": 128},
+     r"model_type 'gpt_oss' is not supported \(attention sinks\)"),
+    ({"model_type": "falcon_h1"}, r"model_type 'falcon_h1' is not supported \(Mamba2 layers\)"),
+    ({"model_type": "jamba"}, r"model_type 'jamba' is not supported \(Mamba layers\)"),
+    ({"model_type": "qwen3_next"}, r"model_type 'qwen3_next' is not supported \(linear attention layers\)"),
+    ({"model_type": "gemma3_text", "attn_logit_softcapping": 50.0},
+     r"gemma3_text with attn_logit_softcapping=50\.0 is not supported"),
+    ({"model_type": "gemma3_text", "use_bidirectional_attention": True}, r"use_bidirectional_attention=True"),
+    ({"model_type": "gemma3", "text_config": {}}, r"model_type 'gemma3' is not supported \(a vision tower"),
+    ({"model_type": "qwen2", "use_sliding_window": False, "sliding_window": 8,
+      "layer_types": ["sliding_attention", "full_attention"]},
+     r"qwen2: layer_types names sliding_attention layers but no sliding_window is set"),
+    ({"model_type": "llama", "hidden_act": "gelu"}, r"hidden activation 'gelu' is not supported"),
+])
+def test_a_layer_kind_or_model_the_engine_lacks_is_a_one_line_error(config: dict[str, object], named: str,
+                                                                     llama_dir: Path, tmp_path: Path) -> None:
+    """Linear attention, Mamba, chunked attention, attention sinks, ...: refused by name, in one
+    line, when config.json is read (before any weight)."""
+    path = shutil.copytree(llama_dir, tmp_path / "model")
+    (path / "config.json").write_text(json.dumps({**LLAMA, **config}))
+    with pytest.raises(CheckpointError, match=named) as caught:
+        LLMEngine(str(path))
+    assert "\n" not in str(caught.value)

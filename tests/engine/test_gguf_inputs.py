@@ -289,7 +289,7 @@ def test_bad_files_are_checkpoint_errors(tiny: tuple[Checkpoint, Path, Path], tm
 
 
 @pytest.mark.parametrize(("arch", "extra", "match"), [
-    ("falcon", {}, r"general\.architecture 'falcon' is not supported; supported: \['llama', 'qwen2'\]"),
+    ("falcon", {}, r"general\.architecture 'falcon' is not supported; supported: \['llama', 'qwen2', 'gemma3'\]"),
     ("llama", {"llama.expert_count": 8}, "mixture of experts"),
     ("llama", {"split.count": 3}, "one of 3 split files"),
     ("llama", {"llama.rope.scaling.type": "yarn"}, "rope scaling 'yarn' is not supported"),

@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 import torch
 
+import kvstore.engine.attention as attention
 import kvstore.engine.decode_parts as decode_parts
-import kvstore.engine.read_plan as read_plan
 from kvstore.engine.attention import StepPlan, row_view
 from kvstore.engine.decode_parts import GROUP_MIN_ROWS, by_length, shared_prefixes
 from kvstore.kernels import cpu_rows
@@ -94,14 +94,14 @@ def test_a_batch_over_one_cached_prefix_decodes_as_each_sequence_alone(hf_llama:
     prefix = [(7 * i) % 120 + 3 for i in range(100)]  # 25 blocks of 4, read by 4 sequences
     prompts = [[*prefix, 10 + i, 20 + i, 30 + i] for i in range(4)]
     formed: list[int] = []
-    real = read_plan.shared_prefixes
+    real = attention.shared_prefixes
 
     def spy(*args: Any) -> Any:
         groups = real(*args)
         formed.extend(len(members) for members, _ in groups)
         return groups
 
-    monkeypatch.setattr(read_plan, "shared_prefixes", spy)
+    monkeypatch.setattr(attention, "shared_prefixes", spy)
     llm = make_engine(path, kv_cache_dtype=kv_cache_dtype)
     try:
         # a float32 pool decodes through the CPU kernel (groups in the same call), int8 pages through torch
@@ -118,3 +118,73 @@ def test_a_batch_over_one_cached_prefix_decodes_as_each_sequence_alone(hf_llama:
         assert a.token_ids == b.token_ids
         if kv_cache_dtype == "auto":
             hf_greedy_check(model, prompt, a.token_ids)
+
+
+def dense_windowed(pool: torch.Tensor, table: list[int], n: int, queries: torch.Tensor, bs: int,
+                   window: int | None, first_pos: int) -> torch.Tensor:
+    """float64 attention of ``queries`` ``[rows, kv_heads, group, dim]`` (row r at first_pos + r)
+    over one sequence's pool rows, each row over ``(p - window, p]``."""
+    pos = torch.arange(n)
+    blocks = torch.tensor(table)[pos // bs]
+    # (rows outside every window are NaN in the pool: zero here, so that masking them out is exact)
+    keys = pool[blocks, 0, 0, pos % bs].double().nan_to_num(0.0)
+    values = pool[blocks, 0, 1, pos % bs].double().nan_to_num(0.0)
+    scores = torch.einsum("rhgd,nhd->rhgn", queries.double(), keys) * queries.shape[-1] ** -0.5
+    at = (first_pos + torch.arange(queries.shape[0]))[:, None]
+    visible = (pos[None, :] <= at) & (window is None or (pos[None, :] > at - (window or 0)))
+    scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
+    return torch.einsum("rhgn,nhd->rhgd", torch.softmax(scores, dim=-1), values)
+
+
+@pytest.mark.parametrize("row_kernel", [False, True], ids=["torch", "row-kernel"])
+@pytest.mark.parametrize("window", [None, 3, 9, 200, 300])
+def test_a_window_reads_inside_it_alone_and_equals_dense_attention(window: int | None, row_kernel: bool) -> None:
+    """Decode rows of members of different lengths (a window's group rows start at the latest
+    window start, the earlier ones are each member's own) and prefill chunks with and without
+    context, some longer than the window; every row below a window is NaN in the pool."""
+    if row_kernel:
+        require(cpu_rows.load(), "the CPU decode kernel did not build")
+    g = torch.Generator().manual_seed(1 if window is None else window)
+    bs, kv_heads, group, dim, num_blocks = 4, 2, 3, 8, 160
+    pool = torch.randn((num_blocks, 1, 2, bs, kv_heads, dim), generator=g)
+    shared = list(range(10, 10 + GROUP_MIN_ROWS // bs))  # 64 blocks: a group of 3, one sequence apart
+    tables = [[*shared, 90, 91], [*shared, 92], [*shared, 93, 94, 95], [96, 97, 98]]
+    lens = [len(shared) * bs + 6, len(shared) * bs + 1, len(shared) * bs + 9, 10]
+    prefill = [([100, 101, 102, 103, 104], 19, 19), ([105, 106, 107, 108, 109, 110], 23, 5)]  # no context; 18 cached
+    # each reader's first position: a decode row's window start, a chunk's first row's
+    readers = [(t, n, 0 if window is None else max(0, n - window)) for t, n in zip(tables, lens, strict=True)]
+    readers += [(t, n, 0 if window is None else max(0, n - new - window + 1)) for t, n, new in prefill]
+    seen = {(t[p // bs], p % bs) for t, n, first in readers for p in range(first, n)}
+    for table, _, first in readers:  # NaN where no reader's window reaches
+        for p in range(first):
+            if (table[p // bs], p % bs) not in seen:
+                pool[table[p // bs], 0, :, p % bs] = float("nan")
+    d, new = len(lens), 19 + 5
+    q = torch.randn((d + new, kv_heads * group, dim), generator=g)
+    k_new, v_new = torch.randn((d + new, kv_heads, dim), generator=g), torch.randn((d + new, kv_heads, dim), generator=g)
+    slots = [t[(n - 1) // bs] * bs + (n - 1) % bs for t, n in zip(tables, lens, strict=True)]
+    for table, n, num_new in prefill:
+        slots += [table[p // bs] * bs + p % bs for p in range(n - num_new, n)]
+    rows_per_block = pool.stride(0) // pool.stride(3)
+    step = StepPlan(torch.tensor(slots), tables, lens, prefill, bs, rows_per_block, torch.device("cpu"),
+                    row_kernel=row_kernel, windows=(None, window))
+    plan = step.reads[window]
+    groups = [(m.tolist(), r.numel()) for m, r in plan.decode_groups]
+    if window is not None and window <= 9:  # the group's rows in every window: too few to pay
+        assert not groups
+    elif window == 200:  # from the longest member's window start (265 - 200) to the shared prefix's end (256);
+        assert groups == [([0, 1, 2], 256 - 65)]  # members 0 and 1 read 3 and 8 earlier rows as their own
+    else:  # every member's window holds the whole shared prefix
+        assert groups == [([0, 1, 2], 256)]
+    out = step.attend(q, k_new, v_new, row_view(pool[:, 0, 0]), row_view(pool[:, 0, 1]), dim ** -0.5, window=window)
+    assert not torch.isnan(out).any()
+    queries = q.view(-1, kv_heads, group, dim)
+    for i, (table, n) in enumerate(zip(tables, lens, strict=True)):
+        want = dense_windowed(pool, table, n, queries[i : i + 1], bs, window, n - 1)
+        torch.testing.assert_close(out[i].double(), want.reshape(kv_heads * group, dim), atol=1e-5, rtol=1e-5)
+    start = d
+    for table, n, num_new in prefill:
+        want = dense_windowed(pool, table, n, queries[start : start + num_new], bs, window, n - num_new)
+        torch.testing.assert_close(out[start : start + num_new].double(), want.reshape(num_new, -1, dim),
+                                   atol=1e-5, rtol=1e-5)
+        start += num_new

@@ -127,11 +127,23 @@ def cu_seqlens(q_lens: list[int]) -> torch.Tensor:
     return torch.tensor(offsets, dtype=torch.int32, device=DEVICE)
 
 
+def poison_below(kv: PagedKV, starts: list[int]) -> None:
+    """NaN over each sequence's positions below ``starts[i]`` (what a sliding window never sees:
+    a kernel that reads them, masked or not, turns its output NaN)."""
+    block_size = kv.k_cache.shape[1]
+    for seq, start in enumerate(starts):
+        for pos in range(start):
+            block = int(kv.block_tables[seq, pos // block_size])
+            kv.k_cache[block, pos % block_size] = float("nan")
+            kv.v_cache[block, pos % block_size] = float("nan")
+
+
 def dense_attention(
-    q: torch.Tensor, kv: PagedKV, seq: int, first_pos: int, scale: float
+    q: torch.Tensor, kv: PagedKV, seq: int, first_pos: int, scale: float, window: int | None = None
 ) -> torch.Tensor:
     """Naive attention of ``q`` ``[rows, heads, dim]`` (row r at position first_pos + r) for one
-    sequence: gather its K/V token by token, then softmax over the visible positions."""
+    sequence: gather its K/V token by token, then softmax over the visible positions (with a
+    window W, the last W up to the row's own: ``p - W < q <= p``)."""
     block_size = kv.k_cache.shape[1]
     n = int(kv.seq_lens[seq])
     blocks = [int(kv.block_tables[seq, p // block_size]) for p in range(n)]
@@ -141,8 +153,9 @@ def dense_attention(
     out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     for r in range(q.shape[0]):
         visible = first_pos + r + 1
+        lo = 0 if window is None else max(0, visible - window)
         for h in range(q.shape[1]):
-            k, v = keys[:visible, h // group], values[:visible, h // group]
+            k, v = keys[lo:visible, h // group], values[lo:visible, h // group]
             weights = torch.softmax((k @ q[r, h].float()) * scale, dim=0)
             out[r, h] = weights @ v
     return out.to(q.dtype)

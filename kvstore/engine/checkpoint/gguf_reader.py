@@ -9,6 +9,23 @@ checkpoint that ``hf_dir`` reads; ``model_cache`` keeps these copies.
 - ``config.json`` and ``generation_config.json``: from the ``{arch}.*`` metadata.
 - ``tokenizer.json``, ``tokenizer_config.json``, ``chat_template.jinja``: from ``tokenizer.*``
   (``gguf_tokenizer``).
+
+Gemma 3 (``gemma3``) differs from the Llama layout in what the file leaves out or changes:
+
+- llama.cpp's converter stores every norm weight as ``1 + w`` (Gemma's RMSNorm scales by
+  ``1 + w``); the copy gets ``w`` back (``w = stored - 1``), as transformers' GGUF loader does.
+  Checked on Gemma-3-270M's file: ``stored - 1`` of every norm is a bfloat16 value (the
+  checkpoint's dtype), ``stored`` itself often is not.
+- The layer pattern is not in the metadata: llama.cpp and transformers both take every 6th layer
+  as full attention, the others sliding (layers 5, 11, 17 of 18), the window being
+  ``gemma3.attention.sliding_window``.
+- Sliding layers rotate with base 10,000 (llama.cpp's fixed local base; transformers' default
+  ``rope_local_base_freq``); full layers with ``gemma3.rope.freq_base``, and its linear scaling if
+  the file has one (the 4B and larger models).
+- ``query_pre_attn_scalar`` is not in the metadata: head_dim, but hidden / heads for the 27B
+  (62 layers), as llama.cpp computes the attention scale.
+- The file ends turns with ``<end_of_turn>``: it joins ``eos`` as a stop token; and it has no
+  chat template, so the copy gets ``GEMMA3_CHAT_TEMPLATE``.
 """
 
 from __future__ import annotations
@@ -21,12 +38,12 @@ from typing import Any
 
 import torch
 
-from kvstore.engine.checkpoint.gguf_tokenizer import build_tokenizer, special_token
-from kvstore.engine.checkpoint.types import CheckpointError, ModelConfig
+from kvstore.engine.checkpoint.gguf_tokenizer import GEMMA3_CHAT_TEMPLATE, build_tokenizer, special_token
+from kvstore.engine.checkpoint.types import FULL, SLIDING, CheckpointError, ModelConfig
 
 log = logging.getLogger("kvstore.engine")
 
-ARCHITECTURES = ("llama", "qwen2")  # general.architecture values the engine runs
+ARCHITECTURES = ("llama", "qwen2", "gemma3")  # general.architecture values the engine runs
 GGUF_MAGIC = b"GGUF"
 
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -36,6 +53,14 @@ _LAYER_NAMES = {
     "attn_output": "self_attn.o_proj",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
+# Gemma 3's norms: llama.cpp's ffn_norm is the norm before the MLP (Llama's post_attention_layernorm)
+_GEMMA3_LAYER_NAMES = {
+    **_LAYER_NAMES, "ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm", "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+}
+GEMMA3_FULL_EVERY = 6  # every 6th Gemma 3 layer is full attention (not in the metadata)
+GEMMA3_LOCAL_ROPE_BASE = 10_000.0  # Gemma 3's sliding layers' RoPE base (not in the metadata)
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
@@ -64,6 +89,8 @@ def write_hf_copy(src: Path, out: Path) -> None:
                        model_max_length=config["max_position_embeddings"])
         (out / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2))
     template = meta.get("tokenizer.chat_template")
+    if not (isinstance(template, str) and template) and config["model_type"] == "gemma3_text" and tokenizer:
+        template = GEMMA3_CHAT_TEMPLATE
     if isinstance(template, str) and template:
         (out / "chat_template.jinja").write_text(template)
 
@@ -148,12 +175,35 @@ def hf_config(meta: dict[str, Any], tensor_names: list[str], src: Path) -> tuple
         config["rope_scaling"] = {"rope_type": "linear", "factor": get("rope.scaling.factor", kind=float)}
     elif scaling != "none":
         raise CheckpointError(f"{src.name}: rope scaling {scaling!r} is not supported (only linear)")
-    generation = {}
+    generation: dict[str, Any] = {}
     for name in ("bos", "eos"):
         token_id = meta.get(f"tokenizer.ggml.{name}_token_id")
         if isinstance(token_id, int):
             config[f"{name}_token_id"] = generation[f"{name}_token_id"] = token_id
+    if arch == "gemma3":
+        _gemma3(config, generation, get, tokens)
     return config, generation
+
+
+def _gemma3(config: dict[str, Any], generation: dict[str, Any], get: Any, tokens: Any) -> None:
+    """Turn the Llama-shaped config of a ``gemma3`` file into Gemma 3's (the module docstring
+    says what the file leaves out and what is assumed)."""
+    layers, heads = config["num_hidden_layers"], config["num_attention_heads"]
+    full = {"rope_type": "default", "rope_theta": config.pop("rope_theta")}
+    full.update(config.pop("rope_scaling", {}))
+    config.update(
+        architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", hidden_activation="gelu_pytorch_tanh",
+        sliding_window=get("attention.sliding_window"),
+        layer_types=[FULL if (i + 1) % GEMMA3_FULL_EVERY == 0 else SLIDING for i in range(layers)],
+        rope_parameters={FULL: full, SLIDING: {"rope_type": "default", "rope_theta": GEMMA3_LOCAL_ROPE_BASE}},
+        query_pre_attn_scalar=config["hidden_size"] // heads if layers == 62 else config["head_dim"],
+        final_logit_softcapping=get("final_logit_softcapping", 0.0, float) or None,
+    )
+    if get("attn_logit_softcapping", 0.0, float):
+        config["attn_logit_softcapping"] = get("attn_logit_softcapping", kind=float)  # refused by ModelConfig
+    del config["hidden_act"]
+    if isinstance(tokens, list) and "<end_of_turn>" in tokens and "eos_token_id" in generation:
+        generation["eos_token_id"] = [generation["eos_token_id"], tokens.index("<end_of_turn>")]
 
 
 def _weights(reader: Any, config: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -161,9 +211,10 @@ def _weights(reader: Any, config: dict[str, Any]) -> dict[str, torch.Tensor]:
     from gguf import GGMLQuantizationType, dequantize
 
     keep_dtype = {GGMLQuantizationType.F16: torch.float16, GGMLQuantizationType.BF16: torch.bfloat16}
+    gemma = config["model_type"] == "gemma3_text"
     weights: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
-        name = _hf_name(t.name)
+        name = _hf_name(t.name, _GEMMA3_LAYER_NAMES if gemma else _LAYER_NAMES)
         try:
             array = np.array(dequantize(t.data, t.tensor_type), dtype=np.float32)  # a copy off the mmap
         except (NotImplementedError, ValueError) as exc:
@@ -178,18 +229,20 @@ def _weights(reader: Any, config: dict[str, Any]) -> dict[str, torch.Tensor]:
                 raise CheckpointError(f"tensor {t.name} has {array.shape[0]} rows, the metadata implies "
                                       f"{heads} heads x {config['head_dim']}")
             array = unpermute(array, heads)
+        if gemma and name.endswith("norm.weight"):
+            array -= 1.0  # stored as 1 + w (module docstring)
         weights[name] = torch.from_numpy(array).to(keep_dtype.get(t.tensor_type, torch.float32))
     return weights
 
 
-def _hf_name(gguf_name: str) -> str:
+def _hf_name(gguf_name: str, layer_names: dict[str, str]) -> str:
     stem, _, suffix = gguf_name.rpartition(".")
     if stem in _TOP_NAMES and suffix == "weight":
         return f"{_TOP_NAMES[stem]}.weight"
     m = _LAYER_TENSOR.fullmatch(gguf_name)
-    if m is None or m.group(2) not in _LAYER_NAMES:
-        raise CheckpointError(f"tensor {gguf_name} has no place in the engine's Llama layout")
-    return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    if m is None or m.group(2) not in layer_names:
+        raise CheckpointError(f"tensor {gguf_name} has no place in the engine's layout of this model")
+    return f"model.layers.{m.group(1)}.{layer_names[m.group(2)]}.{m.group(3)}"
 
 
 def unpermute(rows: Any, num_heads: int) -> Any:

@@ -7,6 +7,9 @@ Two vocabularies, by ``tokenizer.ggml.model``:
   for ``tokenizer.ggml.pre`` (SmolLM's ``smollm``: every digit alone, then GPT-2's pattern).
 - ``llama``: sentencepiece BPE (Llama 1/2, TinyLlama): merges recovered from the token scores,
   byte fallback through the ``<0xNN>`` tokens, a ``▁`` prefix unless ``add_space_prefix`` is false.
+  Gemma's files (``general.architecture`` gemma3) need two things more: their scores do not rank
+  the merges (the tokens' order in the file does, best first), and their tokens of two or more
+  spaces are spelled with spaces rather than ``▁`` (respelled here, so merges reach them).
 
 Tokens the file marks as control (``<|im_start|>``) become special added tokens, user-defined
 ones plain added tokens, so that text never cuts them apart. BOS is prepended to plain prompts
@@ -42,6 +45,25 @@ PRE_TOKENIZER_SPLITS: dict[str, tuple[str, ...]] = {
 }
 
 
+# The chat template a gemma3 GGUF without one gets (its files carry none): turns between
+# <start_of_turn>ROLE and <end_of_turn>, the assistant's role named "model"; Gemma has no system
+# turn, so a system message opens the first user turn, a blank line after it.
+GEMMA3_CHAT_TEMPLATE = (
+    "{{- bos_token -}}\n"
+    "{%- set ns = namespace(prefix='') -%}\n"
+    "{%- for m in messages -%}\n"
+    "{%- if m['role'] == 'system' -%}\n"
+    "{%- set ns.prefix = ns.prefix ~ (m['content'] | trim) ~ '\\n\\n' -%}\n"
+    "{%- else -%}\n"
+    "{{- '<start_of_turn>' ~ ('model' if m['role'] == 'assistant' else m['role']) ~ '\\n' -}}\n"
+    "{{- ns.prefix ~ (m['content'] | trim) ~ '<end_of_turn>\\n' -}}\n"
+    "{%- set ns.prefix = '' -%}\n"
+    "{%- endif -%}\n"
+    "{%- endfor -%}\n"
+    "{%- if add_generation_prompt -%}{{- '<start_of_turn>model\\n' -}}{%- endif -%}\n"
+)
+
+
 def build_tokenizer(meta: dict[str, Any]) -> Any:
     """The ``tokenizers.Tokenizer`` that the metadata describes.
 
@@ -62,7 +84,10 @@ def build_tokenizer(meta: dict[str, Any]) -> Any:
     if kind == "gpt2":
         tokenizer, tokens = _byte_level(meta, tokens), _byte_spelled(tokens)
     elif kind == "llama":
-        tokenizer = _sentencepiece(meta, tokens)
+        spelled = tokens
+        if meta.get("general.architecture") == "gemma3":  # (the added tokens below keep the file's spelling)
+            spelled = [t if t.strip() or " " not in t else "▁" * len(t) for t in tokens]
+        tokenizer = _sentencepiece(meta, spelled)
     else:
         raise CheckpointError(f"tokenizer.ggml.model {kind!r} is not supported; supported: {list(TOKENIZER_MODELS)}")
     types: Sequence[int] = meta.get("tokenizer.ggml.token_type") or ()
@@ -123,6 +148,8 @@ def _sentencepiece(meta: dict[str, Any], tokens: list[str]) -> Any:
         raise CheckpointError("the GGUF's llama (sentencepiece) tokenizer has no tokenizer.ggml.scores "
                               f"for its {len(tokens)} tokens")
     vocab = {t: i for i, t in enumerate(tokens)}
+    if meta.get("general.architecture") == "gemma3":  # ranked by their order in the file, not by score
+        scores = [-float(i) for i in range(len(tokens))]
     merges = meta.get("tokenizer.ggml.merges")
     pairs = ([tuple(m.split(" ", 1)) for m in merges] if isinstance(merges, list)
              else _merges_from_scores(vocab, dict(zip(tokens, scores, strict=True))))
