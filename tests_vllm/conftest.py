@@ -25,14 +25,17 @@ if importlib.util.find_spec("vllm") is None:
     pytest.skip("vLLM is not installed (make test-vllm installs it)", allow_module_level=True)
 
 
-def run_plan(plan: list[dict[str, Any]], timeout: float = 300) -> list[Any]:
-    """Run ``plan`` (see vllm_run.py) in a fresh Python process; its results."""
+def run_plan(plan: list[dict[str, Any]], timeout: float = 300, log: list[str] | None = None) -> list[Any]:
+    """Run ``plan`` (see vllm_run.py) in a fresh Python process; its results (``log``: gets the
+    process's stderr, vLLM's log at WARNING and above, appended)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
            "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_LEVEL": "WARNING"}
     proc = subprocess.run([sys.executable, str(RUNNER), json.dumps(plan)], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=timeout)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, f"vLLM process failed ({proc.returncode}):\n{proc.stderr[-6000:]}"
+    if log is not None:
+        log.append(proc.stderr)
     return json.loads(lines[-1][len("RESULT "):])  # type: ignore[no-any-return]
 
 
@@ -41,3 +44,10 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     from kvstore.tools.bench.tiny_llama import save_tiny_llama
 
     return str(save_tiny_llama(tmp_path_factory.mktemp("tiny-llama")))
+
+
+@pytest.fixture(scope="session")
+def gemma3_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from tiny_gemma3 import save_tiny_gemma3
+
+    return str(save_tiny_gemma3(tmp_path_factory.mktemp("tiny-gemma3")))

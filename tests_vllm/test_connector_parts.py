@@ -45,9 +45,23 @@ def test_each_pipeline_stage_and_tensor_rank_has_a_namespace_of_its_own() -> Non
     assert model_identity(*configs()).model_id == "vllm:org/model@-:FullAttentionSpec:head8:pp1"
 
 
+def test_vllms_hybrid_groups_map_to_kvstore_groups() -> None:
+    """vLLM's own specs of a hybrid model (hybrid KV cache manager on): a sliding-window group and
+    a full-attention one become kvstore's KV groups, in vLLM's group order."""
+    from kvstore.layout import FULL as FULL_KIND
+    from kvstore.layout import SLIDING, KVGroup
+
+    sliding = SlidingWindowSpec(block_size=16, num_kv_heads=2, head_size=8, dtype=torch.float16, sliding_window=64)
+    vllm_config, _ = configs()
+    kv_cache_config = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[
+        KVCacheGroupSpec([LAYERS[0]], sliding), KVCacheGroupSpec([LAYERS[1]], FULL)])
+    ident = model_identity(vllm_config, kv_cache_config)
+    assert ident.layout.groups == (KVGroup(SLIDING, (0,), 64), KVGroup(FULL_KIND, (1,)))
+    assert ident.group_layers == ((LAYERS[0],), (LAYERS[1],)) and ident.layout.num_layers == 1
+    assert ident.model_id == "vllm:org/model@-:SlidingWindowSpec+FullAttentionSpec:head8:pp1"
+
+
 @pytest.mark.parametrize(("spec", "match"), [
-    (SlidingWindowSpec(block_size=16, num_kv_heads=2, head_size=8, dtype=torch.float16, sliding_window=64),
-     "SlidingWindowSpec"),
     (FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=8, dtype=torch.float16, sliding_window=64),
      "FullAttentionSpec, window 64"),  # a hybrid model with vLLM's hybrid allocator off
     (MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=576, dtype=torch.float16), "MLA"),
@@ -68,6 +82,17 @@ def test_every_tier_maps_to_a_hit_source_of_vllm() -> None:
     assert hit_sources({"host": 256, "disk": 128, "remote": 384}) == {
         CacheHitSource.HOST: 256, CacheHitSource.DISK: 128, CacheHitSource.EXTERNAL_UNSPECIFIED: 384}
     assert hit_sources({"host": 0}) == {}
+
+
+def test_vllm_keeps_its_hybrid_kv_cache_manager_on_with_the_connector() -> None:
+    """vLLM's config turns the hybrid KV cache manager off for a connector its factory does not
+    find SupportsHMA in (then a sliding-window layer runs as full attention)."""
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    config = KVTransferConfig(kv_connector="KVStoreConnector", kv_connector_module_path="kvstore.integrations.vllm",
+                              kv_role="kv_both")
+    assert KVConnectorFactory.supports_hma_config(config)
 
 
 def test_full_cuda_graphs_are_turned_piecewise() -> None:
@@ -103,17 +128,17 @@ def test_a_save_buffer_is_reused_only_once_its_put_has_copied_it(request: pytest
     gen = torch.Generator().manual_seed(3)
     kv = {name: torch.randn((10, 2, 8, 8), generator=gen) for name in LAYERS}  # like the CPU backend
     store = guarded_store(layout, request)
-    worker = WorkerSide(store, LAYERS, 2 * 8 * 2 * 4 * 4)
+    worker = WorkerSide(store, [LAYERS], 2 * 8 * 2 * 4 * 4)
     worker.register_kv_caches(kv)
     first_put_may_run = threading.Event()
     held_back: list[str] = []
     real_try_put = store.try_put
 
-    def try_put(keys: Any, blocks: torch.Tensor) -> bool:  # the worker's one way into the store
+    def try_put(keys: Any, blocks: torch.Tensor, group: int | None = None) -> bool:  # the worker's way in
         if keys == saved["a"][0]:  # the first save's put is still copying when the second gathers
             held_back.append("a")
             assert first_put_may_run.wait(10)
-        return real_try_put(keys, blocks)
+        return real_try_put(keys, blocks, group)
 
     store.try_put = try_put  # type: ignore[method-assign]
     saved: dict[str, tuple[list[bytes], list[int]]] = {}
@@ -162,7 +187,7 @@ def test_a_load_buffer_is_reused_only_once_its_fetch_and_the_step_are_done(reque
     stored_keys = store.block_keys(list(range(24)), "")
     stored = torch.randn((3, *layout.block_shape), generator=gen)
     assert store.try_put(stored_keys, stored)
-    worker = WorkerSide(store, LAYERS, 2 * 8 * 2 * 4 * 4)
+    worker = WorkerSide(store, [LAYERS], 2 * 8 * 2 * 4 * 4)
     worker.register_kv_caches(kv)
     fetch_may_run = threading.Event()
     slow = ThreadPoolExecutor(1)
@@ -199,3 +224,12 @@ def test_a_load_buffer_is_reused_only_once_its_fetch_and_the_step_are_done(reque
     assert {worker.paged.take_staging(3).data_ptr() for _ in range(2)} == {load_buffer, save_buffer}
     worker.shutdown()
     slow.shutdown()
+
+
+def test_a_specs_entries_run_group_by_group() -> None:
+    from kvstore.integrations.vllm.metadata import group_runs
+
+    assert group_runs((), 3) == [(0, slice(0, 3))] and group_runs((), 0) == []  # one group: every entry
+    assert group_runs((0, 0, 1, 5, 5, 5), 6) == [(0, slice(0, 2)), (1, slice(2, 3)), (5, slice(3, 6))]
+    with pytest.raises(AssertionError, match="2 groups for 3 entries"):
+        group_runs((0, 1), 3)

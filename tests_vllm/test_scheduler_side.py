@@ -80,7 +80,7 @@ def test_lookups_count_whole_blocks_beyond_vllms_hit_and_never_the_last_token(tm
     r = request("b", tokens)
     assert side.get_num_new_matched_tokens(r, 0) == (2 * B, False)  # host hits: loaded inside the step
     assert side.get_num_new_matched_tokens(r, B) == (B, False)  # vLLM had the first block itself
-    side.update_state_after_alloc(r, [4, 5, 6], B)
+    side.update_state_after_alloc(r, ([4, 5, 6],), B)
     meta = side.build_connector_meta(step(new=[("b", [4, 5, 6], 2 * B, 4)]))
     (load,) = meta.loads
     assert load.block_ids == [5] and load.keys == keys[1:2] and not load.is_async
@@ -111,7 +111,7 @@ def test_load_errors_stop_further_loads_for_that_request(tmp_path: Path) -> None
     assert store.try_put(keys, torch.randn(2, *LAYOUT.block_shape))
     r = request("e", tokens)
     assert side.get_num_new_matched_tokens(r, 0) == (2 * B, False)
-    side.update_state_after_alloc(r, [1, 2, 3], 2 * B)
+    side.update_state_after_alloc(r, ([1, 2, 3],), 2 * B)
     worker_output(side, side.build_connector_meta(step(new=[("e", [1, 2, 3], 2 * B, 1)])).step, {2})
     assert side.get_num_new_matched_tokens(r, 0) == (0, False)  # vLLM recomputes; no retry loop
     store.close()
@@ -128,7 +128,7 @@ def test_no_save_reads_a_block_whose_sync_load_is_unconfirmed(tmp_path: Path) ->
     ok, bad, shared = (request(i, tokens) for i in ("ok", "bad", "shared"))
     other = request("other", list(range(500, 517)))  # another prompt: its blocks read nothing loaded
     assert side.get_num_new_matched_tokens(ok, 0) == (2 * B, False)
-    side.update_state_after_alloc(ok, [1, 2, 3, 4, 5], 2 * B)
+    side.update_state_after_alloc(ok, ([1, 2, 3, 4, 5],), 2 * B)
     assert side.get_num_new_matched_tokens(other, 0) == (0, False)
     loading = side.build_connector_meta(step(new=[("ok", [1, 2, 3, 4, 5], 2 * B, 9),
                                                  ("other", [20, 21, 22, 23, 24], 0, 17)]))
@@ -146,7 +146,7 @@ def test_no_save_reads_a_block_whose_sync_load_is_unconfirmed(tmp_path: Path) ->
         ("ok", [3, 4], keys[2:4]), ("shared", [30, 31, 32], keys[1:4])]
     # A load that missed its second block: vLLM rewinds the request to it and recomputes from there.
     side.get_num_new_matched_tokens(bad, 0)
-    side.update_state_after_alloc(bad, [6, 7, 8, 9, 10], 2 * B)
+    side.update_state_after_alloc(bad, ([6, 7, 8, 9, 10],), 2 * B)
     loading = side.build_connector_meta(step(new=[("bad", [6, 7, 8, 9, 10], 2 * B, 9)]))
     assert loading.loads and not loading.saves
     worker_output(side, loading.step, invalid={7})
@@ -215,7 +215,7 @@ def test_kv_transfer_params_say_do_not_store_and_skip_reading_asks_nothing(tmp_p
     quiet = request("quiet", tokens)
     quiet.kv_transfer_params = {"kvstore": {"store": False}}
     assert side.get_num_new_matched_tokens(quiet, 0) == (2 * B, False)  # it still reads
-    side.update_state_after_alloc(quiet, [1, 2, 3, 4], 2 * B)
+    side.update_state_after_alloc(quiet, ([1, 2, 3, 4],), 2 * B)
     meta = side.build_connector_meta(step(new=[("quiet", [1, 2, 3, 4], 2 * B, 5)]))
     worker_output(side, meta.step)
     assert not side.build_connector_meta(step(cached=[("quiet", None, 13, 1)])).saves

@@ -3,19 +3,22 @@
 ``python tests_vllm/vllm_run.py PLAN_JSON``. A plan is a list of steps:
   {"llm": {"model": DIR, "extra": {...} | null, "options": {...}}}
                                           start an LLM (null: no connector; options: more LLM(...)
-                                          arguments), closing the last
+                                          arguments, over the defaults), closing the last; reports
+                                          its start time, whether vLLM's hybrid KV cache manager
+                                          is on, and its KV cache groups [spec, window, layers]
   {"generate": [{"ids": [...], "salt": str | null, "embeds": {"n": N, "seed": S}, "params": {...}}, ...],
-   "max_tokens": N}                       ("embeds": a prompt of N random embeddings instead of ids;
+   "max_tokens": N, "logprobs": bool}     ("embeds": a prompt of N random embeddings instead of ids;
                                           "params": more SamplingParams arguments, e.g.
-                                          skip_reading_prefix_cache, extra_args)
+                                          skip_reading_prefix_cache, extra_args; "logprobs": report
+                                          each sampled token's logprob too)
   {"kill": PID}                           SIGKILL a process (a daemon), and wait for it
   {"flip": {"path": FILE, "offset": N}}   flip one byte of a file (corrupt a block)
   {"stored": {"ids": [...], "path": FILE}}
                                           the blocks the embedded store holds for the unsalted prompt
                                           ``ids``: torch.save({block index: tensor}) to FILE; reports
                                           the indices held
-Each generate step reports, per prompt: tokens, num_cached_tokens, and the connector counters'
-change over the step.
+Each generate step reports, per prompt: tokens (and logprobs), num_cached_tokens, and the
+connector counters' change over the step.
 """
 
 from __future__ import annotations
@@ -35,13 +38,23 @@ def make_llm(model: str, extra: dict[str, Any] | None, **options: Any) -> Any:
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
-    kwargs: dict[str, Any] = dict(options)
+    kwargs: dict[str, Any] = dict(dtype="float32", kv_cache_memory_bytes=64 << 20, distributed_executor_backend="uni",
+                                  enforce_eager=True, seed=0)
+    kwargs.update(options)
     if extra is not None:
         kwargs["kv_transfer_config"] = KVTransferConfig(
             kv_connector="KVStoreConnector", kv_connector_module_path="kvstore.integrations.vllm",
             kv_role="kv_both", kv_load_failure_policy="recompute", kv_connector_extra_config=extra)
-    return LLM(model=model, dtype="float32", kv_cache_memory_bytes=64 << 20, distributed_executor_backend="uni",
-               enforce_eager=True, seed=0, **kwargs)
+    return LLM(model=model, **kwargs)
+
+
+def kv_cache_state(llm: Any) -> dict[str, Any]:
+    """Whether vLLM kept its hybrid KV cache manager on, and each KV cache group's spec and window."""
+    config = llm.llm_engine.vllm_config
+    groups = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_config.kv_cache_groups
+    return {"hybrid": not config.scheduler_config.disable_hybrid_kv_cache_manager,
+            "groups": [[type(g.kv_cache_spec).__name__, getattr(g.kv_cache_spec, "sliding_window", None),
+                        len(g.layer_names)] for g in groups]}
 
 
 def counters() -> dict[str, int]:
@@ -90,18 +103,21 @@ def main(plan: list[dict[str, Any]]) -> list[Any]:
             gc.collect()  # the previous instance's connectors shut down, its store closes
             started = time.perf_counter()
             llm = make_llm(step["llm"]["model"], step["llm"].get("extra"), **step["llm"].get("options", {}))
-            results.append({"start_s": time.perf_counter() - started})
+            results.append({"start_s": time.perf_counter() - started, **kv_cache_state(llm)})
         elif "generate" in step:
             assert llm is not None, "generate before llm"
             out = []
             for p in step["generate"]:  # one at a time: each prompt's counters are its own
                 params = SamplingParams(max_tokens=step.get("max_tokens", 8), temperature=0.0, ignore_eos=True,
-                                        **p.get("params", {}))
+                                        logprobs=0 if step.get("logprobs") else None, **p.get("params", {}))
                 before = counters()
                 r = llm.generate([prompt_of(p, llm)], params, use_tqdm=False)[0]
                 after = counters()
-                out.append({"tokens": list(r.outputs[0].token_ids), "cached": r.num_cached_tokens,
+                tokens = list(r.outputs[0].token_ids)
+                out.append({"tokens": tokens, "cached": r.num_cached_tokens,
                             "counters": {k: v - before.get(k, 0) for k, v in after.items()}})
+                if step.get("logprobs"):
+                    out[-1]["logprobs"] = [lp[t].logprob for t, lp in zip(tokens, r.outputs[0].logprobs, strict=True)]
             results.append(out)
         elif "kill" in step:
             os.kill(step["kill"], signal.SIGKILL)

@@ -3,7 +3,9 @@
 vLLM builds one per role: the scheduler-side instance answers lookups and plans each step's
 loads and saves (scheduler.py); the worker-side instance moves the bytes (worker.py). Both
 open the store named by ``kv_connector_extra_config`` (settings.py) for the namespace of
-the model (identity.py). Load it with::
+the model (identity.py). It implements ``SupportsHMA``, so vLLM keeps its hybrid KV cache
+manager on with it: a hybrid model (full-attention and sliding-window KV cache groups, as
+Gemma 3's) is looked up, loaded and saved per group (groups.py). Load it with::
 
     KVTransferConfig(kv_connector="KVStoreConnector", kv_connector_module_path="kvstore.integrations.vllm",
                      kv_role="kv_both", kv_load_failure_policy="recompute",
@@ -20,7 +22,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
+    SupportsHMA,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
@@ -35,6 +39,7 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -47,7 +52,7 @@ HIT_SOURCES = {"host": CacheHitSource.HOST, "disk": CacheHitSource.DISK,
                "remote": CacheHitSource.EXTERNAL_UNSPECIFIED}
 
 
-class KVStoreConnector(KVConnectorBase_V1):
+class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
     """vLLM's KV cache backed by a kvstore daemon or an embedded TieredStore."""
 
     _cache_hit_source = CacheHitSource.HOST
@@ -74,7 +79,7 @@ class KVStoreConnector(KVConnectorBase_V1):
                                                 load=config.is_kv_consumer, save=config.is_kv_producer,
                                                 async_when_idle=self.settings.async_when_idle)
         else:
-            self.worker_side = WorkerSide(self.store, self.identity.layer_names, self.identity.layer_bytes)
+            self.worker_side = WorkerSide(self.store, self.identity.group_layers, self.identity.layer_bytes)
         logger.info("kvstore: %s connector on %s, namespace %s (%s)", role.name.lower(), self.settings.describe(),
                     self.store.hasher.namespace.id, self.identity.layout.fingerprint())
 
@@ -116,7 +121,11 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._worker().wait_for_save()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return None, self._worker().get_finished() or None
+        return None, self.get_transfer_results(finished_req_ids).finished_recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        done, failed = self._worker().get_finished()
+        return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker().load_errors()
@@ -141,9 +150,13 @@ class KVStoreConnector(KVConnectorBase_V1):
     def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[CacheHitSource, int]:
         return hit_sources(self._scheduler().hit_tiers(request.request_id, num_external_tokens))
 
+    def bind_gpu_block_pool(self, gpu_block_pool: BlockPool) -> None:
+        if self.scheduler_side is not None:
+            self.scheduler_side.null_block = gpu_block_pool.null_block.block_id
+
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         if num_external_tokens > 0:
-            self._scheduler().update_state_after_alloc(request, blocks.get_block_ids()[0], num_external_tokens)
+            self._scheduler().update_state_after_alloc(request, blocks.get_block_ids(), num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         return self._scheduler().build_connector_meta(scheduler_output)
@@ -151,11 +164,17 @@ class KVStoreConnector(KVConnectorBase_V1):
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         report = connector_output.kv_connector_worker_meta
         steps = report.sync_load_steps if isinstance(report, KVStoreWorkerMeta) else frozenset()
-        self._scheduler().note_worker_output(set(connector_output.invalid_block_ids or ()), steps)
+        self._scheduler().note_worker_output(set(connector_output.invalid_block_ids or ()), steps,
+                                             set(connector_output.failed_recving or ()))
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._scheduler().request_finished(request)
         return False, None
+
+    def request_finished_all_groups(self, request: Request,
+                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        """SupportsHMA's hook (vLLM calls it instead of ``request_finished``): nothing is left to save."""
+        return self.request_finished(request, block_ids[0] if block_ids else [])
 
 
 def hit_sources(tiers: dict[str, int]) -> dict[CacheHitSource, int]:

@@ -13,9 +13,14 @@ class ConnectorCounters:
     Attributes:
         lookups, lookup_blocks, hit_blocks: scheduler-side lookups, blocks asked, blocks held.
         loaded_blocks, load_errors: blocks copied into vLLM; blocks a load could not deliver
-            (corrupt, vanished, store down) and reported for recompute.
+            (corrupt, vanished, store down) and reported for recompute. A hybrid model's
+            blocks are per KV group (one vLLM block of one group's layers).
+        loaded_window_blocks, loaded_bytes: of the loaded blocks, those of sliding-window groups;
+            the bytes of all of them.
         async_loads: loads run outside the step.
         saved_blocks, save_skipped: blocks put; blocks not put (store down or full).
+        cooled_blocks: sliding-window blocks below the window made the store's next victims
+            (those it held).
         lookup_ns, save_ns: time the connector spent on vLLM's critical path in lookups
             (scheduler) and in saves (gathers in the forward, queueing in wait_for_save); the
             puts themselves run on the saver thread and are not counted.
@@ -26,9 +31,12 @@ class ConnectorCounters:
     hit_blocks: int = 0
     loaded_blocks: int = 0
     load_errors: int = 0
+    loaded_window_blocks: int = 0
+    loaded_bytes: int = 0
     async_loads: int = 0
     saved_blocks: int = 0
     save_skipped: int = 0
+    cooled_blocks: int = 0
     lookup_ns: int = 0
     save_ns: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)

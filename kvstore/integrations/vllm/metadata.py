@@ -9,25 +9,53 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 
 @dataclass(frozen=True)
 class LoadSpec:
-    """Copy ``keys[i]`` from the store into vLLM block ``block_ids[i]``.
+    """Copy ``keys[i]`` from the store into vLLM block ``block_ids[i]`` of KV group ``groups[i]``.
 
     ``is_async``: the request waits outside the step (WAITING_FOR_REMOTE_KVS) until the
     worker reports it in ``finished_recving``; otherwise the step's forward needs the blocks.
+    ``groups``: a hybrid model's entries, group after group (empty: every entry is group 0).
     """
 
     req_id: str
     keys: list[bytes]
     block_ids: list[int]
     is_async: bool
+    groups: tuple[int, ...] = ()
+
+    def runs(self) -> list[tuple[int, slice]]:
+        """(group, entries) per group, in order (see ``group_runs``)."""
+        return group_runs(self.groups, len(self.keys))
 
 
 @dataclass(frozen=True)
 class SaveSpec:
-    """After this step's forward, copy vLLM block ``block_ids[i]`` to the store as ``keys[i]``."""
+    """After this step's forward, copy vLLM block ``block_ids[i]`` of KV group ``groups[i]``
+    to the store as ``keys[i]`` (``groups`` as in LoadSpec); then make ``cool``'s blocks (per
+    sliding-window group, its keys in prefix order) the store's next victims."""
 
     req_id: str
     keys: list[bytes]
     block_ids: list[int]
+    groups: tuple[int, ...] = ()
+    cool: tuple[tuple[bytes, ...], ...] = ()
+
+    def runs(self) -> list[tuple[int, slice]]:
+        return group_runs(self.groups, len(self.keys))
+
+
+def group_runs(groups: tuple[int, ...], num_entries: int) -> list[tuple[int, slice]]:
+    """The runs of equal groups in ``groups``: (group, slice of the entries); one run of group 0
+    when ``groups`` is empty."""
+    if not groups:
+        return [(0, slice(0, num_entries))] if num_entries else []
+    assert len(groups) == num_entries, f"{len(groups)} groups for {num_entries} entries"
+    runs: list[tuple[int, slice]] = []
+    start = 0
+    for i in range(1, num_entries + 1):
+        if i == num_entries or groups[i] != groups[start]:
+            runs.append((groups[start], slice(start, i)))
+            start = i
+    return runs
 
 
 @dataclass

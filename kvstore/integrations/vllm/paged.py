@@ -1,8 +1,8 @@
 """vLLM's paged KV (one tensor per layer) <-> kvstore blocks (every layer of one vLLM block).
 
-A kvstore block here is ``[num_layers, layer_bytes]``: layer l's part is vLLM block b of
-layer l, byte for byte, whatever order the attention backend keeps inside a block (the CPU
-backend stores K transposed). A copy is one gather or scatter per layer over all the blocks
+A kvstore block here is ``[num_layers, layer_bytes]``: slot l's part is vLLM block b of the
+layer in slot l (a hybrid model's: of the block's KV group), byte for byte, whatever order the
+attention backend keeps inside a block (the CPU backend stores K transposed). A copy is one gather or scatter per layer over all the blocks
 of a load or a save (kernels.gather_blocks / scatter_blocks: Triton on CUDA, torch on CPU).
 
 Staging buffers are gathered into and scattered from inside vLLM's forward, so they are
@@ -13,7 +13,7 @@ between steps.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -29,7 +29,10 @@ class PagedKV:
     """The registered vLLM caches of one worker, viewed as ``[num_blocks, layer_elems]`` each."""
 
     def __init__(self, kv_caches: dict[str, torch.Tensor], layer_names: Sequence[str], layout: KVLayout,
-                 layer_bytes: int) -> None:
+                 layer_bytes: int, slots: Mapping[str, int] | None = None) -> None:
+        """``slots``: each layer's slot in a block (default: its place in ``layer_names``). A
+        hybrid model's layers of different groups share slots, and may share memory too
+        (vLLM's hybrid allocator: a block id belongs to one group at a time)."""
         missing = [n for n in layer_names if n not in kv_caches]
         if missing:
             raise LayoutMismatchError(f"vLLM registered no KV cache for layers {missing[:3]}")
@@ -46,7 +49,11 @@ class PagedKV:
                     f"contiguous payload of {self.layer_elems} elements; this backend's layout is not supported")
             self.layers[name] = kv.view(kv.shape[0], self.layer_elems) if kv.is_contiguous() else \
                 kv.as_strided((kv.shape[0], self.layer_elems), (kv.stride(0), 1))
-        self.layer_index = {name: i for i, name in enumerate(layer_names)}
+        self.layer_index = dict(slots) if slots is not None else {name: i for i, name in enumerate(layer_names)}
+        bad = {n: i for n, i in self.layer_index.items() if not 0 <= i < layout.num_layers}
+        if bad or set(self.layer_index) != set(layer_names):
+            raise LayoutMismatchError(f"layer slots {bad or self.layer_index} do not fit the layout's "
+                                      f"{layout.num_layers} slots for layers {list(layer_names)[:3]}...")
         first = next(iter(self.layers.values()))
         self.device = first.device
         self.num_blocks = first.shape[0]
@@ -73,7 +80,7 @@ class PagedKV:
         self._spares.give(buf)
 
     def _rows(self, staging: torch.Tensor, layer: str) -> torch.Tensor:
-        """Layer ``layer``'s part of each staged block: ``[n, layer_elems]``, rows contiguous."""
+        """Layer ``layer``'s slot of each staged block: ``[n, layer_elems]``, rows contiguous."""
         return staging.view(staging.shape[0], self.layout.num_layers, self.layer_elems)[:, self.layer_index[layer]]
 
     def gather_layer(self, layer: str, block_ids: torch.Tensor, staging: torch.Tensor) -> None:

@@ -17,6 +17,15 @@ it computed meanwhile (from vLLM's blocks, still the request's) or, after a miss
 recomputes. A request that finishes while in doubt leaves those blocks unsaved (a future miss).
 Prompt-embedding requests are neither looked up nor saved: their token ids are placeholders.
 
+A hybrid model (KV groups, kvstore/layout.py; vLLM's hybrid KV cache manager on) is looked up,
+loaded and saved per group (groups.py): the hit is the longest boundary every group serves; a
+load fetches each group's blocks beyond vLLM's own hit that the group needs (a sliding window's
+only), a save each group's blocks vLLM still holds, and once a sliding group's blocks fall
+below the window (and outside the window the request's own hit used) the worker cools them in
+the store after its put. Its loads are always asynchronous: vLLM 0.32 takes a failed load of a
+model of several KV cache groups only as a failed asynchronous receive (``failed_recving``, the
+request recomputed); a block id reported as a load error stops its scheduler.
+
 Per-request settings vLLM carries are honoured: ``skip_reading_prefix_cache`` (vLLM's own
 SamplingParams field) asks nothing of the store and loads nothing; ``kv_transfer_params``
 (vLLM's per-request dict for the connector, e.g. the OpenAI body's ``kv_transfer_params``)
@@ -27,12 +36,14 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvstore.errors import DaemonUnreachableError
 from kvstore.integrations.vllm.backend import GuardedStore
 from kvstore.integrations.vllm.counters import COUNTERS
+from kvstore.integrations.vllm.groups import GroupLookup, cold_blocks, live_start, load_blocks, window_of
 from kvstore.integrations.vllm.metadata import KVStoreMetadata, LoadSpec, SaveSpec
 from kvstore.keys import ExtraKey
 
@@ -53,7 +64,9 @@ class _Tracked:
     loading: frozenset[int] = frozenset()  # vLLM block ids of the last planned load
     load_failed: bool = False  # a load missed blocks: never plan another (no retry loop)
     saves: bool = True  # False: the request said "do not store" (kv_transfer_params)
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: list[list[int]] = field(default_factory=list)  # per KV group, vLLM's block table
+    hit_blocks: int = 0  # the boundary its hit ended at, vLLM's or a load's (the window there was used)
+    cooled: dict[int, int] = field(default_factory=dict)  # sliding group -> blocks before this considered
 
 
 class SchedulerSide:
@@ -63,6 +76,9 @@ class SchedulerSide:
                  load: bool = True, save: bool = True, async_when_idle: bool = False) -> None:
         self.store = store
         self.block_size = block_size
+        self.groups = store.layout.kv_groups
+        self.is_hybrid = store.layout.is_hybrid
+        self.null_block: int | None = None  # vLLM's null block id (a sliding window's freed positions)
         self.async_tiers = async_tiers
         self.async_when_idle = async_when_idle
         self.can_load, self.can_save = load, save
@@ -139,18 +155,26 @@ class SchedulerSide:
         keys = self._extend_keys(t, usable) if usable > 0 else None
         if keys is None:
             return 0, False
-        match = self.store.lookup(keys[:usable])
-        COUNTERS.add(lookups=1, lookup_blocks=usable, hit_blocks=match.num_blocks)
-        t.num_held, t.tiers = max(t.num_held, match.num_blocks), match.tiers
-        t.num_local_tokens = num_computed_tokens
         first = num_computed_tokens // self.block_size
-        if not self.can_load or t.load_failed or match.num_blocks <= first:
+        if self.is_hybrid:
+            found = GroupLookup(self.groups, self.block_size, self.store, keys[:usable])
+            num_held, hit = found.hit(usable), found.hit(usable, first)
+            tiers = found.tiers(hit, first)
+        else:
+            match = self.store.lookup(keys[:usable])
+            num_held, hit, tiers = match.num_blocks, match.num_blocks, match.tiers
+        COUNTERS.add(lookups=1, lookup_blocks=usable, hit_blocks=num_held)
+        t.num_held, t.tiers = max(t.num_held, num_held), tiers
+        t.num_local_tokens, t.hit_blocks = num_computed_tokens, first
+        if not self.can_load or t.load_failed or hit <= first:
             return 0, False
         # parked only while other requests are in flight (tracked until request_finished): with
-        # none, the load runs inside the step, where nothing else waits for it
+        # none, the load runs inside the step, where nothing else waits for it; a hybrid model's
+        # always (see the module)
         others = len(self._tracked) > 1
-        t.is_async = (others or self.async_when_idle) and any(tier in self.async_tiers for tier in match.tiers[first:])
-        return (match.num_blocks - first) * self.block_size, t.is_async
+        t.is_async = self.is_hybrid or ((others or self.async_when_idle)
+                                        and any(tier in self.async_tiers for tier in tiers[first:]))
+        return (hit - first) * self.block_size, t.is_async
 
     def hit_tiers(self, request_id: str, num_external_tokens: int) -> dict[str, int]:
         """Tokens per tier ("host", "disk", "remote") of the load planned for the request."""
@@ -161,26 +185,42 @@ class SchedulerSide:
         tiers = t.tiers[first : first + num_external_tokens // self.block_size]
         return {tier: tiers.count(tier) * self.block_size for tier in set(tiers)}
 
-    def update_state_after_alloc(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
-        """Plan the load of the ``num_external_tokens`` promised for the request."""
+    def update_state_after_alloc(self, request: Any, block_ids: Sequence[Sequence[int]], num_external_tokens: int) -> None:
+        """Plan the load of the ``num_external_tokens`` promised for the request; ``block_ids``:
+        vLLM's block table of each KV group."""
         t = self._tracked.get(request.request_id)
         if t is None or num_external_tokens <= 0 or t.keys is None:
             return
         first = t.num_local_tokens // self.block_size
         stop = first + num_external_tokens // self.block_size
-        if stop > len(block_ids) or stop > len(t.keys):
+        if stop > min(len(ids) for ids in block_ids) or stop > len(t.keys):
             logger.warning("kvstore: request %s has %d blocks for a load up to block %d; not loading",
-                           request.request_id, len(block_ids), stop)
+                           request.request_id, min(len(ids) for ids in block_ids), stop)
             return
-        t.loading = frozenset(block_ids[first:stop])
-        self._loads.append(LoadSpec(request.request_id, t.keys[first:stop], list(block_ids[first:stop]), t.is_async))
+        keys: list[bytes] = []
+        ids: list[int] = []
+        groups: list[int] = []
+        for g, group in enumerate(self.groups):
+            wanted = load_blocks(group, self.block_size, first, stop)
+            keys += self.store.group_keys(t.keys[wanted.start : wanted.stop], g)
+            ids += block_ids[g][wanted.start : wanted.stop]
+            groups += [g] * len(wanted)
+        if self.null_block is not None and self.null_block in ids:  # vLLM's allocation, not as documented
+            logger.warning("kvstore: request %s: vLLM gave its null block for a load up to block %d; not loading",
+                           request.request_id, stop)
+            return
+        t.hit_blocks = stop
+        t.loading = frozenset(ids)
+        self._loads.append(LoadSpec(request.request_id, keys, ids, t.is_async, tuple(groups) if self.is_hybrid else ()))
 
-    def note_worker_output(self, invalid_block_ids: set[int], sync_load_steps: frozenset[int]) -> None:
-        """One step's output from every worker: the blocks they could not load (their requests
-        load nothing more; vLLM recomputes them), and the steps whose synchronous loads are
-        settled, every error of theirs included (their blocks are no longer in doubt)."""
-        for t in self._tracked.values():
-            if t.loading & invalid_block_ids:
+    def note_worker_output(self, invalid_block_ids: set[int], sync_load_steps: frozenset[int],
+                           failed_req_ids: set[str] | frozenset[str] = frozenset()) -> None:
+        """One step's output from every worker: the blocks they could not load and the requests
+        whose asynchronous load failed (those requests load nothing more; vLLM recomputes), and
+        the steps whose synchronous loads are settled, every error of theirs included (their
+        blocks are no longer in doubt)."""
+        for req_id, t in self._tracked.items():
+            if t.loading & invalid_block_ids or req_id in failed_req_ids:
                 t.load_failed = True
         if sync_load_steps & self._in_doubt.keys():
             for step in sync_load_steps:
@@ -201,7 +241,7 @@ class SchedulerSide:
         for new in scheduler_output.scheduled_new_reqs:
             t = self._tracked.get(new.req_id)
             if t is not None:
-                t.block_ids = list(new.block_ids[0])
+                t.block_ids = [list(ids) for ids in new.block_ids]
                 self._plan_save(meta, new.req_id, t, new.num_computed_tokens, scheduled.get(new.req_id, 0))
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -210,33 +250,57 @@ class SchedulerSide:
                 continue
             new_ids = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:
-                t.block_ids = list(new_ids[0]) if new_ids is not None else []
+                t.block_ids = [list(ids) for ids in new_ids] if new_ids is not None else []
             elif new_ids is not None:
-                t.block_ids += new_ids[0]
+                if not t.block_ids:
+                    t.block_ids = [[] for _ in new_ids]
+                for table, more in zip(t.block_ids, new_ids, strict=True):
+                    table += more
             self._plan_save(meta, req_id, t, cached.num_computed_tokens[i], scheduled.get(req_id, 0))
         return meta
 
     def _plan_save(self, meta: KVStoreMetadata, req_id: str, t: _Tracked, num_computed: int,
                    num_scheduled: int) -> None:
-        if not self.can_save or not t.is_cacheable or not t.saves:
+        if not self.can_save or not t.is_cacheable or not t.saves or not t.block_ids:
             return
+        b = self.block_size
         # vLLM recomputing blocks the lookup found (a load failed, or they were evicted since):
         # the store lost them, so the step that recomputes them saves them again.
-        t.num_held = min(t.num_held, num_computed // self.block_size)
-        full = min(num_computed + num_scheduled, len(t.request.all_token_ids)) // self.block_size
-        full = min(full, len(t.block_ids))
+        t.num_held = min(t.num_held, num_computed // b)
+        full = min(num_computed + num_scheduled, len(t.request.all_token_ids)) // b
+        full = min(full, *(len(ids) for ids in t.block_ids))
         if full <= t.num_held:
             return
-        if self._doubtful and not self._doubtful.isdisjoint(t.block_ids[:full]):
+        if self._doubtful and any(not self._doubtful.isdisjoint(ids[:full]) for ids in t.block_ids):
             return  # computed over a block an unconfirmed load fills: saved once it is confirmed
-        keys = self._extend_keys(t, full)
-        if keys is None:
+        chain = self._extend_keys(t, full)
+        if chain is None:
             return
-        meta.saves.append(SaveSpec(req_id, keys[t.num_held : full], t.block_ids[t.num_held : full]))
+        keys: list[bytes] = []
+        ids: list[int] = []
+        groups: list[int] = []
+        cool: list[tuple[bytes, ...]] = []
+        for g, group in enumerate(self.groups):
+            # a sliding group's blocks below the window vLLM has freed (its null block stands
+            # there, or another request's block may already): never read
+            start = max(t.num_held, live_start(group, b, num_computed))
+            wanted = [i for i in range(start, full) if group.window is None or t.block_ids[g][i] != self.null_block]
+            keys += self.store.group_keys([chain[i] for i in wanted], g)
+            ids += [t.block_ids[g][i] for i in wanted]
+            groups += [g] * len(wanted)
+            w = window_of(group, b)
+            if w is not None:
+                cold = cold_blocks(group, b, t.cooled.get(g, 0), full, t.hit_blocks)
+                t.cooled[g] = max(t.cooled.get(g, 0), full - w)
+                if cold:
+                    cool.append(tuple(self.store.group_keys([chain[i] for i in cold], g)))
+        if keys or cool:
+            meta.saves.append(SaveSpec(req_id, keys, ids, tuple(groups) if self.is_hybrid else (), tuple(cool)))
         t.num_held = full
 
     def request_finished(self, request: Any) -> None:
-        """Forget the request: every full block was saved by the step that completed it."""
+        """Forget the request: every full block was saved by the step that completed it (and a
+        sliding group's blocks below the last window cooled)."""
         self._tracked.pop(request.request_id, None)
 
 

@@ -14,6 +14,12 @@ block a load could not deliver (corrupt, vanished, store down) is reported by
 ``load_errors`` and vLLM recomputes it; ``report`` then tells the scheduler which steps'
 synchronous loads that output settles (it plans no save over their blocks until then, see
 scheduler.py).
+
+A hybrid model's loads and saves carry entries of several KV groups: a layer's copies touch
+only its own group's entries and block ids (vLLM's groups share memory, a block id belonging
+to one group at a time). Its loads are asynchronous, and one that falls short fails whole: the
+request is reported in ``failed_recving`` (``get_finished``) and vLLM recomputes it. A save puts
+each group's blocks under that group, then cools the blocks the scheduler named.
 """
 
 from __future__ import annotations
@@ -44,7 +50,7 @@ class _Load:
     spec: LoadSpec
     buffer: torch.Tensor  # a warm staging buffer, given back once the fetch and the scatters are done
     handle: FetchHandle
-    block_ids: torch.Tensor
+    runs: list[tuple[int, slice, torch.Tensor]]  # (group, entries, their vLLM block ids)
     delivered: int | None = None  # set once the fetch is waited for
     layers_done: set[str] = field(default_factory=set)
 
@@ -57,7 +63,8 @@ class _Load:
 class _Save:
     spec: SaveSpec
     buffer: torch.Tensor  # a warm staging buffer (PagedKV.take_staging), given back after the put
-    block_ids: torch.Tensor
+    runs: list[tuple[int, slice, torch.Tensor]]
+    layers_needed: frozenset[str]
     layers_done: set[str] = field(default_factory=set)
 
     @property
@@ -65,12 +72,23 @@ class _Save:
         return self.buffer[: len(self.spec.keys)]
 
 
-class WorkerSide:
-    """One per worker-side connector; vLLM calls it from one thread, transfers use others."""
+def _runs(spec: LoadSpec | SaveSpec) -> list[tuple[int, slice, torch.Tensor]]:
+    return [(g, entries, torch.tensor(spec.block_ids[entries], dtype=torch.long)) for g, entries in spec.runs()]
 
-    def __init__(self, store: GuardedStore, layer_names: Sequence[str], layer_bytes: int) -> None:
+
+class WorkerSide:
+    """One per worker-side connector; vLLM calls it from one thread, transfers use others.
+
+    ``group_layers``: per KV group, its attention layers in slot order (identity.py).
+    """
+
+    def __init__(self, store: GuardedStore, group_layers: Sequence[Sequence[str]], layer_bytes: int) -> None:
         self.store = store
-        self.layer_names = tuple(layer_names)
+        self.group_layers = tuple(tuple(names) for names in group_layers)
+        self.layer_names = tuple(name for names in self.group_layers for name in names)
+        self.group_of = {name: g for g, names in enumerate(self.group_layers) for name in names}
+        self.is_hybrid = store.layout.is_hybrid
+        self.sliding = frozenset(g for g, group in enumerate(store.layout.kv_groups) if group.window is not None)
         self.layer_bytes = layer_bytes
         self.paged: PagedKV | None = None
         self._loads: list[_Load] = []
@@ -78,12 +96,14 @@ class WorkerSide:
         self._lock = threading.Lock()
         self._fetched: list[_Load] = []  # async loads whose fetch is done, not yet copied in
         self._errors: set[int] = set()
+        self._failed: set[str] = set()  # a hybrid model's requests whose load fell short
         self._pending_async = 0
         self._saver = ThreadPoolExecutor(1, thread_name_prefix="kvstore-vllm-save")
         self._pending_saves: deque[Future[None]] = deque()
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self.paged = PagedKV(kv_caches, self.layer_names, self.store.layout, self.layer_bytes)
+        slots = {name: slot for names in self.group_layers for slot, name in enumerate(names)}
+        self.paged = PagedKV(kv_caches, self.layer_names, self.store.layout, self.layer_bytes, slots)
 
     # ------------------------------------------------------------------------ loads
 
@@ -91,9 +111,10 @@ class WorkerSide:
         if self.paged is None:
             return
         for spec in meta.loads:
+            # a hybrid model's failed load can only be reported as a failed asynchronous receive
+            assert spec.is_async or not self.is_hybrid, f"a synchronous load of a hybrid model ({spec.req_id})"
             buffer = self.paged.take_staging(len(spec.keys))
-            load = _Load(spec, buffer, self.store.fetch(spec.keys, buffer[: len(spec.keys)]),
-                         torch.tensor(spec.block_ids, dtype=torch.long))
+            load = _Load(spec, buffer, self.store.fetch(spec.keys, buffer[: len(spec.keys)]), _runs(spec))
             if spec.is_async:
                 with self._lock:
                     self._pending_async += 1
@@ -103,17 +124,41 @@ class WorkerSide:
                 self._loads.append(load)
 
     def _settle(self, load: _Load) -> int:
-        """Wait for the fetch; record the blocks it did not deliver as load errors."""
+        """Wait for the fetch; record what it did not deliver. The blocks usable: the ones
+        delivered, or none of a hybrid model's short load (the request fails as a whole, see
+        scheduler.py)."""
         if load.delivered is None:
-            load.delivered = load.handle.result().num_blocks
-            failed = load.spec.block_ids[load.delivered :]
-            COUNTERS.add(loaded_blocks=load.delivered, load_errors=len(failed))
-            if failed:
-                logger.warning("kvstore: request %s: %d of %d blocks could not be loaded; vLLM recomputes them",
-                               load.spec.req_id, len(failed), len(load.spec.block_ids))
+            total = len(load.spec.keys)
+            delivered = load.handle.result().num_blocks
+            if self.is_hybrid and delivered < total:
+                logger.warning("kvstore: request %s: %d of %d group blocks could not be loaded; vLLM recomputes "
+                               "the request", load.spec.req_id, total - delivered, total)
+                COUNTERS.add(load_errors=total)
                 with self._lock:
-                    self._errors.update(failed)
+                    self._failed.add(load.spec.req_id)
+                delivered = 0
+            else:
+                failed = load.spec.block_ids[delivered:]
+                if failed:
+                    logger.warning("kvstore: request %s: %d of %d blocks could not be loaded; vLLM recomputes them",
+                                   load.spec.req_id, len(failed), total)
+                    with self._lock:
+                        self._errors.update(failed)
+                window = sum(min(e.stop, delivered) - e.start for g, e, _ in load.runs
+                             if g in self.sliding and e.start < delivered)
+                COUNTERS.add(loaded_blocks=delivered, load_errors=len(failed), loaded_window_blocks=window,
+                             loaded_bytes=delivered * self.store.layout.bytes_per_block)
+            load.delivered = delivered
         return load.delivered
+
+    def _scatter(self, load: _Load, layer: str, n: int) -> None:
+        """Copy the first ``n`` entries' parts of ``layer`` (those of its group) into vLLM's blocks."""
+        assert self.paged is not None
+        g = self.group_of[layer]
+        for group, entries, block_ids in load.runs:
+            stop = min(entries.stop, n)
+            if group == g and stop > entries.start:
+                self.paged.scatter_layer(layer, block_ids[: stop - entries.start], load.staging[entries.start : stop])
 
     def _finish_async(self, load: _Load, _handle: FetchHandle | None = None) -> None:
         """The transfer thread's end of an async load: only hand it over (see the module)."""
@@ -127,11 +172,14 @@ class WorkerSide:
             n = self._settle(load)
             with torch.inference_mode():  # vLLM's caches are inference tensors
                 for layer in self.layer_names:
-                    self.paged.scatter_layer(layer, load.block_ids[:n], load.staging)
+                    self._scatter(load, layer, n)
         except Exception as exc:  # the fetch or the copy failed: every block of the load is recomputed
             logger.warning("kvstore: async load for %s failed: %s", load.spec.req_id, exc)
             with self._lock:
-                self._errors.update(load.spec.block_ids)
+                if self.is_hybrid:
+                    self._failed.add(load.spec.req_id)
+                else:
+                    self._errors.update(load.spec.block_ids)
         self._give_back(load.buffer)  # the fetch is done (it was handed over), and so are the copies
         with self._lock:
             self._pending_async -= 1
@@ -141,21 +189,33 @@ class WorkerSide:
             return
         for load in self._loads:
             if layer_name not in load.layers_done:
-                n = self._settle(load)
-                self.paged.scatter_layer(layer_name, load.block_ids[:n], load.staging)
+                self._scatter(load, layer_name, self._settle(load))
                 load.layers_done.add(layer_name)
 
     # ------------------------------------------------------------------------ saves
+
+    def _new_save(self, spec: SaveSpec) -> _Save:
+        assert self.paged is not None
+        buffer = self.paged.take_staging(len(spec.keys))
+        runs = _runs(spec)
+        slots = self.store.layout.num_layers
+        for g, entries, _ in runs:  # a padded group's last slots: zeros, not a reused buffer's bytes
+            if len(self.group_layers[g]) < slots:
+                buffer[entries.start : entries.stop, len(self.group_layers[g]) :].zero_()
+        needed = frozenset(name for g, _, _ in runs for name in self.group_layers[g])
+        return _Save(spec, buffer, runs, needed)
 
     def save_kv_layer(self, layer_name: str, meta: KVStoreMetadata) -> None:
         if self.paged is None or layer_name not in self.paged.layer_index or not meta.saves:
             return
         started = time.perf_counter_ns()
         if not self._saves:
-            self._saves = [_Save(s, self.paged.take_staging(len(s.keys)), torch.tensor(s.block_ids, dtype=torch.long))
-                           for s in meta.saves]
+            self._saves = [self._new_save(s) for s in meta.saves]
+        g = self.group_of[layer_name]
         for save in self._saves:
-            self.paged.gather_layer(layer_name, save.block_ids, save.staging)
+            for group, entries, block_ids in save.runs:
+                if group == g:
+                    self.paged.gather_layer(layer_name, block_ids, save.staging[entries])
             save.layers_done.add(layer_name)
         COUNTERS.add(save_ns=time.perf_counter_ns() - started)
 
@@ -170,7 +230,7 @@ class WorkerSide:
         started = time.perf_counter_ns()
         saves, self._saves = self._saves, []
         for save in saves:
-            if len(save.layers_done) < len(self.layer_names):
+            if not save.layers_needed <= save.layers_done:
                 COUNTERS.add(save_skipped=len(save.spec.keys))
                 self._give_back(save.buffer)
                 continue
@@ -182,9 +242,14 @@ class WorkerSide:
         COUNTERS.add(save_ns=time.perf_counter_ns() - started)
 
     def _put(self, save: _Save) -> None:
+        """Put each group's blocks, then cool what the scheduler named (on the saver thread)."""
         try:
-            ok = self.store.try_put(save.spec.keys, save.staging)
-            COUNTERS.add(**{"saved_blocks" if ok else "save_skipped": len(save.spec.keys)})
+            for g, entries, _ in save.runs:
+                keys = save.spec.keys[entries]
+                ok = self.store.try_put(keys, save.staging[entries], g if self.is_hybrid else None)
+                COUNTERS.add(**{"saved_blocks" if ok else "save_skipped": len(keys)})
+            for chain in save.spec.cool:
+                COUNTERS.add(cooled_blocks=self.store.cool(list(chain)))
         finally:
             self._give_back(save.buffer)  # the put has copied the blocks out (every store's put does)
             save_finished()
@@ -195,12 +260,18 @@ class WorkerSide:
 
     # ------------------------------------------------------------------------ reports
 
-    def get_finished(self) -> set[str]:
+    def get_finished(self) -> tuple[set[str], set[str]]:
+        """The requests whose asynchronous load is done (copied in, or failed), and of those the
+        ones that failed (a hybrid model's short loads: vLLM recomputes them whole)."""
         with self._lock:
             fetched, self._fetched = self._fetched, []
         for load in fetched:
             self._copy_in_async(load)
-        return {load.spec.req_id for load in fetched}
+        done = {load.spec.req_id for load in fetched}
+        with self._lock:
+            failed = self._failed & done
+            self._failed -= failed
+        return done, failed
 
     def load_errors(self) -> set[int]:
         """Blocks not delivered since the last call, every synchronous load of this step's included
