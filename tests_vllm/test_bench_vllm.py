@@ -178,7 +178,8 @@ def test_bench_serving_overflow_brings_users_back_to_all_three_servers(tmp_path:
     the TTFTs printed."""
     port = free_port()
     out = run_bench("serving", tmp_path, "--overflow", "--enforce-eager", "--users", "6", "--pool-users", "2",
-                    "--history-tokens", "400", "--output-tokens", "4", "--host-gib", "1", "--port", str(port))
+                    "--history-tokens", "400", "--output-tokens", "4", "--host-gib", "1", "--port", str(port),
+                    "--vllm-reserved-cpus", "0")
     rows = table(out)
     assert set(rows) == {"kvstore engine", "vLLM, no connector", "vLLM + kvstore's connector"}
     ours = number(rows["kvstore engine"][0], r"([0-9.]+) ms")
@@ -187,6 +188,7 @@ def test_bench_serving_overflow_brings_users_back_to_all_three_servers(tmp_path:
         assert target == want and met in ("yes", "NO")
         assert_quotient(ratio, number(theirs, r"([0-9.]+) ms"), ours)
     assert "6 users, each with a 400-token history" in out
+    assert "vLLM, VLLM_CPU_NUM_OF_RESERVED_CPU=0." in out  # its model given every core, as asked
 
 
 def test_bench_serving_refuses_a_history_too_long_for_the_client(tmp_path: Path) -> None:
@@ -195,3 +197,10 @@ def test_bench_serving_refuses_a_history_too_long_for_the_client(tmp_path: Path)
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "--history-tokens 1000 leaves no room" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_bench_serving_refuses_a_negative_reserved_core_count(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "kvstore.cli", "bench", "serving", "--random-model",
+                           "--vllm-reserved-cpus", "-1", "--dir", str(tmp_path)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.strip() == "kvstore bench serving: --vllm-reserved-cpus must be 0 or more"

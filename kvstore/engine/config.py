@@ -60,6 +60,11 @@ class EngineConfig:
         max_num_seqs: most sequences running at once.
         max_model_len: context limit; None: the model's max_position_embeddings.
         enable_prefix_caching: look up and share cached prefix blocks (False: compute everything).
+        hybrid_kv: a hybrid model's store keeps a block per KV group, and a hit moves a
+            sliding-window group's window only (kvstore/engine/groups.py). False: one block of
+            every layer, as for a model whose layers all attend fully (as vLLM's
+            ``--disable-hybrid-kv-cache-manager``); its hits move every layer of every block.
+            The output is the same; the namespace differs (the layout's fingerprint does).
         prepack_weights: on the CPU, reorder the weights once at load into oneDNN's blocked
             layout (float32, or bfloat16 on CPUs with native bf16; ignored elsewhere): decode
             steps run 1.4-1.7x faster products (docs/engine.md). A tied output projection then
@@ -93,6 +98,7 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
+    hybrid_kv: bool = True
     prepack_weights: bool = True
     cpu_decode_kernel: bool = True
     model_id: str | None = None

@@ -72,9 +72,12 @@ class LLMEngine:
         # hybrid model's blocks per KV group (kvstore/engine/groups.py): ``layout`` is the
         # store's (the device's too for a model whose layers all attend fully).
         self.pool_layout = KVLayout(mc.num_layers, mc.num_kv_heads, head_bytes, c.block_size, pool_dtype)
-        slots, kv_groups = group_layers([(FULL, None) if spec.kind == FULL_ATTENTION else (SLIDING, spec.window)
-                                         for spec in mc.layer_specs])
-        self.layout = KVLayout(slots, mc.num_kv_heads, head_bytes, c.block_size, pool_dtype, groups=kv_groups)
+        if c.hybrid_kv:
+            slots, kv_groups = group_layers([(FULL, None) if spec.kind == FULL_ATTENTION else (SLIDING, spec.window)
+                                             for spec in mc.layer_specs])
+            self.layout = KVLayout(slots, mc.num_kv_heads, head_bytes, c.block_size, pool_dtype, groups=kv_groups)
+        else:
+            self.layout = self.pool_layout
         self.groups = DeviceGroups(self.layout, mc.num_layers)
         num_blocks = c.kv_cache_bytes // self.pool_layout.bytes_per_block
         if num_blocks < 1:

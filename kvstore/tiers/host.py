@@ -102,7 +102,14 @@ class HostTier:
         return f"/proc/{os.getpid()}/fd/{self._shm_fd}"
 
     def close(self) -> None:
-        """Close the shared pool's file descriptor (the mapping lives until garbage collected)."""
+        """Give the pool's memory back now: drop the tier's views of it (the mapping, or the
+        pinned buffer, goes with the last view) and close the shared pool's file descriptor.
+        A store's objects refer to each other, so waiting for them to be garbage collected
+        would hold the whole capacity until the cyclic collector happens to run. Idempotent."""
+        self.pool = torch.empty((0, self.slot_bytes), dtype=torch.uint8)
+        self._payloads = PayloadViews(self.pool)
+        self.generations = None
+        self._mmap = None
         if self._shm_fd is not None:
             os.close(self._shm_fd)
             self._shm_fd = None

@@ -61,6 +61,16 @@ def test_a_hit_from_host_ram_moves_the_full_group_and_only_the_windows(expected:
         llm.check_integrity()
 
 
+def test_with_hybrid_kv_off_a_hit_moves_every_layer_of_every_block(expected: list[int]) -> None:
+    """The baseline `kvstore bench hybrid` measures against: one block of all six layers."""
+    with engine(host_bytes=4 << 20, hybrid_kv=False) as llm:
+        assert llm.layout == llm.pool_layout and not llm.layout.groups
+        first, again = run_twice(llm)
+        assert first.token_ids == again.token_ids == expected
+        assert again.metrics.cached_tokens["host"] == 56
+        assert llm.store.stats()["host"]["bytes_read"] == 14 * 3 * GROUP_BLOCK  # type: ignore[union-attr]
+
+
 @pytest.mark.parametrize("tier", ["disk", "daemon"])
 def test_a_hit_from_a_lower_tier_is_reconciled_too(tier: str, tmp_path: Path, expected: list[int]) -> None:
     if tier == "disk":

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from kvstore.tools.bench.extras import MissingExtra
 
 # One module per target, in the order ``kvstore bench --help`` lists them.
-TARGET_MODULES = ("tiers", "engine", "daemon", "remote", "vllm", "vs_vllm", "serving", "route", "codecs", "quality",
+TARGET_MODULES = ("tiers", "engine", "hybrid", "daemon", "remote", "vllm", "vs_vllm", "serving", "route", "codecs", "quality",
                   "pool", "events", "route_live", "tenants")
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,7 +24,7 @@ from kvstore.tools.bench import serving_overflow as overflow
 from kvstore.tools.bench.harness import machine, ratio_text, scratch_dir
 from kvstore.tools.bench.models import add_model_arguments
 from kvstore.tools.bench.output import add_output_arguments, publish
-from kvstore.tools.bench.serving_servers import SERVED, Server, run_client
+from kvstore.tools.bench.serving_servers import SERVED, Server, reserved_text, run_client
 from kvstore.tools.bench.vllm import loaded_from, prepare
 
 SERVERS = ("kvstore", "vllm")
@@ -105,7 +106,7 @@ def render(results: dict[tuple[str, str], list[dict[str, float]]], args: argpars
         f"{args.kv_cache_gib} GiB device pool, {args.host_gib} GiB host tier) and vLLM's "
         "`vllm.entrypoints.openai.api_server` "
         f"({args.kv_cache_gib} GiB of KV cache, its default prefix cache and torch.compile"
-        f"{', --enforce-eager' if args.enforce_eager else ''}), "
+        f"{', --enforce-eager' if args.enforce_eager else ''}{reserved_text(args)}), "
         "each driven over HTTP by vLLM's own client (`vllm.benchmarks.serve`, `/v1/completions`, one warm-up "
         f"request): its prefix_repetition dataset, prefixes of {args.prefix_tokens} tokens, "
         f"{args.suffix_tokens}-token suffixes, {args.output_tokens} output tokens, greedy, ignore_eos. "
@@ -144,6 +145,9 @@ def render(results: dict[tuple[str, str], list[dict[str, float]]], args: argpars
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.vllm_reserved_cpus is not None and args.vllm_reserved_cpus < 0:
+        print("kvstore bench serving: --vllm-reserved-cpus must be 0 or more", file=sys.stderr)
+        return 2
     if args.overflow and not overflow.check_arguments(args):
         return 2
     if not prepare(args, "kvstore bench serving"):
@@ -185,6 +189,10 @@ def register_target(targets: argparse._SubParsersAction) -> None:
     p.add_argument("--host-gib", type=positive(int), default=4,
                    help="host RAM of the engine's store and of the connector's daemon (default 4 GiB)")
     p.add_argument("--enforce-eager", action="store_true", help="vLLM without torch.compile (quick runs, tests)")
+    p.add_argument("--vllm-reserved-cpus", type=int, default=None, metavar="N",
+                   help="VLLM_CPU_NUM_OF_RESERVED_CPU for vLLM's server: cores it keeps off its model for its "
+                   "frontend (default: unset, vLLM as shipped, which on 2 cores runs its model on 1; 0 gives its model "
+                   "every core)")
     overflow.add_arguments(p)
     p.add_argument("--dir", help="where the scratch files go (default: current directory)")
     add_output_arguments(p)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from kvstore.services.common.argtypes import positive
 from kvstore.tools.bench.harness import ratio_text
-from kvstore.tools.bench.serving_servers import SERVED, Server, run_client
+from kvstore.tools.bench.serving_servers import SERVED, Server, reserved_text, run_client
 from kvstore.tools.bench.vllm import Daemon
 
 OVERFLOW_SERVERS = ("kvstore", "vllm", "vllm+kvstore")
@@ -122,7 +122,7 @@ def render_overflow(results: dict[str, dict[str, float]], args: argparse.Namespa
         "MiB), so by the time a user returns their history has left it. Lower tiers: the engine's host tier and, for "
         f"vLLM with kvstore's connector, a `kvstore serve` daemon's host tier ({args.host_gib} GiB each). vLLM's "
         "client sends the histories 4 at a time, then the returns one at a time (the TTFT below is theirs), vLLM's "
-        "`sharegpt` dataset loader in its file's order. One run of each server.",
+        f"`sharegpt` dataset loader in its file's order. One run of each server. vLLM{reserved_text(args)}.",
         "",
         "| server | mean TTFT, returning users | median TTFT | mean TPOT | kvstore's mean TTFT lower by | target | met |",
         "|---|---|---|---|---|---|---|",

@@ -45,6 +45,13 @@ def _wait_for_http(url: str, proc: subprocess.Popen[Any], log: Path) -> None:
     raise RuntimeError(f"vLLM's server did not answer {url} in {START_TIMEOUT_S:.0f} s:\n{_errors(log)}")
 
 
+def reserved_text(args: argparse.Namespace) -> str:
+    """How the table names vLLM's reserved cores: as shipped, or ``--vllm-reserved-cpus``."""
+    if args.vllm_reserved_cpus is None:
+        return ", as shipped (VLLM_CPU_NUM_OF_RESERVED_CPU unset: on 2 cores its model runs on 1)"
+    return f", VLLM_CPU_NUM_OF_RESERVED_CPU={args.vllm_reserved_cpus}"
+
+
 class Server:
     """One server process, up for a round of workloads: ``kvstore`` (``kvstore engine``),
     ``vllm`` (vLLM's OpenAI server) or ``vllm+kvstore`` (the same with kvstore's connector on the
@@ -69,6 +76,9 @@ class Server:
         cmd += ["--kv-cache-memory-bytes", kv_cache]
         env = dict(os.environ)
         env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the server runs its engine core as vLLM ships it
+        env.pop("VLLM_CPU_NUM_OF_RESERVED_CPU", None)
+        if args.vllm_reserved_cpus is not None:
+            env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(args.vllm_reserved_cpus)
         if max_model_len is not None:  # vLLM refuses a KV cache smaller than one sequence of the model's length
             cmd += ["--max-model-len", str(max_model_len)]
         if args.enforce_eager:
