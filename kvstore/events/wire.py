@@ -16,6 +16,9 @@ An event names its blocks' KV group as vLLM does (``EventGroup``): ``group_idx``
 ``kv_cache_spec_kind`` (``"full_attention"``, ``"sliding_window"``) and
 ``kv_cache_spec_sliding_window`` on ``BlockStored``, ``group_idx`` on ``BlockRemoved``; a
 layout without groups is group 0, full attention, as every event said before groups existed.
+
+The format is one module (about 420 lines) though longer than most: the event types, their map
+and array encodings and both decoders must change together whenever vLLM's structs do.
 """
 
 from __future__ import annotations

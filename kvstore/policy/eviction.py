@@ -3,7 +3,7 @@
 A policy holds keys only, never bytes or slots; the tier holds the bytes and ``TieredStore``
 decides what happens to a victim (demote or drop). The same objects drive ``kvstore replay``.
 
-The family stays in one module (about 370 lines): the interface, both policies (``lru``,
+The family stays in one module (about 410 lines): the interface, both policies (``lru``,
 ``reuse``), the deferred wrapper and the factory read together, so that what the interface
 promises (tails before heads, pinned blocks skipped) is checked against each policy in place.
 """

