@@ -189,13 +189,7 @@ class Scheduler:
             admitted = admit_groups(self.blocks, self.fetcher, seq, keys)
             if admitted is None:
                 return False
-            if isinstance(admitted, GroupFetch):
-                seq.loading, seq.status = admitted, SeqStatus.LOADING
-                self.loading.append(seq)
-            else:
-                self._whole_hit(seq)
-                seq.status = SeqStatus.RUNNING
-                self.running.append(seq)
+            self._start(seq, admitted if isinstance(admitted, GroupFetch) else None)
             return True
         hits = self.blocks.match(keys)
         rest = keys[len(hits):]
@@ -218,14 +212,20 @@ class Scheduler:
             ids = sorted(self.blocks.allocate(len(tiers)))  # fresh blocks: sorted, fewer runs to fetch into
             stages["demote"] += self.blocks.demote_s - demoted
             seq.block_table += ids
-            seq.loading = self.fetcher.start(rest[: len(tiers)], ids, tiers)
-            seq.status = SeqStatus.LOADING
+            self._start(seq, self.fetcher.start(rest[: len(tiers)], ids, tiers))
+        else:
+            self._start(seq, None)
+        return True
+
+    def _start(self, seq: Sequence, loading: Any) -> None:
+        """An admitted sequence: LOADING while ``loading`` (a fetch) is in flight, else RUNNING."""
+        if loading is not None:
+            seq.loading, seq.status = loading, SeqStatus.LOADING
             self.loading.append(seq)
         else:
             self._whole_hit(seq)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
-        return True
 
     @staticmethod
     def _whole_hit(seq: Sequence) -> None:

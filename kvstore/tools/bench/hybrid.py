@@ -23,8 +23,8 @@ import torch
 from kvstore.engine.checkpoint import AttentionSpec, CheckpointError, gemma3_model
 from kvstore.engine.checkpoint.types import FULL
 from kvstore.engine.llm import LLMEngine
-from kvstore.engine.sampling import SamplingParams
 from kvstore.services.common.argtypes import positive
+from kvstore.tools.bench.engine import spread, ttft
 from kvstore.tools.bench.harness import drop_page_cache, machine, ratio_text, scratch_dir
 from kvstore.tools.bench.models import BenchModel
 from kvstore.tools.bench.output import add_output_arguments, publish
@@ -51,10 +51,6 @@ class Arm:
     ttft: dict[str, list[float]] = field(default_factory=lambda: {t: [] for t in TIERS})
     bytes_read: dict[str, int] = field(default_factory=dict)
     cached: dict[str, int] = field(default_factory=dict)
-
-
-def greedy_first_token(llm: LLMEngine, prompt: list[int]) -> Any:
-    return llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))[0]
 
 
 def bytes_read(llm: LLMEngine, tier: str) -> int:
@@ -84,16 +80,16 @@ class Runs:
     @contextmanager
     def recompute(self) -> Iterator[LLMEngine]:
         with self.engine(enable_prefix_caching=False, host_bytes=0) as llm:
-            greedy_first_token(llm, prompt_of(self.model, 64))  # warm-up
+            ttft(llm, prompt_of(self.model, 64))  # warm-up
             yield llm
 
 
 def timed(llm: LLMEngine, prompt: list[int], tier: str, arm: Arm) -> None:
     before = bytes_read(llm, tier)
-    out = greedy_first_token(llm, prompt)
-    arm.ttft[tier].append(out.metrics.ttft_s or 0.0)
+    seconds, metrics = ttft(llm, prompt)
+    arm.ttft[tier].append(seconds)
     arm.bytes_read[tier] = bytes_read(llm, tier) - before
-    arm.cached[tier] = out.metrics.cached_tokens.get(tier, 0)
+    arm.cached[tier] = metrics.cached_tokens.get(tier, 0)
 
 
 def measure(runs: Runs, tokens: int, workdir: Path, cluster_url: str | None, baseline: LLMEngine,
@@ -101,20 +97,20 @@ def measure(runs: Runs, tokens: int, workdir: Path, cluster_url: str | None, bas
     """Both arms at one prompt length; the recompute baseline is timed between their hits, so a
     noisy spell of this shared machine slows both sides of a ratio."""
     prompt = prompt_of(runs.model, tokens)
-    greedy_first_token(baseline, prompt)  # warm-up at this length, untimed
+    ttft(baseline, prompt)  # warm-up at this length, untimed
     out: dict[str, Arm] = {}
     for name, hybrid in ARMS:
         arm = out[name] = Arm()
         disk = workdir / f"{name}-{tokens}"
         print(f"  {tokens} tokens, {name}: host ...", flush=True)
         with runs.engine(hybrid_kv=hybrid, host_bytes=1 << 30, disk_path=disk, disk_bytes=4 << 30) as llm:
-            greedy_first_token(llm, prompt)  # computed once; write-through puts it in host RAM and on disk
+            ttft(llm, prompt)  # computed once; write-through puts it in host RAM and on disk
             llm.evict_device_cache()
-            greedy_first_token(llm, prompt)  # a warm-up hit, untimed: the fetch path's first use
+            ttft(llm, prompt)  # a warm-up hit, untimed: the fetch path's first use
             for _ in range(runs.args.repeat):
                 llm.evict_device_cache()
                 timed(llm, prompt, "host", arm)
-                recompute.append(greedy_first_token(baseline, prompt).metrics.ttft_s or 0.0)
+                recompute.append(ttft(baseline, prompt)[0])
         print(f"  {tokens} tokens, {name}: disk ...", flush=True)
         for _ in range(runs.args.repeat):
             with runs.engine(hybrid_kv=hybrid, host_bytes=1 << 30, disk_path=disk, disk_bytes=4 << 30) as llm:
@@ -123,21 +119,21 @@ def measure(runs: Runs, tokens: int, workdir: Path, cluster_url: str | None, bas
         if cluster_url is not None:
             print(f"  {tokens} tokens, {name}: remote ...", flush=True)
             with runs.engine(hybrid_kv=hybrid, host_bytes=1 << 30, remote_url=cluster_url) as writer:
-                greedy_first_token(writer, prompt)
+                ttft(writer, prompt)
                 assert writer.store is not None
                 if not writer.store.flush(timeout=300):
                     raise RuntimeError("the remote tier did not take the prefix within 300 s")
             with runs.engine(hybrid_kv=hybrid, host_bytes=1 << 30, remote_url=cluster_url) as reader:
-                greedy_first_token(reader, prompt)  # untimed: this layout's first reader of the cluster
+                ttft(reader, prompt)  # untimed: this layout's first reader of the cluster
             for _ in range(runs.args.repeat):
                 with runs.engine(hybrid_kv=hybrid, host_bytes=1 << 30, remote_url=cluster_url) as reader:
                     timed(reader, prompt, "remote", arm)
-                recompute.append(greedy_first_token(baseline, prompt).metrics.ttft_s or 0.0)
+                recompute.append(ttft(baseline, prompt)[0])
     return out
 
 
-def spread(times: list[float]) -> str:
-    return f"{(max(times) - min(times)) / min(times) * 100:.0f}%" if times else "-"
+def spread_text(times: list[float]) -> str:
+    return f"{spread(times) * 100:.0f}%" if times else "-"
 
 
 def render(results: dict[int, tuple[dict[str, Arm], list[float]]], args: argparse.Namespace,
@@ -159,15 +155,15 @@ def render(results: dict[int, tuple[dict[str, Arm], list[float]]], args: argpars
                      f"| {'<= ' + str(BYTES_X) + 'x' if headline else '(for reference)'} "
                      f"| {('yes' if x <= BYTES_X else 'NO') if headline else '-'} |")
         base = min(recompute)
-        lines.append(f"| {tokens} | TTFT, recompute (no cache) | {base * 1e3:.0f} ms ({spread(recompute)}) | | | | |")
+        lines.append(f"| {tokens} | TTFT, recompute (no cache) | {base * 1e3:.0f} ms ({spread_text(recompute)}) | | | | |")
         for tier, want in zip(TIERS, (HOST_X, DISK_X, REMOTE_X), strict=True):
             if not g.ttft[tier]:
                 continue
             ours, theirs = min(g.ttft[tier]), min(f.ttft[tier])
             speedup = base / ours
             met = ('yes' if speedup >= want else 'NO') if headline else '-'
-            lines.append(f"| {tokens} | TTFT, prefix in {tier} | {ours * 1e3:.1f} ms ({spread(g.ttft[tier])}) "
-                         f"| {theirs * 1e3:.1f} ms ({spread(f.ttft[tier])}) "
+            lines.append(f"| {tokens} | TTFT, prefix in {tier} | {ours * 1e3:.1f} ms ({spread_text(g.ttft[tier])}) "
+                         f"| {theirs * 1e3:.1f} ms ({spread_text(f.ttft[tier])}) "
                          f"| groups {ratio_text(speedup, want)}x faster than recompute; all-full / groups "
                          f"{theirs / ours:.2f} "
                          f"| {'>= ' + str(want) + 'x' if headline else '(for reference)'} | {met} |")
