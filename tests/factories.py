@@ -72,6 +72,18 @@ def require(found: object, missing: str) -> None:
     pytest.skip(missing)
 
 
+def transformers_from_gguf(path: Path) -> Any:
+    """transformers' own loading of a GGUF file, float32 and in eval mode: the reference the
+    engine's GGUF models are held to (the test extra has transformers and accelerate)."""
+    import importlib.util
+
+    require(importlib.util.find_spec("transformers"), "transformers is not installed (pip extra 'test')")
+    require(importlib.util.find_spec("accelerate"), "accelerate is not installed (transformers needs it for GGUF)")
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+
+
 def run_in_threads(worker: Callable[[int], None], num_threads: int, timeout: float = 120.0) -> None:
     """Run ``worker(i)`` on ``num_threads`` threads at once; re-raise the first exception any
     of them raised (an assertion in a worker thread fails the test, not just that thread)."""

@@ -37,7 +37,7 @@ from kvstore.engine.checkpoint import (
 )
 from kvstore.engine.checkpoint.bundled import GEMMA3_PACKAGE
 
-from factories import require
+from factories import require, transformers_from_gguf
 
 ROOT = Path(__file__).resolve().parents[2]
 LONG_TOKENS, CACHED = 1200, 1024
@@ -77,12 +77,7 @@ def engine(converted: ConvertedGGUF, gguf_path: Path) -> Iterator[LLMEngine]:
 @pytest.fixture(scope="module")
 def reference(gguf_path: Path) -> Any:
     """transformers' own GGUF loading of the same file, float32 (~40 s: its tokenizer's merges)."""
-    require(importlib.util.find_spec("transformers"), "transformers is not installed (pip extra 'test')")
-    require(importlib.util.find_spec("accelerate"), "accelerate is not installed (transformers needs it for GGUF)")
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name,
-                                                dtype=torch.float32).eval()
+    return transformers_from_gguf(gguf_path)
 
 
 @pytest.fixture(scope="module")

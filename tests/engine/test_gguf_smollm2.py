@@ -30,7 +30,7 @@ from kvstore.engine.checkpoint import (
 )
 from tests.daemon.daemon_helpers import DaemonProc
 
-from factories import require
+from factories import require, transformers_from_gguf
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 # transformers 5.25's apply_chat_template(QUESTION, add_generation_prompt=True) on this GGUF (the
@@ -77,12 +77,7 @@ def engine(converted: ConvertedGGUF, gguf_path: Path) -> Iterator[LLMEngine]:
 @pytest.fixture(scope="module")
 def reference(gguf_path: Path) -> Any:
     """transformers' own GGUF loading of the same file, float32 (the slow part: ~20 s)."""
-    require(importlib.util.find_spec("transformers"), "transformers is not installed (pip extra 'test')")
-    require(importlib.util.find_spec("accelerate"), "accelerate is not installed (transformers needs it for GGUF)")
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name,
-                                                dtype=torch.float32).eval()
+    return transformers_from_gguf(gguf_path)
 
 
 @pytest.fixture(scope="module")
