@@ -13,7 +13,7 @@ sliding window only the blocks covering the last W - 1 tokens (``KVGroup.window_
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -219,39 +219,6 @@ def raw_rows(blocks: torch.Tensor) -> torch.Tensor:
     """Contiguous blocks ``[n, ...]`` of any dtype viewed as ``[n, bytes per block]`` uint8 rows
     (no copy; uint8 rows come back as they are)."""
     return blocks if blocks.dtype == torch.uint8 and blocks.dim() == 2 else blocks.view(torch.uint8).flatten(1)
-
-
-def reconcile(groups: Sequence[KVGroup], block_size: int, n_max: int, present: Callable[[int, int], bool]) -> int:
-    """The longest boundary ``n <= n_max`` at which every KV group has what a prefix hit there
-    needs (never a false hit): a full group its blocks 0 .. n - 1, a sliding group only its
-    ``window_blocks`` blocks ending at n. ``present(g, i)`` says whether group g's block i can be
-    had; 0 when no boundary is served. The one rule the engine, vLLM's connector and
-    ``kvstore replay`` apply (the events' ``reconciled_hits`` is the same rule over arrays).
-
-    A sliding group's lowest missing block j in the window of n rules out every boundary in
-    (j, n] (j lies in each of their windows), so the search jumps to j: one pass per gap.
-    """
-    windows = [g.window_blocks(block_size) for g in groups]
-    n = n_max
-    for g, w in enumerate(windows):
-        if w is None:
-            run = 0
-            while run < n and present(g, run):
-                run += 1
-            n = run
-    while n > 0:
-        lowest_missing = n
-        for g, w in enumerate(windows):
-            if w is None:
-                continue
-            for i in range(max(0, n - w), n):
-                if not present(g, i):
-                    lowest_missing = min(lowest_missing, i)
-                    break
-        if lowest_missing == n:
-            return n
-        n = lowest_missing
-    return 0
 
 
 def group_layers(kinds: Sequence[tuple[str, int | None]]) -> tuple[int, tuple[KVGroup, ...]]:

@@ -7,21 +7,9 @@ from typing import Any
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
-from kvstore.engine.groups import DeviceGroups
 from kvstore.errors import ConfigError, LayoutMismatchError
-from kvstore.layout import (
-    DTYPE_NAMES,
-    DTYPES_BY_NAME,
-    FULL,
-    SLIDING,
-    KVGroup,
-    KVLayout,
-    group_layers,
-    reconcile,
-)
+from kvstore.layout import DTYPE_NAMES, DTYPES_BY_NAME, KVGroup, KVLayout, group_layers
 from kvstore.protocol import layout_from_dict, layout_to_dict
 
 
@@ -265,31 +253,3 @@ def test_grouped_layouts_cross_the_wire_and_old_maps_still_load() -> None:
         layout_from_dict({**layout_to_dict(plain), "groups": [["full", 3, None]]})
     with pytest.raises(ConfigError, match="keys"):
         layout_from_dict({**layout_to_dict(plain), "grups": []})
-
-
-@settings(max_examples=300, deadline=None)
-@given(st.data())
-def test_the_reconciled_hit_is_the_longest_boundary_every_group_serves(data: st.DataObject) -> None:
-    """``reconcile`` (the engine's, the connector's and the replay's rule) against its
-    definition, boundary by boundary: a full group needs blocks 0 .. n - 1, a sliding group the
-    ``window_blocks`` blocks ending at n."""
-    block_size = data.draw(st.sampled_from([1, 4, 16]))
-    windows = data.draw(st.lists(st.sampled_from([None, 2, 5, 16, 33]), min_size=1, max_size=4))
-    groups = tuple(KVGroup(FULL, (g,)) if w is None else KVGroup(SLIDING, (g,), w) for g, w in enumerate(windows))
-    num_blocks = data.draw(st.integers(0, 12))
-    held = data.draw(st.sets(st.tuples(st.integers(0, len(groups) - 1), st.integers(0, max(0, num_blocks - 1)))))
-
-    def present(g: int, i: int) -> bool:
-        return (g, i) in held
-
-    def served(n: int) -> bool:
-        for g, group in enumerate(groups):
-            w = group.window_blocks(block_size)
-            if not all(present(g, i) for i in range(0 if w is None else max(0, n - w), n)):
-                return False
-        return True
-
-    expected = max(n for n in range(num_blocks + 1) if served(n))
-    assert reconcile(groups, block_size, num_blocks, present) == expected
-    engine = DeviceGroups(KVLayout(1, 1, 8, block_size=block_size, groups=groups), num_layers=len(groups))
-    assert engine.reconcile(num_blocks, present) == expected

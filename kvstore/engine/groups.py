@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from kvstore.layout import FULL, KVGroup, KVLayout, reconcile
+from kvstore.layout import FULL, KVGroup, KVLayout
 
 
 class DeviceGroups:
@@ -58,8 +58,26 @@ class DeviceGroups:
     def reconcile(self, n_max: int, present: Callable[[int, int], bool]) -> int:
         """The longest boundary ``n <= n_max`` at which every group has what a hit needs:
         ``present(g, i)`` says whether group g's block i can be had (on the device or in the
-        store). 0 when no block can be used (``kvstore.layout.reconcile``)."""
-        return reconcile(self.groups, self.layout.block_size, n_max, present)
+        store). 0 when no block can be used."""
+        n = n_max
+        for g in self.full_groups:
+            run = 0
+            while run < n and present(g, run):
+                run += 1
+            n = run
+        while n > 0:
+            missing = -1  # the last block some sliding window before n lacks
+            for g in self.sliding_groups:
+                w = self.windows[g]
+                assert w is not None
+                for i in range(n - 1, max(0, n - w) - 1, -1):
+                    if not present(g, i):
+                        missing = max(missing, i)
+                        break
+            if missing < 0:
+                return n
+            n = missing  # a window ending at or before the missing block
+        return 0
 
     def window_start(self, g: int, n: int) -> int:
         """The first block of group ``g`` a hit at boundary ``n`` needs (0 for full attention)."""

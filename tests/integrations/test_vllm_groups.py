@@ -18,10 +18,10 @@ import torch
 
 from kvstore.errors import ConfigError
 from kvstore.integrations.vllm.backend import GuardedStore
-from kvstore.integrations.vllm.groups import GroupLookup, cold_blocks, live_start, load_blocks
+from kvstore.integrations.vllm.groups import GroupLookup, cold_blocks, live_start, load_blocks, reconcile
 from kvstore.integrations.vllm.identity import model_identity
 from kvstore.integrations.vllm.settings import ConnectorSettings
-from kvstore.layout import FULL, SLIDING, KVGroup, KVLayout, reconcile
+from kvstore.layout import FULL, SLIDING, KVGroup, KVLayout
 
 
 @dataclass(frozen=True)

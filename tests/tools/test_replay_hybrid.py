@@ -13,12 +13,16 @@ import random
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from kvstore.layout import FULL, SLIDING, KVGroup
+from kvstore.engine.groups import DeviceGroups
+from kvstore.layout import FULL, SLIDING, KVGroup, KVLayout
 from kvstore.tools import replay as rp
 from kvstore.tools.replay.hybrid import (
     GroupLayout,
     GroupReplayResult,
+    hit_boundary,
     parse_layout,
     replay_groups,
 )
@@ -88,6 +92,22 @@ def test_wider_windows_need_every_block_of_the_window(tmp_path: Path) -> None:
     assert hits_per_request(tmp_path, [A, FILLER, [1, 2, 3]], layout=layout)[0] == [0, 0, 0]
 
 
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_the_hit_is_the_engines_reconciled_boundary(data: st.DataObject) -> None:
+    block_size = data.draw(st.sampled_from([1, 4, 16]))
+    windows = data.draw(st.lists(st.sampled_from([None, 2, 5, 16, 33]), min_size=1, max_size=4))
+    groups = tuple(KVGroup(FULL, (g,)) if w is None else KVGroup(SLIDING, (g,), w) for g, w in enumerate(windows))
+    engine = DeviceGroups(KVLayout(1, 1, 8, block_size=block_size, groups=groups), num_layers=len(groups))
+    num_blocks = data.draw(st.integers(0, 12))
+    held = data.draw(st.sets(st.tuples(st.integers(0, len(groups) - 1), st.integers(0, max(0, num_blocks - 1)))))
+
+    def present(g: int, i: int) -> bool:
+        return (g, i) in held
+
+    full = [g for g, w in enumerate(engine.windows) if w is None]
+    sliding = [(g, w) for g, w in enumerate(engine.windows) if w is not None]
+    assert hit_boundary(num_blocks, full, sliding, present) == engine.reconcile(num_blocks, present)
 
 
 # ----------------------------------------------------------------------------- cooling

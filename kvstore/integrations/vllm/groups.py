@@ -14,17 +14,17 @@ boundary n (blocks 0 .. n-1 cached, the next token at n x block_size) needs, per
 
 vLLM's own prefix-cache hit (``first`` blocks, reconciled by vLLM) covers every group's needs
 up to it; the connector loads, per group, the blocks beyond it that the group needs
-(``load_blocks``). The hit is the longest boundary every group can serve (kvstore.layout's
-``reconcile``): a group that lacks a block it needs shrinks it, so a hit is never reported that
-some group cannot deliver.
+(``load_blocks``). The hit is the longest boundary every group can serve (``reconcile``): a
+group that lacks a block it needs shrinks it, so a hit is never reported that some group
+cannot deliver.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from kvstore.api import BlockStore
-from kvstore.layout import KVGroup, reconcile
+from kvstore.layout import FULL, KVGroup
 
 TIER_ORDER = ("host", "disk", "remote")  # fastest first; an unknown tier counts as the slowest
 
@@ -32,6 +32,36 @@ TIER_ORDER = ("host", "disk", "remote")  # fastest first; an unknown tier counts
 def window_of(group: KVGroup, block_size: int) -> int | None:
     """Blocks a hit needs of ``group``, ending at the boundary; None: every block (full attention)."""
     return group.window_blocks(block_size)
+
+
+def reconcile(groups: Sequence[KVGroup], block_size: int, n_max: int, present: Callable[[int, int], bool]) -> int:
+    """The longest boundary ``n <= n_max`` at which every group has the blocks a hit needs;
+    ``present(g, i)`` says whether group g's block i can be had. 0 when none can.
+
+    A sliding group's first missing block j in the window of n rules out every boundary in
+    (j, n] (j lies in each of their windows), so the search jumps to j: one pass per gap.
+    """
+    n = n_max
+    for g, group in enumerate(groups):
+        if group.kind == FULL:
+            run = 0
+            while run < n and present(g, run):
+                run += 1
+            n = run
+    while n > 0:
+        lowest_missing = n
+        for g, group in enumerate(groups):
+            w = window_of(group, block_size)
+            if w is None:
+                continue
+            for i in range(max(0, n - w), n):
+                if not present(g, i):
+                    lowest_missing = min(lowest_missing, i)
+                    break
+        if lowest_missing == n:
+            return n
+        n = lowest_missing
+    return 0
 
 
 def load_blocks(group: KVGroup, block_size: int, first: int, n: int) -> range:

@@ -8,8 +8,7 @@ the top tier's capacity, as ``sim`` cuts), as the engine does (kvstore/engine/gr
 
 1. Hit: the longest boundary n at which every group has what a hit needs in some tier: a
    full group its blocks 0 .. n - 1, a sliding group of w window blocks (``KVGroup.
-   window_blocks`` at the trace's block size) its blocks n - w .. n - 1 (kvstore.layout's
-   ``reconcile``).
+   window_blocks`` at the trace's block size) its blocks n - w .. n - 1 (``hit_boundary``).
    Each hit block is credited to the lowest tier one of its needed group blocks came from.
 2. Fetch: the needed group blocks below the top tier are read up (an ``access`` there).
    A sliding block below the hit's window is never read: the hit does not use it.
@@ -38,7 +37,7 @@ from dataclasses import dataclass, field
 
 from kvstore.config import COLD_BLOCKS
 from kvstore.errors import ConfigError
-from kvstore.layout import FULL, SLIDING, KVGroup, group_layers, reconcile
+from kvstore.layout import FULL, SLIDING, KVGroup, group_layers
 from kvstore.policy.eviction import EvictionPolicy, Key, make_policy
 from kvstore.tools.replay.sim import TierSpec
 from kvstore.tools.replay.trace import ReplayError, Trace
@@ -136,6 +135,31 @@ class GroupReplayResult:
         return {t.name: t.capacity_blocks * self.group_blocks_per_block for t in self.tiers}
 
 
+def hit_boundary(num_blocks: int, full: Sequence[int], sliding: Sequence[tuple[int, int]],
+                 present: Callable[[int, int], bool]) -> int:
+    """The longest boundary n <= ``num_blocks`` at which every group has what a hit needs
+    (``present(g, i)``: group g's block i is in some tier): the full groups' leading runs bound
+    it, then it shrinks to below any missing block of a sliding window ``(g, w)`` ending at it.
+    The engine's rule (kvstore/engine/groups.py, ``DeviceGroups.reconcile``)."""
+    n = num_blocks
+    for g in full:
+        run = 0
+        while run < n and present(g, run):
+            run += 1
+        n = run
+    while n > 0:
+        missing = -1  # the last block some window ending at n lacks
+        for g, w in sliding:
+            for i in range(n - 1, max(0, n - w) - 1, -1):
+                if not present(g, i):
+                    missing = max(missing, i)
+                    break
+        if missing < 0:
+            return n
+        n = missing
+    return 0
+
+
 def _outside(in_use: frozenset[int]) -> Callable[[Key], bool]:
     def can_evict(key: Key) -> bool:  # a request's own blocks are in use: never victims
         return key not in in_use
@@ -160,6 +184,7 @@ def replay_groups(trace: Trace, tiers: Sequence[TierSpec], policy: str, layout: 
     started = time.perf_counter()
     num_groups, demote_cold = len(layout.groups), cold_blocks == "demote"
     windows = layout.windows(block_tokens)
+    full = [g for g, w in enumerate(windows) if w is None]
     sliding = [(g, w) for g, w in enumerate(windows) if w is not None]
     # Group key of block id b, group g: b * G + g (ints hash fast); the parent is block b's parent's.
     ids: dict[bytes, int] = {}
@@ -220,8 +245,7 @@ def replay_groups(trace: Trace, tiers: Sequence[TierSpec], policy: str, layout: 
         num_keys = len(keys)
         length = lengths[request] if lengths else None
         ended_at = num_keys if length is None else min(num_keys, length // block_tokens)  # m
-        n = reconcile(layout.groups, block_tokens, num_keys,
-                      lambda g, i: keys[i] * num_groups + g in where)  # noqa: B023
+        n = hit_boundary(num_keys, full, sliding, lambda g, i: keys[i] * num_groups + g in where)  # noqa: B023
         hits += n
         #                       0        n-w      n                  L
         # full group g:         [ used by the hit  )[ computed, put   )
