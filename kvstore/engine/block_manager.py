@@ -11,6 +11,13 @@ A block is in exactly one of three states:
   free      ref_count == 0, no key: in the DevicePool's free list
 Sequences release their blocks tail first, so a prefix's tail is evicted before its head.
 
+A full block that the step being built computes is findable too, before it is sealed
+(``scheduled``, cleared when the step is done): a sequence admitted in the same step shares
+it instead of computing the same prefix again, as vLLM's scheduler caches a block when it
+schedules it. That is safe because every layer writes the step's new K/V into the pool before
+any row of the step attends (kvstore/engine/attention.py, kernels.store_kv), and a block a
+step computes is held by its sequence until the step is over. A step that fails seals nothing.
+
 A hybrid model (kvstore/engine/groups.py) keeps every layer of a token block in one device
 block as well, but the store keeps a block per KV group: a device block goes to the store as
 one put per group (its group keys, its group's layers), and ``Block.valid`` says which groups'
@@ -64,6 +71,9 @@ class BlockManager:
         self.events = events  # the device tier's KV events (never block), or None
         self.blocks = [Block(i) for i in range(pool.num_blocks)]
         self.cached: dict[bytes, int] = {}
+        # full blocks the step being built computes, findable before they are sealed (cleared
+        # by ``end_step``): key -> block
+        self.scheduled: dict[bytes, int] = {}
         self.evictable: OrderedDict[int, None] = OrderedDict()
         self.num_demoted = 0
         self.num_dropped = 0
@@ -87,18 +97,33 @@ class BlockManager:
         return self.pool.num_free + len(self.evictable)
 
     def match(self, keys: Sequence[bytes]) -> list[int]:
-        """Pure query: block ids of the leading run of ``keys`` cached on the device."""
+        """Pure query: block ids of the leading run of ``keys`` cached on the device (or
+        computed by the step being built)."""
         ids: list[int] = []
         for key in keys:
-            block_id = self.cached.get(key)
+            block_id = self.cached.get(key, self.scheduled.get(key))
             if block_id is None:
                 break
             ids.append(block_id)
         return ids
 
     def cached_ids(self, keys: Sequence[bytes]) -> list[int | None]:
-        """Pure query: per key, its cached device block (None where there is none)."""
-        return [self.cached.get(key) for key in keys]
+        """Pure query: per key, its cached device block, or the block the step being built
+        computes under it (None where there is neither)."""
+        return [self.cached.get(key, self.scheduled.get(key)) for key in keys]
+
+    def schedule(self, keys: Sequence[bytes], block_ids: Sequence[int]) -> None:
+        """The step being built computes these full blocks (held by their sequence): findable
+        by ``match`` until ``end_step``, holding every group's KV."""
+        for key, b in zip(keys, block_ids, strict=True):
+            block = self.blocks[b]
+            if block.key is None and key not in self.cached:
+                self.scheduled.setdefault(key, b)
+                block.valid = self.all_groups
+
+    def end_step(self) -> None:
+        """The step is over (computed and sealed, or failed): its blocks are findable only if sealed."""
+        self.scheduled.clear()
 
     def num_reusable(self, block_ids: Sequence[int]) -> int:
         """How many of ``block_ids`` are cached but unreferenced (acquiring them uses availability)."""

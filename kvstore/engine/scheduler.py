@@ -6,9 +6,11 @@ A step's batch is built in this order, each part from what the budget leaves:
      block for one, the newest running sequence is preempted (recompute).
   2. prefill: running sequences with uncomputed tokens get a chunk each.
   3. admission: waiting sequences, first come first served. A sequence's full prompt blocks
-     (never the last token's) are hashed and looked up: device hits are shared; host and disk
-     hits the fetch policy accepts get fresh device blocks and an asynchronous fetch (LOADING),
-     during which the other sequences keep stepping; the rest is prefilled.
+     (never the last token's) are hashed and looked up: device hits are shared, and so are
+     the blocks this step's chunks compute (prompts arriving together over a new prefix
+     compute it once); host and disk hits the fetch policy accepts get fresh device blocks and
+     an asynchronous fetch (LOADING), during which the other sequences keep stepping; the
+     rest is prefilled.
 
 Preemption frees the victim's blocks: its full blocks keep their keys and stay in the device
 prefix cache, and if evicted later they are demoted to the host tier. Readmission looks the
@@ -74,6 +76,7 @@ class Scheduler:
     # ----------------------------------------------------------------------------- one step
 
     def schedule(self) -> list[Scheduled]:
+        self.blocks.end_step()  # a step that failed left its blocks unsealed
         self._poll_loading()
         budget = self.max_num_batched_tokens
         batch: list[Scheduled] = []
@@ -128,7 +131,18 @@ class Scheduler:
             seq.block_table += self.blocks.allocate(need)
             seq.request.metrics.stages["demote"] += self.blocks.demote_s - demoted
         batch.append(Scheduled(seq, start, n))
+        self._announce(seq, start, n)
         return n
+
+    def _announce(self, seq: Sequence, start: int, n: int) -> None:
+        """The full blocks a chunk completes, findable by the sequences admitted after it in the
+        same step (``BlockManager.schedule``): concurrent prompts over one new prefix compute it
+        once, not once each."""
+        first, end = start // self.block_size, (start + n) // self.block_size
+        if self.block_keys is None or end <= first or not seq.request.params.writes_prefix_cache:
+            return
+        keys = self.ensure_keys(seq, end)
+        self.blocks.schedule(keys[first:end], seq.block_table[first:end])
 
     def _needs_block(self, seq: Sequence) -> bool:
         pos = seq.num_cached_tokens

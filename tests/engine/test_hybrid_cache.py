@@ -129,6 +129,21 @@ def test_a_device_block_filled_from_the_store_serves_a_longer_prompt(expected: l
         llm.check_integrity()
 
 
+def test_prompts_arriving_together_share_the_blocks_their_first_computes() -> None:
+    """Three prompts over the same 56 tokens, queued before the first step: the first computes
+    the prefix, the others take its blocks (every group's layers) in the same step, and each
+    text is the uncached one's."""
+    prompts = [[*PROMPT[:56], 70 + i, 80 + i] for i in range(3)]
+    with engine(host_bytes=0, enable_prefix_caching=False) as reference:
+        want = [o.token_ids for o in reference.generate(prompts, GREEDY)]
+    with engine(host_bytes=0) as llm:
+        outs = llm.generate(prompts, GREEDY)
+        assert [o.token_ids for o in outs] == want
+        assert [o.metrics.cached_tokens["device"] for o in outs] == [0, 56, 56]
+        assert sum(o.metrics.num_computed_tokens for o in outs) == 56 + 3 * 2
+        llm.check_integrity()
+
+
 def test_the_blocks_below_the_window_of_a_finished_request_are_cooled(tmp_path: Path) -> None:
     """With cold_blocks="drop" a sliding group's blocks below the last window never reach the
     disk: host RAM (64 slots: the first request's 48 group blocks fit until it ends) drops

@@ -250,6 +250,66 @@ def test_preemption_keeps_output(llama_dir: Path, expected: list[list[int]]) -> 
         llm.close()
 
 
+SHARED = list(range(100, 124))  # 6 full blocks
+TOGETHER = [[*SHARED, 7 + i, 30 + i, 60 + i] for i in range(4)]
+
+
+@pytest.mark.parametrize("budget", [2048, 30])
+def test_prompts_arriving_together_compute_their_shared_prefix_once(llama_dir: Path, budget: int) -> None:
+    # Four prompts over one new prefix, queued before the first step. The first's chunk
+    # computes the prefix; the others, admitted after it in the same step (budget 2048) or a
+    # later one (budget 30: the prefix spans two steps), share its blocks instead of computing
+    # them again, reading the rows it writes in the same layer pass. The text is the no-cache text.
+    reference = make_engine(llama_dir, enable_prefix_caching=False, host_bytes=0)
+    llm = make_engine(llama_dir, max_num_batched_tokens=budget, host_bytes=0)
+    try:
+        expected = [o.token_ids for o in reference.generate(TOGETHER, GREEDY)]
+        outs = llm.generate(TOGETHER, GREEDY)
+        assert [o.token_ids for o in outs] == expected
+        computed = sum(o.metrics.num_computed_tokens for o in outs)
+        hits = [o.metrics.cached_tokens["device"] for o in outs]
+        assert hits[0] == 0 and computed + sum(hits) == sum(len(p) for p in TOGETHER)
+        if budget == 2048:  # the whole prefix in the first step: computed once
+            assert hits[1:] == [len(SHARED)] * 3 and computed == len(SHARED) + 3 * 4
+        else:  # the second prompt's first chunk shares what the first's computes, then its own
+            assert all(h > 0 for h in hits[1:]) and computed < sum(len(p) for p in TOGETHER) - 3 * 16
+        llm.check_integrity()
+    finally:
+        llm.close()
+        reference.close()
+
+
+def test_a_step_that_fails_leaves_no_block_findable(llama_dir: Path) -> None:
+    # While the failed step was built, the first prompt's prefix blocks were findable (the
+    # others shared them); they hold no KV, so none may be sealed or stay findable, and the
+    # prompt computes its prefix again afterwards.
+    llm = make_engine(llama_dir, host_bytes=0)
+    try:
+        run = llm.runner.run
+
+        def fail(items: Any) -> Any:
+            raise RuntimeError("an injected fault in the forward")
+
+        llm.runner.run = fail  # type: ignore[method-assign]
+        ids = [llm.add_request(p, GREEDY) for p in TOGETHER]
+        with pytest.raises(RuntimeError, match="injected"):
+            llm.step()
+        llm.runner.run = run  # type: ignore[method-assign]
+        keys = llm._requests[ids[0]].seqs[0].block_keys[:6]
+        assert len(keys) == 6 and llm.block_manager.cached == {}
+        tables = [llm._requests[i].seqs[0].block_table[:6] for i in ids]
+        assert tables[1] == tables[0]  # shared while the step was built
+        for request_id in ids:
+            llm.abort(request_id)
+        llm.step()  # nothing to run; the next schedule forgets the failed step's blocks
+        assert llm.block_manager.match(keys) == []
+        again = llm.generate(TOGETHER[:1], GREEDY)[0]
+        assert again.metrics.cached_tokens["device"] == 0
+        llm.check_integrity()
+    finally:
+        llm.close()
+
+
 def test_preempted_samples_count_each_prompt_token_once(llama_dir: Path) -> None:
     # 8 samples of a 40-token prompt growing by 20 in a 16-block pool (no host tier) preempt
     # each other; a readmission finds the request's own blocks again (no cache hits) or
