@@ -66,3 +66,22 @@ def test_which_layers_slide_is_transformers_rule() -> None:
     mistral = ModelConfig.from_hf(MistralConfig(**small, num_hidden_layers=3, sliding_window=24).to_dict())
     assert [s.window for s in mistral.layer_specs] == [24, 24, 24]
     assert ModelConfig.from_hf(MistralConfig(**small, num_hidden_layers=3, sliding_window=None).to_dict()).attention == ()
+
+
+@pytest.mark.parametrize(("window", "n"), [(1, 2), (1, 65), (5, 63), (5, 200), (64, 65), (64, 333), (100, 200),
+                                           (300, 333), (13, 129)])
+def test_a_long_chunk_attends_its_band_in_tiles_as_in_one_call(window: int, n: int) -> None:
+    # A chunk longer than its window (no context) attends through banded
+    # (kvstore/engine/attention.py), which slices the plan's band mask per tile of query rows:
+    # the result is the one masked call's, wherever the tiles and the window fall.
+    from kvstore.engine.attention import banded
+
+    table = list(range(-(-n // BS)))
+    plan = ReadPlan([], [], [], [(table, n, n)], BS, BS, CPU, window=window)
+    ((rows, mask, _),) = plan.prefill
+    assert rows is None and mask is not None
+    gen = torch.Generator().manual_seed(n * 1000 + window)
+    q = torch.randn(1, 4, n, 16, generator=gen)
+    k, v = torch.randn(1, 2, n, 16, generator=gen), torch.randn(1, 2, n, 16, generator=gen)
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.25, enable_gqa=True)
+    torch.testing.assert_close(banded(q, k, v, mask, window, 0.25, True), want, rtol=1e-5, atol=1e-6)
