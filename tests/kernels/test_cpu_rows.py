@@ -44,7 +44,9 @@ def index(groups: list[tuple[list[int], list[int]]], own: list[list[int]]) -> tu
 
 
 @pytest.mark.usefixtures("built")
-@pytest.mark.parametrize("kv_heads,group,dim", [(2, 2, 64), (3, 3, 64), (1, 4, 16), (4, 1, 128)])
+# head dims: multiples of 32, 8 (a short last chunk of the vector path) and none (the scalar path)
+@pytest.mark.parametrize("kv_heads,group,dim", [(2, 2, 64), (3, 3, 64), (1, 4, 16), (4, 1, 128), (1, 4, 256),
+                                                (2, 3, 40), (1, 2, 12)])
 def test_groups_and_sequences_alone_match_torch(kv_heads: int, group: int, dim: int) -> None:
     g = torch.Generator().manual_seed(kv_heads * 100 + dim)
     layers, bs, num_blocks = 3, 16, 40
@@ -55,7 +57,8 @@ def test_groups_and_sequences_alone_match_torch(kv_heads: int, group: int, dim: 
     def rows_of(blocks: list[int], n: int) -> list[int]:
         return [blocks[p // bs] * rows_per_block + p % bs for p in range(n)]
 
-    shared_a = rows_of([5, 17, 2, 30], 64)  # a group of three over 4 blocks, out of order in the pool
+    shared_a = rows_of([5, 17, 2, 30, 8, 3, 36, 1, 27], 131)  # a group of three over 9 blocks, out of order
+    # in the pool, over two tiles of 64 rows and a part of one
     shared_b = rows_of([9], 16)
     own = [rows_of([11], 1), rows_of([12, 13], 20), rows_of([14], 7),  # group a: 1, 20 and 7 own rows
            rows_of([20, 21, 22], 33),  # alone: 33 rows, no shared ones

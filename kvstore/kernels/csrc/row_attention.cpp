@@ -9,6 +9,15 @@
 // the calling thread's OpenMP count: scores over K (each row read once for every query that
 // attends to it), one softmax per query over all its rows, then the weighted sum over V. The next paged block's rows are prefetched, since
 // consecutive blocks lie anywhere in the pool.
+//
+// With AVX2 and FMA (and a head dim that is a multiple of 8), both passes go a tile of 64 rows
+// at a time, so that a tile stays in cache while every query of the item reads it: scores in
+// blocks of 4 queries x 2 rows (each vector loaded once for 8 products, the 8 sums reduced
+// together), the weighted sum with 2 queries x 32 floats of the head held in registers over the
+// tile. Each (query, row) product and each query's running sum are computed the same way
+// wherever the query falls in a block (a short block repeats a query and drops its results). On the 2-core EPYC a decode
+// call of 32 Gemma-3-270M sequences in 4 groups took 0.89 against 1.37 ms (its window of 480
+// shared rows) and 1.87 against 2.83 ms (1,024), 32 SmolLM2 sequences 1.27 against 2.01 ms.
 #include <torch/extension.h>
 
 #include <algorithm>
@@ -18,9 +27,15 @@
 #include <limits>
 #include <vector>
 
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define KVSTORE_ROWS_AVX2 1
+#endif
+
 namespace {
 
 constexpr int64_t kPrefetchRows = 16;  // a block of 16 tokens ahead
+constexpr int64_t kTileRows = 64;  // rows read for every query before the next ones (64 KiB of K at 256 floats)
 
 // exp(x) for x <= 0 (a score minus its row's maximum), in a form the compiler vectorizes (std::exp
 // is a scalar call): x = n ln2 + r with |r| <= ln2 / 2 (ln2 split in two for exactness), n rounded by
@@ -47,6 +62,31 @@ inline void prefetch_row(const float* row, int64_t bytes) {
   const char* p = reinterpret_cast<const char*>(row);
   for (int64_t c = 0; c < bytes; c += 64) __builtin_prefetch(p + c);
 }
+
+#ifdef KVSTORE_ROWS_AVX2
+// The eight sums of a0 ... a7's lanes, in order, as one vector.
+inline __m256 sum8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256 a5, __m256 a6, __m256 a7) {
+  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// dots[m * 2 + r] = q_m . k_r for 4 queries and 2 rows of d floats (d a multiple of 8): each
+// row's and query's vector loaded once for 8 products, the 8 sums reduced together.
+inline void dots_4x2(const float* const* q, const float* k0, const float* k1, int64_t d, float* dots) {
+  __m256 a[8];
+  for (auto& x : a) x = _mm256_setzero_ps();
+  for (int64_t i = 0; i < d; i += 8) {
+    const __m256 r0 = _mm256_loadu_ps(k0 + i), r1 = _mm256_loadu_ps(k1 + i);
+    for (int m = 0; m < 4; ++m) {
+      const __m256 qm = _mm256_loadu_ps(q[m] + i);
+      a[2 * m] = _mm256_fmadd_ps(qm, r0, a[2 * m]);
+      a[2 * m + 1] = _mm256_fmadd_ps(qm, r1, a[2 * m + 1]);
+    }
+  }
+  _mm256_storeu_ps(dots, sum8(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]));
+}
+#endif
 
 inline void check_ids(const torch::Tensor& ids, const torch::Tensor& lens, int64_t limit, int64_t min_len,
                       const char* what, const char* bound) {
@@ -122,6 +162,37 @@ torch::Tensor row_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, t
   // scores[q, 0:n] of queries qs (row pointers) over rows ids[0:n] of the head's K; top[q] their max so far
   auto score = [&](const float* kh, const int64_t* ids, int64_t n, const float* const* qs, int64_t nq,
                    float* scores, int64_t stride, float* top) {
+#ifdef KVSTORE_ROWS_AVX2
+    if (D % 8 == 0) {  // 4 queries x 2 rows a block; a short block repeats its first query or row
+      float dots[8];
+      for (int64_t t0 = 0; t0 < n; t0 += kTileRows) {  // a tile of rows stays in cache for every query
+      const int64_t t1 = std::min(n, t0 + kTileRows);
+      for (int64_t m0 = 0; m0 < nq; m0 += 4) {
+        const int64_t mb = std::min<int64_t>(4, nq - m0);
+        const float* q4[4];
+        for (int64_t m = 0; m < 4; ++m) q4[m] = qs[m0 + (m < mb ? m : 0)];
+        for (int64_t j = t0; j < t1; j += 2) {
+          if (m0 == 0 && j + kPrefetchRows < n) {
+            prefetch_row(kh + ids[j + kPrefetchRows] * row_stride, head_bytes);
+            if (j + 1 + kPrefetchRows < n) prefetch_row(kh + ids[j + 1 + kPrefetchRows] * row_stride, head_bytes);
+          }
+          const int64_t jb = std::min<int64_t>(2, t1 - j);
+          const float* k0 = kh + ids[j] * row_stride;
+          const float* k1 = jb > 1 ? kh + ids[j + 1] * row_stride : k0;
+          dots_4x2(q4, k0, k1, D, dots);
+          for (int64_t m = 0; m < mb; ++m) {
+            for (int64_t r = 0; r < jb; ++r) {
+              const float dot = dots[2 * m + r] * sc;
+              scores[(m0 + m) * stride + j + r] = dot;
+              top[m0 + m] = std::max(top[m0 + m], dot);
+            }
+          }
+        }
+      }
+      }
+      return;
+    }
+#endif
     for (int64_t j = 0; j < n; ++j) {
       if (j + kPrefetchRows < n) prefetch_row(kh + ids[j + kPrefetchRows] * row_stride, head_bytes);
       const float* kr = kh + ids[j] * row_stride;
@@ -149,6 +220,41 @@ torch::Tensor row_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, t
   // acc[q] += sum_j p[q, j] v_j over rows ids[0:n] of the head's V
   auto accumulate = [&](const float* vh, const int64_t* ids, int64_t n, const float* p, int64_t stride, int64_t nq,
                         float* acc) {
+#ifdef KVSTORE_ROWS_AVX2
+    if (D % 8 == 0) {  // 2 queries x 32 floats of the head in registers over all the rows
+      for (int64_t t0 = 0; t0 < n; t0 += kTileRows) {  // a tile of rows stays in cache for every query
+      const int64_t t1 = std::min(n, t0 + kTileRows);
+      for (int64_t m0 = 0; m0 < nq; m0 += 2) {
+        const bool two = m0 + 1 < nq;
+        const float* p0 = p + m0 * stride;
+        const float* p1 = two ? p0 + stride : p0;
+        float* a0 = acc + m0 * D;
+        float* a1 = two ? a0 + D : a0;
+        for (int64_t d0 = 0; d0 < D; d0 += 32) {
+          const int c = static_cast<int>(std::min<int64_t>(32, D - d0) / 8);
+          __m256 x0[4], x1[4];
+          for (int i = 0; i < c; ++i) x0[i] = _mm256_loadu_ps(a0 + d0 + 8 * i), x1[i] = _mm256_loadu_ps(a1 + d0 + 8 * i);
+          for (int64_t j = t0; j < t1; ++j) {
+            if (m0 == 0 && d0 == 0 && j + kPrefetchRows < n)
+              prefetch_row(vh + ids[j + kPrefetchRows] * row_stride, head_bytes);
+            const float* vr = vh + ids[j] * row_stride + d0;
+            const __m256 w0 = _mm256_set1_ps(p0[j]), w1 = _mm256_set1_ps(p1[j]);
+            for (int i = 0; i < c; ++i) {
+              const __m256 x = _mm256_loadu_ps(vr + 8 * i);
+              x0[i] = _mm256_fmadd_ps(w0, x, x0[i]);
+              x1[i] = _mm256_fmadd_ps(w1, x, x1[i]);
+            }
+          }
+          for (int i = 0; i < c; ++i) {
+            if (two) _mm256_storeu_ps(a1 + d0 + 8 * i, x1[i]);
+            _mm256_storeu_ps(a0 + d0 + 8 * i, x0[i]);
+          }
+        }
+      }
+      }
+      return;
+    }
+#endif
     for (int64_t j = 0; j < n; ++j) {
       if (j + kPrefetchRows < n) prefetch_row(vh + ids[j + kPrefetchRows] * row_stride, head_bytes);
       const float* vr = vh + ids[j] * row_stride;
