@@ -78,7 +78,10 @@ def test_a_cached_prefix_gives_transformers_logits(name: str, tier: str, request
     prompts = [p for p in SLIDING_PROMPTS if len(p) > 8]
     reuse = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, prompt_logits=True,
                            skip_reading_prefix_cache=False)
-    with make_engine(path) as llm:
+    # a pool that holds every block of both runs: no eviction or preemption, whose timing (the
+    # write-through thread, a fetch's completion) would decide what hits and where a prompt's
+    # first computed row (its logits' start) falls
+    with make_engine(path, kv_cache_bytes=1 << 20) as llm:
         llm.generate(prompts, GREEDY)  # computed, cached in the pool, written through to host RAM
         if tier == "host":
             llm.evict_device_cache()
