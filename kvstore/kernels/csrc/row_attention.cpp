@@ -166,29 +166,29 @@ torch::Tensor row_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, t
     if (D % 8 == 0) {  // 4 queries x 2 rows a block; a short block repeats its first query or row
       float dots[8];
       for (int64_t t0 = 0; t0 < n; t0 += kTileRows) {  // a tile of rows stays in cache for every query
-      const int64_t t1 = std::min(n, t0 + kTileRows);
-      for (int64_t m0 = 0; m0 < nq; m0 += 4) {
-        const int64_t mb = std::min<int64_t>(4, nq - m0);
-        const float* q4[4];
-        for (int64_t m = 0; m < 4; ++m) q4[m] = qs[m0 + (m < mb ? m : 0)];
-        for (int64_t j = t0; j < t1; j += 2) {
-          if (m0 == 0 && j + kPrefetchRows < n) {
-            prefetch_row(kh + ids[j + kPrefetchRows] * row_stride, head_bytes);
-            if (j + 1 + kPrefetchRows < n) prefetch_row(kh + ids[j + 1 + kPrefetchRows] * row_stride, head_bytes);
-          }
-          const int64_t jb = std::min<int64_t>(2, t1 - j);
-          const float* k0 = kh + ids[j] * row_stride;
-          const float* k1 = jb > 1 ? kh + ids[j + 1] * row_stride : k0;
-          dots_4x2(q4, k0, k1, D, dots);
-          for (int64_t m = 0; m < mb; ++m) {
-            for (int64_t r = 0; r < jb; ++r) {
-              const float dot = dots[2 * m + r] * sc;
-              scores[(m0 + m) * stride + j + r] = dot;
-              top[m0 + m] = std::max(top[m0 + m], dot);
+        const int64_t t1 = std::min(n, t0 + kTileRows);
+        for (int64_t m0 = 0; m0 < nq; m0 += 4) {
+          const int64_t mb = std::min<int64_t>(4, nq - m0);
+          const float* q4[4];
+          for (int64_t m = 0; m < 4; ++m) q4[m] = qs[m0 + (m < mb ? m : 0)];
+          for (int64_t j = t0; j < t1; j += 2) {
+            if (m0 == 0 && j + kPrefetchRows < n) {
+              prefetch_row(kh + ids[j + kPrefetchRows] * row_stride, head_bytes);
+              if (j + 1 + kPrefetchRows < n) prefetch_row(kh + ids[j + 1 + kPrefetchRows] * row_stride, head_bytes);
+            }
+            const int64_t jb = std::min<int64_t>(2, t1 - j);
+            const float* k0 = kh + ids[j] * row_stride;
+            const float* k1 = jb > 1 ? kh + ids[j + 1] * row_stride : k0;
+            dots_4x2(q4, k0, k1, D, dots);
+            for (int64_t m = 0; m < mb; ++m) {
+              for (int64_t r = 0; r < jb; ++r) {
+                const float dot = dots[2 * m + r] * sc;
+                scores[(m0 + m) * stride + j + r] = dot;
+                top[m0 + m] = std::max(top[m0 + m], dot);
+              }
             }
           }
         }
-      }
       }
       return;
     }
@@ -221,36 +221,36 @@ torch::Tensor row_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, t
   auto accumulate = [&](const float* vh, const int64_t* ids, int64_t n, const float* p, int64_t stride, int64_t nq,
                         float* acc) {
 #ifdef KVSTORE_ROWS_AVX2
-    if (D % 8 == 0) {  // 2 queries x 32 floats of the head in registers over all the rows
+    if (D % 8 == 0) {  // 2 queries x 32 floats of the head in registers over a tile of rows
       for (int64_t t0 = 0; t0 < n; t0 += kTileRows) {  // a tile of rows stays in cache for every query
-      const int64_t t1 = std::min(n, t0 + kTileRows);
-      for (int64_t m0 = 0; m0 < nq; m0 += 2) {
-        const bool two = m0 + 1 < nq;
-        const float* p0 = p + m0 * stride;
-        const float* p1 = two ? p0 + stride : p0;
-        float* a0 = acc + m0 * D;
-        float* a1 = two ? a0 + D : a0;
-        for (int64_t d0 = 0; d0 < D; d0 += 32) {
-          const int c = static_cast<int>(std::min<int64_t>(32, D - d0) / 8);
-          __m256 x0[4], x1[4];
-          for (int i = 0; i < c; ++i) x0[i] = _mm256_loadu_ps(a0 + d0 + 8 * i), x1[i] = _mm256_loadu_ps(a1 + d0 + 8 * i);
-          for (int64_t j = t0; j < t1; ++j) {
-            if (m0 == 0 && d0 == 0 && j + kPrefetchRows < n)
-              prefetch_row(vh + ids[j + kPrefetchRows] * row_stride, head_bytes);
-            const float* vr = vh + ids[j] * row_stride + d0;
-            const __m256 w0 = _mm256_set1_ps(p0[j]), w1 = _mm256_set1_ps(p1[j]);
+        const int64_t t1 = std::min(n, t0 + kTileRows);
+        for (int64_t m0 = 0; m0 < nq; m0 += 2) {
+          const bool two = m0 + 1 < nq;
+          const float* p0 = p + m0 * stride;
+          const float* p1 = two ? p0 + stride : p0;
+          float* a0 = acc + m0 * D;
+          float* a1 = two ? a0 + D : a0;
+          for (int64_t d0 = 0; d0 < D; d0 += 32) {
+            const int c = static_cast<int>(std::min<int64_t>(32, D - d0) / 8);
+            __m256 x0[4], x1[4];
+            for (int i = 0; i < c; ++i) x0[i] = _mm256_loadu_ps(a0 + d0 + 8 * i), x1[i] = _mm256_loadu_ps(a1 + d0 + 8 * i);
+            for (int64_t j = t0; j < t1; ++j) {
+              if (m0 == 0 && d0 == 0 && j + kPrefetchRows < n)
+                prefetch_row(vh + ids[j + kPrefetchRows] * row_stride, head_bytes);
+              const float* vr = vh + ids[j] * row_stride + d0;
+              const __m256 w0 = _mm256_set1_ps(p0[j]), w1 = _mm256_set1_ps(p1[j]);
+              for (int i = 0; i < c; ++i) {
+                const __m256 x = _mm256_loadu_ps(vr + 8 * i);
+                x0[i] = _mm256_fmadd_ps(w0, x, x0[i]);
+                x1[i] = _mm256_fmadd_ps(w1, x, x1[i]);
+              }
+            }
             for (int i = 0; i < c; ++i) {
-              const __m256 x = _mm256_loadu_ps(vr + 8 * i);
-              x0[i] = _mm256_fmadd_ps(w0, x, x0[i]);
-              x1[i] = _mm256_fmadd_ps(w1, x, x1[i]);
+              if (two) _mm256_storeu_ps(a1 + d0 + 8 * i, x1[i]);
+              _mm256_storeu_ps(a0 + d0 + 8 * i, x0[i]);
             }
           }
-          for (int i = 0; i < c; ++i) {
-            if (two) _mm256_storeu_ps(a1 + d0 + 8 * i, x1[i]);
-            _mm256_storeu_ps(a0 + d0 + 8 * i, x0[i]);
-          }
         }
-      }
       }
       return;
     }
