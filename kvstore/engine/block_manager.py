@@ -12,7 +12,8 @@ A block is in exactly one of three states:
 Sequences release their blocks tail first, so a prefix's tail is evicted before its head.
 
 A full block that the step being built computes is findable too, before it is sealed
-(``scheduled``, cleared when the step is done): a sequence admitted in the same step shares
+(``scheduled``, cleared when the next step is built, by then sealed or, after a failed step,
+never): a sequence admitted in the same step shares
 it instead of computing the same prefix again, as vLLM's scheduler caches a block when it
 schedules it. That is safe because every layer writes the step's new K/V into the pool before
 any row of the step attends (kvstore/engine/attention.py, kernels.store_kv), and a block a
@@ -72,7 +73,7 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(pool.num_blocks)]
         self.cached: dict[bytes, int] = {}
         # full blocks the step being built computes, findable before they are sealed (cleared
-        # by ``end_step``): key -> block
+        # by ``end_step`` when the scheduler builds the next step): key -> block
         self.scheduled: dict[bytes, int] = {}
         self.evictable: OrderedDict[int, None] = OrderedDict()
         self.num_demoted = 0
@@ -122,7 +123,8 @@ class BlockManager:
                 block.valid = self.all_groups
 
     def end_step(self) -> None:
-        """The step is over (computed and sealed, or failed): its blocks are findable only if sealed."""
+        """The last step is over (its blocks computed and sealed, or it failed): only sealed
+        blocks stay findable. The scheduler calls it before it builds a step."""
         self.scheduled.clear()
 
     def num_reusable(self, block_ids: Sequence[int]) -> int:

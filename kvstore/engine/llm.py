@@ -242,7 +242,6 @@ class LLMEngine:
             it.seq.request.metrics.count_prefill(it.num_written)
         for it in items:
             self.scheduler.computed(it)
-        self.block_manager.end_step()
         self.block_manager.write_sealed()
         seqs, rows = [], []
         for k, it in enumerate(done):

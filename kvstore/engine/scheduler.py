@@ -76,7 +76,7 @@ class Scheduler:
     # ----------------------------------------------------------------------------- one step
 
     def schedule(self) -> list[Scheduled]:
-        self.blocks.end_step()  # a step that failed left its blocks unsealed
+        self.blocks.end_step()  # the last step's blocks: sealed, or (it failed) never computed
         self._poll_loading()
         budget = self.max_num_batched_tokens
         batch: list[Scheduled] = []
