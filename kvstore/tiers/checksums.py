@@ -3,14 +3,15 @@
 The key is under the checksum so that a block read from the wrong slot (a stale catalog entry,
 a slot reused by another key) fails verification like a torn or flipped one. Hashing runs at
 ~10 GB/s and releases the GIL, so for large batches it runs on a helper thread beside the I/O:
-a write hashes while the slab writes, a read verifies each transfer while the next is in flight.
+a write hashes while the slab writes; a read verifies each transfer on the thread that read it,
+while the others are in flight.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 
 import xxhash
 
@@ -29,7 +30,8 @@ def _checksums(keys: Sequence[bytes], views: Sequence[memoryview], payload_bytes
 
 
 class Checksummer:
-    """Checksums computed inline for small batches, beside the I/O on one helper thread for large."""
+    """Checksums of a write computed inline for small batches, beside the I/O on one helper
+    thread for large; a read's, on its reader threads."""
 
     def __init__(self, overlap_bytes: int) -> None:
         self.overlap_bytes = overlap_bytes
@@ -72,26 +74,19 @@ class Checksummer:
         payload_bytes: int,
         read: Callable[[ChunkDone | None], list[bool]],
     ) -> list[bool]:
-        """Run ``read(on_chunk)`` and check ``dests[i][:payload_bytes]`` against ``expected[i]``.
+        """Run ``read(on_chunk)`` and check ``dests[i][:payload_bytes]`` against ``expected[i]``
+        as each transfer arrives, on the thread that read it (beside the other transfers).
 
         Returns:
             Per block: the I/O succeeded and the digest matched.
         """
         results = [False] * len(keys)
 
-        def verify(blocks: list[int], io_ok: list[bool]) -> None:
+        def verify(blocks: list[int], io_ok: list[bool]) -> None:  # on the reader threads, at once
             for i in blocks:
                 results[i] = io_ok[i] and checksum(keys[i], dests[i][:payload_bytes]) == expected[i]
 
-        if len(keys) * payload_bytes < self.overlap_bytes:
-            verify(list(range(len(keys))), read(None))
-            return results
-        pending: list[Future[None]] = []
-        try:
-            read(lambda blocks, io_ok: pending.append(self._pool().submit(verify, blocks, io_ok)))
-        finally:
-            for future in pending:
-                future.result()
+        read(verify)
         return results
 
     def close(self) -> None:

@@ -13,16 +13,18 @@ is dropped from the page cache afterwards (POSIX_FADV_DONTNEED).
 Each run of consecutive slots moves with one ``preadv``/``pwritev`` per ``IOV_MAX`` iovecs or
 per bounce buffer's worth of blocks, whichever comes first.
 
-A read into memory that O_DIRECT cannot take in place (a torch tensor is 64-byte aligned, not
-4096) lands in a bounce buffer and is copied out. Over several chunks that copy runs on a
-helper thread while the next chunk is read into a second buffer, so it hides behind the I/O
-instead of adding to it:
+A read of several transfers keeps ``READERS`` of them in flight: the caller and helper threads
+each take the next transfer, read it (into a bounce buffer of their own where O_DIRECT cannot
+land in place: a torch tensor is 64-byte aligned, not 4096), copy it out and hand it to
+``on_chunk``, then take the next. The reads, the copies (``ctypes.memmove``) and a checksum
+over the bytes all let go of the GIL, so a fast medium is read on every core and a slow one
+sees several requests queued:
 
-    I/O thread:   read 0 -> buf A | read 1 -> buf B | read 2 -> buf A (copy 0 done) | ...
-    copier:                       | copy A -> dests, on_chunk(0) | copy B -> dests, on_chunk(1) | ...
+    caller:  read 0 -> buf A, copy out, on_chunk(0) | read 2 -> buf A, copy out, ... | ...
+    helper:  read 1 -> buf B, copy out, on_chunk(1) | read 3 -> buf B, copy out, ... | ...
 
-``on_chunk`` hears of a chunk once its bytes are in the caller's memory: on the copier
-thread for such a read, on the caller's thread otherwise.
+``on_chunk`` hears of a transfer once its bytes are in the caller's memory, on whichever
+thread read it (so it must be safe to call from several threads at once, for distinct blocks).
 """
 
 from __future__ import annotations
@@ -33,13 +35,15 @@ import errno
 import mmap
 import os
 import threading
+from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 
 from kvstore.tiers.buffers import ALIGN, address_of
 from kvstore.tiers.errors import TierFullError, TierIOError
 
-BOUNCE_BYTES = 4 << 20  # per bounce buffer (at least one slot); two per slab, made at open
+BOUNCE_BYTES = 4 << 20  # per bounce buffer (at least one slot); READERS per slab, made at open
+READERS = max(2, min(4, os.cpu_count() or 2))  # transfers of one read in flight: the caller's and helpers'
 IOV_MAX = os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in os.sysconf_names else 1024
 _IoOp = Callable[[int, Sequence[memoryview], int], int]
 ChunkDone = Callable[[list[int], list[bool]], None]  # (block indices moved, per-block ok)
@@ -106,9 +110,9 @@ class Slab:
         self._zeros = memoryview(bytes(slot_bytes - payload_bytes))
         self._pad_sink = memoryview(bytearray(slot_bytes - payload_bytes))  # padding read and ignored
         self._blocks_per_bounce = max(1, BOUNCE_BYTES // slot_bytes)
-        self._bounce_pool = [self._new_bounce(), self._new_bounce()]  # a pipelined read takes both
+        self._bounce_pool = [self._new_bounce() for _ in range(READERS)]  # a parallel read takes them all
         self._pool_lock = threading.Lock()
-        self._copier: ThreadPoolExecutor | None = None  # copies out of bounce buffers; started on demand
+        self._helpers: ThreadPoolExecutor | None = None  # the other readers of a read; started on demand
 
     def _preallocate(self, size: int, old_size: int) -> None:
         try:
@@ -157,14 +161,11 @@ class Slab:
         with self._pool_lock:
             self._bounce_pool.append(bounce)
 
-    def _copy_out_later(self, bounced: list[tuple[memoryview, memoryview]], chunk: list[int], ok: list[bool],
-                        on_chunk: ChunkDone | None) -> Future[None]:
-        """On the copier thread: copy a chunk's bounce segments into their destinations, then
-        tell ``on_chunk``."""
+    def _helper_pool(self) -> ThreadPoolExecutor:
         with self._pool_lock:
-            if self._copier is None:
-                self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="disk-tier-copy")
-            return self._copier.submit(_copy_out, bounced, chunk, ok, on_chunk)
+            if self._helpers is None:
+                self._helpers = ThreadPoolExecutor(max_workers=READERS - 1, thread_name_prefix="disk-tier-read")
+            return self._helpers
 
     def read(
         self,
@@ -177,13 +178,52 @@ class Slab:
 
         ``in_place[i]`` says ``dests[i]`` may take the whole slot directly (O_DIRECT mode: it is
         4096-aligned and at least ``slot_bytes`` long); others are bounced. ``on_chunk(blocks,
-        ok)`` runs once the blocks of a transfer are in ``dests`` (on the copier thread when
-        their copy out of a bounce buffer ran there), so the caller can verify them while the
-        next transfer is in flight; every call has returned when ``read`` returns.
+        ok)`` runs once the blocks of a transfer are in ``dests``, on the thread that read them
+        (see the module docstring), so the caller can verify them while other transfers are in
+        flight; every call has returned when ``read`` returns.
         """
         ok = [True] * len(slots)
-        self._move(os.preadv, slots, dests, in_place, ok, on_chunk)
+        chunks = deque(self._plan(slots))
+        if not chunks:
+            return ok
+        helpers = [self._helper_pool().submit(self._read_chunks, chunks, slots, dests, in_place, ok, on_chunk)
+                   for _ in range(min(READERS, len(chunks)) - 1)]
+        try:
+            self._read_chunks(chunks, slots, dests, in_place, ok, on_chunk)
+        finally:
+            for helper in helpers:  # one not started yet (the pool busy with another read) is
+                if not helper.cancel():  # dropped; never return while one writes the caller's memory
+                    helper.exception()
+        for helper in helpers:
+            if not helper.cancelled():
+                helper.result()
         return ok
+
+    def _read_chunks(self, chunks: deque[list[int]], slots: Sequence[int], dests: Sequence[memoryview],
+                     in_place: Sequence[bool], ok: list[bool], on_chunk: ChunkDone | None) -> None:
+        """One reader's loop: take the next transfer until none is left; read it (through a
+        bounce buffer of this reader's own where needed), copy it out, tell ``on_chunk``."""
+        if not chunks:
+            return
+        bounce = self._acquire_bounce()
+        view = memoryview(bounce)
+        try:
+            while True:
+                try:
+                    chunk = chunks.popleft()
+                except IndexError:
+                    return
+                bounced = self._move_chunk(os.preadv, chunk, slots[chunk[0]], dests, in_place, view, ok)
+                for dest, segment in bounced:  # memmove lets go of the GIL: other readers go on
+                    ctypes.memmove(address_of(dest), address_of(segment), len(segment))
+                if on_chunk is not None:
+                    on_chunk(chunk, ok)
+        except BaseException:
+            chunks.clear()  # the other readers stop after their current transfer
+            raise
+        finally:
+            view.release()
+            self._release_bounce(bounce)
 
     def write(
         self, slots: Sequence[int], sources: Sequence[memoryview], in_place: Sequence[bool], *, sync: bool
@@ -193,53 +233,33 @@ class Slab:
         Raises:
             OSError: the first failure; some slots may hold partial data (no entry names them).
         """
-        self._move(os.pwritev, slots, sources, in_place, [True] * len(slots), None)
+        self._move_writes(slots, sources, in_place)
         if sync:
             os.fdatasync(self.fd)
         if not self.direct_io:  # only clean pages can be dropped, hence after the sync
             os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
-    def _move(
-        self,
-        op: _IoOp,
-        slots: Sequence[int],
-        buffers: Sequence[memoryview],
-        in_place: Sequence[bool],
-        ok: list[bool],
-        on_chunk: ChunkDone | None,
-    ) -> None:
-        """Transfer every block, one run of consecutive slots at a time (a chunk per bounce
-        buffer's worth); a read's bounced chunks are copied out as the module docstring draws."""
+    def _plan(self, slots: Sequence[int]) -> list[list[int]]:
+        """The transfers of a call: block indices by slot, each run of consecutive slots cut
+        into chunks of a bounce buffer's worth."""
         order = sorted(range(len(slots)), key=slots.__getitem__)
         cuts = _run_starts(slots, order)
-        chunks = [chunk for r in range(len(cuts) - 1) for chunk in self._chunks(order[cuts[r] : cuts[r + 1]])]
-        pipelined = op is os.preadv and self.direct_io and len(chunks) > 1 and not all(in_place)
-        bounces = [self._acquire_bounce() for _ in range(2 if pipelined else 1)]
-        views = [memoryview(b) for b in bounces]
-        copies: list[Future[None]] = []  # chunk k's copy out of its bounce buffer, then its on_chunk
+        return [chunk for r in range(len(cuts) - 1) for chunk in self._chunks(order[cuts[r] : cuts[r + 1]])]
+
+    def _move_writes(self, slots: Sequence[int], sources: Sequence[memoryview], in_place: Sequence[bool]) -> None:
+        """Write every block, one transfer at a time, through one bounce buffer where needed."""
+        bounce = self._acquire_bounce()
+        view = memoryview(bounce)
         try:
-            for k, chunk in enumerate(chunks):
-                if pipelined and k >= 2:  # chunk k reuses chunk k - 2's buffer: its copy must be done
-                    copies[k - 2].result()
-                bounced = self._move_chunk(op, chunk, slots[chunk[0]], buffers, in_place, views[k % len(views)], ok)
-                if pipelined:
-                    copies.append(self._copy_out_later(bounced, chunk, ok, on_chunk))
-                else:
-                    _copy_out(bounced, chunk, ok, on_chunk)
-            for copy in copies:
-                copy.result()
+            for chunk in self._plan(slots):
+                self._move_chunk(os.pwritev, chunk, slots[chunk[0]], sources, in_place, view, [])
         finally:
-            for copy in copies:  # after an exception: no copy may still write once this returns
-                copy.exception()
-            copies.clear()  # a failed copy's exception would hold this frame (and the buffers) in a cycle
-            for view in views:
-                view.release()
-            for bounce in bounces:
-                self._release_bounce(bounce)
+            view.release()
+            self._release_bounce(bounce)
 
     def _chunks(self, run: list[int]) -> list[list[int]]:
         """A run cut into chunks of at most a bounce buffer's worth of blocks, of equal sizes
-        (a pipelined read's last copy, which nothing hides, is no larger than the others)."""
+        (a parallel read's last transfer, which nothing hides, is no larger than the others)."""
         num_chunks = -(-len(run) // self._blocks_per_bounce)
         if num_chunks == 0:
             return []
@@ -263,7 +283,7 @@ class Slab:
 
         Returns:
             For a read, ``(destination, bounce segment)`` of each bounced block: the caller
-            copies them out (``_copy_out``) before the bounce buffer is reused.
+            copies them out before the bounce buffer is reused.
         """
         pb, sb, is_read = self.payload_bytes, self.slot_bytes, op is os.preadv
         iovs: list[memoryview] = []
@@ -315,11 +335,11 @@ class Slab:
                 dests[i][: self.payload_bytes] = scratch[: self.payload_bytes]
 
     def close(self) -> None:
-        """Close the descriptors, stop the copier thread and free the bounce buffers."""
+        """Close the descriptors, stop the helper readers and free the bounce buffers."""
         with self._pool_lock:
-            copier, self._copier = self._copier, None
-        if copier is not None:
-            copier.shutdown()
+            helpers, self._helpers = self._helpers, None
+        if helpers is not None:
+            helpers.shutdown()
         if self.dfd != self.fd:
             os.close(self.dfd)
         os.close(self.fd)
@@ -330,12 +350,3 @@ class Slab:
                 bounce.close()
         self._bounce_pool.clear()
 
-
-def _copy_out(bounced: list[tuple[memoryview, memoryview]], chunk: list[int], ok: list[bool],
-              on_chunk: ChunkDone | None) -> None:
-    """Copy each bounce segment into its destination (``ctypes.memmove``, which lets go of the
-    GIL: the I/O thread keeps issuing reads meanwhile), then tell ``on_chunk`` of ``chunk``."""
-    for dest, segment in bounced:
-        ctypes.memmove(address_of(dest), address_of(segment), len(segment))
-    if on_chunk is not None:
-        on_chunk(chunk, ok)
