@@ -349,4 +349,3 @@ class Slab:
             with contextlib.suppress(BufferError):
                 bounce.close()
         self._bounce_pool.clear()
-
