@@ -72,7 +72,7 @@ class Checksummer:
         dests: Sequence[memoryview],
         expected: Sequence[bytes],
         payload_bytes: int,
-        read: Callable[[ChunkDone | None], list[bool]],
+        read: Callable[[ChunkDone], list[bool]],
     ) -> list[bool]:
         """Run ``read(on_chunk)`` and check ``dests[i][:payload_bytes]`` against ``expected[i]``
         as each transfer arrives, on the thread that read it (beside the other transfers).
