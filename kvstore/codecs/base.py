@@ -82,6 +82,11 @@ class Codec(ABC):
         (one pass over them; a store runs it at put, long before a demotion encodes)."""
         return None  # a lossless codec takes anything
 
+    def prepare(self) -> None:
+        """Get ready to encode and decode fast on this machine (a store calls it when a level
+        with this codec opens; a build here may take a while, once per machine)."""
+        return None
+
     def describe(self) -> dict[str, Any]:
         """What ``stats()``, REST and ``block_info`` say about the codec."""
         return {"codec": self.name, "lossy": self.lossy}

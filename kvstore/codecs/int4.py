@@ -31,10 +31,12 @@ from typing import Any, ClassVar
 
 import torch
 
+from kvstore import kernels
 from kvstore.codecs.framed import FramedCodec, check_finite
 from kvstore.codecs.header import SCALE_PER_HEAD_GROUP
-from kvstore.codecs.rotation import rotation
+from kvstore.codecs.rotation import rotation, rotation_name
 from kvstore.errors import CodecError
+from kvstore.kernels import cpu_ext
 from kvstore.layout import KVLayout
 
 GROUP = 64  # values of a head row that share a scale (chosen by measurement: docs/storage-format.md)
@@ -124,6 +126,8 @@ class Int4Codec(FramedCodec):
         """``out`` = the values of codes ``packed`` times ``scales`` (rotated back), in out's dtype."""
         c, head_dim = out.shape[0], out.shape[-1]
         num_groups = self.num_groups(head_dim)
+        if _cpp_dequantize(packed, scales.reshape(c, -1, num_groups), out.view(c, -1, head_dim), self.rotated):
+            return
         values = _unpack(packed).view(c, -1, head_dim)
         width = num_groups * GROUP
         if width != head_dim:
@@ -163,6 +167,21 @@ def _unpack(packed: torch.Tensor) -> torch.Tensor:
     """uint8 ``[c, e / 2]`` -> the float32 codes ``[c, e]`` (0..15), ``_pack`` undone."""
     pairs = packed.to(torch.int16, memory_format=torch.contiguous_format)
     return ((pairs & 15) | ((pairs << 4) & 0xF00)).view(torch.int8).float()
+
+
+def _cpp_dequantize(packed: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, rotated: bool) -> bool:
+    """Decode through the C++ kernel (kvstore/kernels/csrc/dequantize.cpp) where it applies: CPU
+    tensors, ``KVSTORE_KERNELS=auto``, the kernels loaded, an even head_dim, and for a rotation a
+    power-of-two head_dim (the Hadamard one, undone by the fast transform)."""
+    head_dim = out.shape[-1]
+    if out.device.type != "cpu" or head_dim % 2 or (rotated and rotation_name(head_dim) != "hadamard") \
+            or kernels.kernel_backend() != "auto":
+        return False
+    module = cpu_ext.loaded()
+    if module is None:
+        return False
+    module.dequantize_int4(packed, scales, out, rotated)
+    return True
 
 
 def _round_up(scales: torch.Tensor) -> torch.Tensor:

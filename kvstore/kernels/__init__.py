@@ -7,8 +7,10 @@ The pool is ``[num_blocks, layers, 2, block_size, kv_heads, head_dim]``; attenti
 Dispatch, per call: ``KVSTORE_KERNELS`` (read by ``kernel_backend`` here: the kernels import nothing of the store) =
 ``reference`` runs ``kvstore.kernels.reference``; ``triton`` runs the Triton kernels (on CPU tensors only
 under ``TRITON_INTERPRET=1``); ``auto`` (the default) runs Triton when the tensors are on CUDA and
-Triton is installed, else the reference. The Triton modules are imported on first use, so this
-package imports without Triton.
+Triton is installed, else the reference, except that the 8-bit dequantize on the CPU runs the C++
+kernel of ``kvstore.kernels.cpu_ext`` once something has loaded it (a store with an 8-bit codec
+does when it opens; the two agree bit for bit). The Triton modules are imported on first use,
+so this package imports without Triton.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from types import ModuleType
 
 import torch
 
-from kvstore.kernels import reference
+from kvstore.kernels import _checks, cpu_ext, reference
 from kvstore.kernels.pages import PAGE_CODES, pack_rows, packed_head_dim, page_views, unpack_rows
 
 KERNELS = (  # the public functions that dispatch to Triton or the reference
@@ -282,6 +284,8 @@ def dequantize_int8(data: torch.Tensor, scales: torch.Tensor, out: torch.Tensor)
     """
     if _use_triton(out.device):
         return _triton_module("dequant").dequantize_int8(data, scales, out)
+    if _cpp_dequantize(data, scales, out, fp8=False):
+        return out
     return reference.dequantize_int8(data, scales, out)
 
 
@@ -293,4 +297,18 @@ def dequantize_fp8(data: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) 
     """
     if _use_triton(out.device):
         return _triton_module("dequant").dequantize_fp8(data, scales, out)
+    if _cpp_dequantize(data, scales, out, fp8=True):
+        return out
     return reference.dequantize_fp8(data, scales, out)
+
+
+def _cpp_dequantize(data: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, *, fp8: bool) -> bool:
+    """Run the C++ dequantize where it applies (CPU tensors, ``auto``, the module loaded)."""
+    if out.device.type != "cpu" or kernel_backend() != "auto":
+        return False
+    module = cpu_ext.loaded()
+    if module is None:
+        return False
+    (_checks.check_dequantize_fp8 if fp8 else _checks.check_dequantize_int8)(data, scales, out)
+    module.dequantize(data.view(torch.uint8), scales, out, fp8)
+    return True

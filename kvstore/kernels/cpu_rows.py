@@ -8,62 +8,18 @@ at a third of the machine's bandwidth. ``row_attention`` reads the rows where th
 sequences over one shared prefix (a group) read its rows once for all of them, in the same
 call, with one softmax over each query's shared and own rows.
 
-The kernel is compiled with ``torch.utils.cpp_extension`` (a C++ compiler and ninja on the
-PATH; the build is cached under ``$TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``,
-about 30 s the first time, under a second after). ``load()`` builds it; the engine calls it at
-start, never inside a request. Where it cannot be built, ``load()`` says why once (a warning)
-and returns None, and the engine keeps the torch path.
+The kernel is built with the others in ``kvstore.kernels.cpu_ext``: ``load()`` builds them (the
+engine calls it at start, never inside a request) and returns None where they cannot be built,
+and the engine then keeps the torch path.
 """
 
 from __future__ import annotations
 
-import functools
-import hashlib
-import logging
-import shutil
-from pathlib import Path
-from types import ModuleType
-
 import torch
 
-log = logging.getLogger("kvstore.kernels")
-SOURCE = Path(__file__).parent / "csrc" / "row_attention.cpp"
-# instruction sets by torch's own detection of the CPU (not -march=native: a cached build must
-# run on any machine that shares the cache directory and reports the same capability). AVX-512
-# machines get 256-bit code too: with 64-wide heads it ran a cache-hot step 1.2x faster there
-# (each dot product's horizontal sum costs more on 512-bit vectors).
-_ISA_FLAGS = {
-    "AVX512": ["-mavx2", "-mfma"],
-    "AVX2": ["-mavx2", "-mfma"],
-}
+from kvstore.kernels.cpu_ext import capability, load
 
-
-def capability() -> str:
-    """torch's name for the CPU's vector instructions (AVX512, AVX2, DEFAULT, ...)."""
-    return str(torch.backends.cpu.get_cpu_capability())
-
-
-@functools.cache
-def load() -> ModuleType | None:
-    """The built kernel module (built now if its cache has none), or None where it cannot be
-    built (the reason is logged once as a warning)."""
-    missing = [tool for tool in ("c++", "ninja") if shutil.which(tool) is None]
-    if missing:
-        log.warning("the CPU decode kernel is not built (%s not on the PATH): decode attention takes the "
-                    "torch path (docs/engine.md)", " and ".join(missing))
-        return None
-    from torch.utils.cpp_extension import load as build
-
-    isa = capability()
-    flags = ["-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", *_ISA_FLAGS.get(isa, [])]
-    # one build per torch installation (venvs beside each other never share, nor rebuild in turn)
-    torch_id = hashlib.sha256(f"{torch.__version__} {Path(torch.__file__).parent}".encode()).hexdigest()[:12]
-    try:
-        return build(name=f"kvstore_row_attention_{isa.lower()}_{torch_id}", sources=[str(SOURCE)],
-                     extra_cflags=flags, verbose=False)
-    except Exception as exc:  # a compiler error, a read-only cache: the torch path still works
-        log.warning("the CPU decode kernel did not build (%s): decode attention takes the torch path", exc)
-        return None
+__all__ = ["capability", "load", "row_attention"]
 
 
 def row_attention(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, own_rows: torch.Tensor,

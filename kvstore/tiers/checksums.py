@@ -73,9 +73,12 @@ class Checksummer:
         expected: Sequence[bytes],
         payload_bytes: int,
         read: Callable[[ChunkDone], list[bool]],
+        on_verified: ChunkDone | None = None,
     ) -> list[bool]:
         """Run ``read(on_chunk)`` and check ``dests[i][:payload_bytes]`` against ``expected[i]``
         as each transfer arrives, on the thread that read it (beside the other transfers).
+        ``on_verified(blocks, results)``, if given, then runs on that thread too, once the
+        transfer's blocks are checked (``results[i]`` for each ``i`` in ``blocks``).
 
         Returns:
             Per block: the I/O succeeded and the digest matched.
@@ -85,6 +88,8 @@ class Checksummer:
         def verify(blocks: list[int], io_ok: list[bool]) -> None:  # on the reader threads, at once
             for i in blocks:
                 results[i] = io_ok[i] and checksum(keys[i], dests[i][:payload_bytes]) == expected[i]
+            if on_verified is not None:
+                on_verified(blocks, results)
 
         read(verify)
         return results

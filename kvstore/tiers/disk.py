@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -21,6 +21,8 @@ from kvstore.tiers.disk_state import DiskState
 from kvstore.tiers.errors import TierError, TierFullError, TierIOError
 from kvstore.tiers.records import Record, check_keys, check_name, encode_record
 from kvstore.tiers.slab import BOUNCE_BYTES, is_space_error
+
+BlocksReady = Callable[[list[int], list[bool]], None]  # (block indices, whether each verified)
 
 if TYPE_CHECKING:
     import torch
@@ -234,7 +236,8 @@ class DiskTier:
         self._state.commit(keys, values, slots, digests, n * pb)
 
     def read(
-        self, keys: Sequence[bytes], slots: Sequence[int], outs: Sequence[torch.Tensor | memoryview]
+        self, keys: Sequence[bytes], slots: Sequence[int], outs: Sequence[torch.Tensor | memoryview],
+        on_ready: BlocksReady | None = None,
     ) -> list[bool]:
         """Read blocks into caller memory and verify each against its catalog checksum.
 
@@ -247,6 +250,10 @@ class DiskTier:
             keys: the key each slot was written under.
             slots: where ``write`` put them (or ``entries()`` reports them).
             outs: CPU uint8 tensors (or writable buffers) of at least ``payload_bytes``.
+            on_ready: ``on_ready(blocks, ok)`` runs on a reader thread as each transfer's blocks
+                are in their outs and checked: ``blocks`` their indices into ``keys``, ``ok``
+                whether each verified (so a caller can work on them while the rest of the read
+                is in flight). Its exception propagates once every transfer has ended.
 
         Returns:
             Per block, True when ``out[:payload_bytes]`` holds the verified bytes. False when
@@ -273,6 +280,7 @@ class DiskTier:
             lambda on_chunk: self._slab.read(
                 [slots[i] for i in live], live_dests, [in_place[i] for i in live], on_chunk
             ),
+            None if on_ready is None else lambda blocks, ok: on_ready([live[i] for i in blocks], [ok[i] for i in blocks]),
         )
         results = [False] * n
         for i, ok in zip(live, live_ok, strict=True):

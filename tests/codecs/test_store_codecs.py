@@ -4,6 +4,7 @@ gets, exact=True, NaN refused at put, restarts, codec changes, and unknown versi
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -273,19 +274,50 @@ def test_another_namespaces_directory_is_never_reformatted(tmp_path: Path) -> No
     again.close()
 
 
-def test_a_long_prefix_reads_in_pipelined_batches(tmp_path: Path) -> None:
-    # 100 int8 blocks: 3 batches of at most 4 MiB, each decoded while the next one is read.
+def test_a_long_prefix_decodes_transfer_by_transfer_on_the_reader_threads(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    # 100 int8 blocks of 100 KiB slots: three 4 MiB transfers, each decoded by the thread that
+    # read it as soon as it verifies, one of them corrupt: its blocks are misses, the rest exact.
+    import kvstore.tiers.slab as slab_module
+    from kvstore.store.levels.coding import LevelCodec
+
     store = _store(tmp_path, host_blocks=102, disk_blocks=102, disk_codec="int8", write_policy="write_through",
                    promotion="never")
     keys = _keys(store, 100)
     blocks = random_kv(LAYOUT, 100, seed=14)
     store.put(keys, blocks)
     store.close()
+    calls: list[tuple[str, int]] = []
+    decode = LevelCodec.decode
+
+    def spy(self: LevelCodec, src: list[torch.Tensor], outs: list[torch.Tensor]) -> list[bool]:
+        calls.append((threading.current_thread().name, len(src)))
+        return decode(self, src, outs)
+
+    monkeypatch.setattr(LevelCodec, "decode", spy)
     store = _store(tmp_path, host_blocks=102, disk_blocks=102, disk_codec="int8", promotion="never")
     whole = store.get(keys)
+    assert sum(n for _, n in calls) == 100 and len(calls) >= 3, calls
+    if slab_module.READERS > 1:
+        assert any(name.startswith("disk-tier-read") for name, _ in calls), calls
     one_by_one = torch.cat([store.get([k]) for k in keys[::-1]]).flip(0)
     assert torch.equal(whole, one_by_one)
     assert bool(((whole.float() - blocks.float()).abs() <= int8_bound(blocks, LAYOUT.dtype)).all())
+    slot = store.view.block_info(keys[50])["slots"]["disk"]  # type: ignore[index]
+    slot_bytes = store.config.tier_slot_bytes("disk")
+    store.close()
+    with open(_slab(store), "r+b") as f:  # block 50, in the second transfer: a flipped code byte
+        f.seek(slot * slot_bytes + 5000)
+        byte = f.read(1)
+        f.seek(slot * slot_bytes + 5000)
+        f.write(bytes([byte[0] ^ 0x10]))
+    store = _store(tmp_path, host_blocks=102, disk_blocks=102, disk_codec="int8", promotion="never")
+    into = torch.zeros_like(blocks)
+    assert store.fetch(keys, into).result().num_blocks == 50
+    assert torch.equal(into[:50], whole[:50])
+    assert store.contains(keys)[49:52] == [True, False, True]  # deleted: a miss from now on
+    assert store.stats()["disk"]["errors"] >= 1
+    store.check_integrity()
     store.close()
 
 

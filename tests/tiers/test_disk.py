@@ -447,6 +447,34 @@ def test_pipelined_read_finds_a_corrupt_and_an_unreadable_block(
     tier.close()
 
 
+def test_on_ready_hands_each_transfer_over_once_verified(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # 12 blocks, 3 a transfer, one corrupt, one with no block behind it: on_ready sees every
+    # block with a catalog entry exactly once, with the bytes already in its out and checked
+    tier = pipelined_tier(tmp_path, monkeypatch)
+    keys = [make_key(i) for i in range(12)]
+    slots = put(tier, keys)
+    tier.delete([keys[10]])
+    with open(tmp_path / "d" / "slab-000.bin", "r+b") as f:  # block 5: a flipped byte
+        f.seek(slots[5] * SLOT + 100)
+        byte = f.read(1)
+        f.seek(slots[5] * SLOT + 100)
+        f.write(bytes([byte[0] ^ 0x5A]))
+    outs = unaligned_outs(len(keys))
+    seen: dict[int, bool] = {}
+
+    def on_ready(blocks: list[int], ok: list[bool]) -> None:
+        for i, good in zip(blocks, ok, strict=True):
+            assert i not in seen, f"block {i} handed over twice"
+            seen[i] = good
+            if good:  # in its out already, and verified
+                assert torch.equal(outs[i][:PAYLOAD], payload_for(keys[i]))
+
+    result = tier.read(keys, slots, outs, on_ready=on_ready)
+    assert result == [i not in (5, 10) for i in range(12)]
+    assert seen == {i: i != 5 for i in range(12) if i != 10}
+    tier.close()
+
+
 def test_a_failing_chunk_callback_leaves_no_copy_running_and_the_buffers_pooled(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

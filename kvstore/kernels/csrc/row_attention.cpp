@@ -1,4 +1,4 @@
-// Decode attention over KV rows read in place (kvstore/kernels/cpu_rows.py builds and calls it).
+// Decode attention over KV rows read in place (kvstore/kernels/cpu_rows.py calls it; cpu_ext.py builds it).
 //
 // Sequence s (one new token: G query heads per KV head) attends to the KV rows it names, ids
 // of the row views k and v ([R, H, D], rows strided, heads contiguous): no row is copied out of
@@ -111,6 +111,10 @@ inline void check_index(const torch::Tensor& t, const torch::Tensor& lens, const
               lens_name, " must be a contiguous int64 [", t.size(0), "] tensor, got ", lens.sizes(), " ",
               lens.scalar_type());
 }
+
+}  // namespace
+
+namespace kvstore {
 
 torch::Tensor row_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor own_rows,
                             torch::Tensor own_lens, torch::Tensor members, torch::Tensor counts,
@@ -321,9 +325,4 @@ torch::Tensor row_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, t
   return out;
 }
 
-}  // namespace
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("row_attention", &row_attention, "decode attention over KV rows read in place",
-        pybind11::call_guard<pybind11::gil_scoped_release>());
-}
+}  // namespace kvstore

@@ -13,6 +13,7 @@ not one per block.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
@@ -42,6 +43,7 @@ class LevelCodec:
         they decode to: converted once on the way in, and quantized into pages again on the
         way out."""
         assert codec.lossy, "a raw level needs no LevelCodec"
+        codec.prepare()
         self.codec = codec
         self.pages = pages
         self.page_layout = layout
@@ -52,6 +54,7 @@ class LevelCodec:
         self.encoded_bytes = codec.encoded_bytes(self.layout)
         self.stored_bytes = stored_bytes(codec, self.layout, align)
         self.num_refused = 0
+        self._lock = threading.Lock()
 
     @staticmethod
     def sibling_sizes(layout: KVLayout, align: int) -> set[int]:
@@ -118,7 +121,9 @@ class LevelCodec:
             for i, flag in enumerate(ok):
                 if not flag:
                     flags[start + i] = self._decode_foreign(rows[i], outs[start + i])
-        self.num_refused += flags.count(False)
+        if not all(flags):
+            with self._lock:  # reader threads decode at once
+                self.num_refused += flags.count(False)
         return flags
 
     def _decode_foreign(self, row: torch.Tensor, out: torch.Tensor) -> bool:

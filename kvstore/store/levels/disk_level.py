@@ -3,7 +3,8 @@
 With a codec (``disk_codec``) a slot holds one encoded block padded to 4 KiB, so the slab's
 slots are the encoded size and more blocks fit; the checksum covers the encoded bytes. Blocks
 move through page-aligned staging rows (read and written in place with O_DIRECT) and are
-decoded straight into the caller's rows. Catalog entries name the representation in their
+decoded straight into the caller's rows: a read's transfers are decoded as each arrives and
+verifies, on the thread that read it, while the others are in flight. Catalog entries name the representation in their
 layout id (``<namespace>`` raw, ``<namespace>/coded`` encoded): a raw reader never sees
 encoded bytes, and an encoded block's own header says which codec reads it.
 """
@@ -95,28 +96,29 @@ class DiskLevel(SlotLevel):
 
     def _read_coded(self, keys: Sequence[bytes], slots: Sequence[int], outs: Sequence[torch.Tensor],
                     rows: list[torch.Tensor]) -> list[bool]:
-        coding, staging = self.coding, self._staging
-        assert coding is not None and staging is not None
+        """One read of the encoded slots into ``rows``; each transfer decodes into ``outs`` on
+        the thread that read it, once verified, while the others are in flight."""
+        coding = self.coding
+        assert coding is not None
         flags = [False] * len(keys)
+        refused: list[bytes] = []
 
-        def read(batch: range) -> list[bool]:
-            return self.tier.read([keys[i] for i in batch], [slots[i] for i in batch], select(rows, batch))
-
-        def decode(batch: range, got: list[bool]) -> None:
-            good = [i for i, ok in zip(batch, got, strict=True) if ok]
-            decoded = coding.decode(select(rows, good), select(outs, good))  # type: ignore[arg-type]
-            refused = [keys[i] for i, ok in zip(good, decoded, strict=True) if not ok]
-            if refused:  # checksummed, but in a format this reader does not know: a counted miss
-                self.counters.refused += len(refused)
-                self.tier.delete(refused)
+        def decode(blocks: list[int], verified: list[bool]) -> None:  # on the tier's reader threads
+            good = [i for i, ok in zip(blocks, verified, strict=True) if ok]
+            decoded = coding.decode(select(rows, good), select(outs, good))
             for i, ok in zip(good, decoded, strict=True):
                 flags[i] = ok
+                if not ok:
+                    refused.append(keys[i])
 
         try:
-            staging.pipelined(len(keys), read, decode)
+            self.tier.read(keys, slots, rows, on_ready=decode)
         except TierError:
             self.counters.errors += 1
             return [False] * len(keys)
+        if refused:  # checksummed, but in a format this reader does not know: a counted miss
+            self.counters.refused += len(refused)
+            self.tier.delete(refused)
         return flags
 
     def drop(self, keys: Sequence[bytes], slots: Sequence[int]) -> None:
@@ -161,8 +163,6 @@ class DiskLevel(SlotLevel):
         self.tier.check_integrity()
 
     def close(self) -> None:
-        if self._staging is not None:
-            self._staging.close()
         self.tier.close()
 
 
