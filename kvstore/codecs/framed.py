@@ -20,6 +20,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from kvstore import kernels
 from kvstore.codecs.base import Codec, check_blocks, check_out, check_src
 from kvstore.codecs.header import HEADER_BYTES, BlockHeader, encoded_size, mismatch, rows_matching
 from kvstore.errors import CodecError, CodecFormatError, LayoutMismatchError
@@ -97,6 +98,10 @@ class FramedCodec(Codec):
         elements = self._elements(rows[:, scale_end : scale_end + self.element_bytes(layout)], layout)
         return scales.view(self.scale_dtype).view(n, *shape), elements
 
+    def _one_pass(self, layout: KVLayout) -> bool:
+        """Whether a CPU decode of ``layout`` runs the C++ kernel (no temporaries to bound)."""
+        return cpu_ext.loaded() is not None and kernels.kernel_backend() == "auto"
+
     def _chunk(self, layout: KVLayout) -> int:
         return max(1, CHUNK_ELEMENTS // layout.elements_per_block)
 
@@ -144,7 +149,8 @@ class FramedCodec(Codec):
         if src.device != out.device:
             src = src.to(out.device, non_blocking=True)
         scales, elements = self._views(src, layout)
-        chunk = n if out.device.type != "cpu" else self._chunk(layout)
+        # chunks bound the torch path's float32 temporaries; a GPU and the C++ kernel make none
+        chunk = n if out.device.type != "cpu" or self._one_pass(layout) else self._chunk(layout)
         for start in range(0, n, chunk):
             stop = start + chunk
             self._dequantize(scales[start:stop], elements[start:stop], out[start:stop])

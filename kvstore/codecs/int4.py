@@ -71,6 +71,9 @@ class Int4Codec(FramedCodec):
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "group": GROUP, "rotated": self.rotated}
 
+    def _one_pass(self, layout: KVLayout) -> bool:
+        return super()._one_pass(layout) and _cpp_applies(layout.head_dim, self.rotated)
+
     # ---------------------------------------------------------------------------- encode
 
     def _groups(self, x: torch.Tensor) -> torch.Tensor:
@@ -169,13 +172,17 @@ def _unpack(packed: torch.Tensor) -> torch.Tensor:
     return ((pairs & 15) | ((pairs << 4) & 0xF00)).view(torch.int8).float()
 
 
+def _cpp_applies(head_dim: int, rotated: bool) -> bool:
+    """Whether the C++ kernel (kvstore/kernels/csrc/dequantize.cpp) decodes this head_dim on the
+    CPU: ``KVSTORE_KERNELS=auto``, an even head_dim, and for a rotation a power-of-two one (the
+    Hadamard rotation, undone by the fast transform)."""
+    return not head_dim % 2 and (not rotated or rotation_name(head_dim) == "hadamard") \
+        and kernels.kernel_backend() == "auto"
+
+
 def _cpp_dequantize(packed: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, rotated: bool) -> bool:
-    """Decode through the C++ kernel (kvstore/kernels/csrc/dequantize.cpp) where it applies: CPU
-    tensors, ``KVSTORE_KERNELS=auto``, the kernels loaded, an even head_dim, and for a rotation a
-    power-of-two head_dim (the Hadamard one, undone by the fast transform)."""
-    head_dim = out.shape[-1]
-    if out.device.type != "cpu" or head_dim % 2 or (rotated and rotation_name(head_dim) != "hadamard") \
-            or kernels.kernel_backend() != "auto":
+    """Decode through the C++ kernel where it applies (CPU tensors, ``_cpp_applies``, the kernels loaded)."""
+    if out.device.type != "cpu" or not _cpp_applies(out.shape[-1], rotated):
         return False
     module = cpu_ext.loaded()
     if module is None:

@@ -185,27 +185,24 @@ def _rows(rows: torch.Tensor | Sequence[torch.Tensor], width: int) -> list[torch
         if row.dtype != torch.uint8 or row.dim() != 1 or row.shape[0] < width or row.device.type != "cpu":
             raise ValueError(f"rows must be CPU uint8 vectors of at least {width} bytes, got "
                              f"{row.dtype} {tuple(row.shape)} on {row.device}")
-    return [row[:width] for row in out]
+    return [row if row.shape[0] == width else row[:width] for row in out]
 
 
 def _runs(rows: list[torch.Tensor], width: int) -> list[tuple[int, int, torch.Tensor]]:
     """Split ``rows`` into runs at one stride in memory: ``(start, count, view [count, width])``."""
     runs: list[tuple[int, int, torch.Tensor]] = []
+    ptrs = [row.data_ptr() for row in rows]
+    bases = [row.untyped_storage().data_ptr() for row in rows]
     i = 0
     while i < len(rows):
         j, stride = i + 1, width
-        if j < len(rows) and _same_buffer(rows[i], rows[j]) and rows[j].data_ptr() - rows[i].data_ptr() >= width:
-            stride = rows[j].data_ptr() - rows[i].data_ptr()
-            while j < len(rows) and _same_buffer(rows[i], rows[j]) \
-                    and rows[j].data_ptr() - rows[j - 1].data_ptr() == stride:
+        if j < len(rows) and bases[j] == bases[i] and ptrs[j] - ptrs[i] >= width:
+            stride = ptrs[j] - ptrs[i]
+            while j < len(rows) and bases[j] == bases[i] and ptrs[j] - ptrs[j - 1] == stride:
                 j += 1
         runs.append((i, j - i, rows[i].as_strided((j - i, width), (stride, 1))))
         i = j
     return runs
-
-
-def _same_buffer(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
 def _spans(indices: list[int]) -> list[tuple[int, int]]:

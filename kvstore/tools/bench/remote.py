@@ -7,9 +7,9 @@ replicas, no persistence) and measures, in batches of 64 blocks of 192 KiB:
   get and lookup + fetch, a fresh store's first fetch, a warm miss, and what decided a
   lookup's command;
 - the tier alone: get and put vs redis-py's own cluster pipeline (``RedisCluster.pipeline()``)
-  doing GET/SET of the same bytes on the same cluster (its GET is followed by one ``copy_`` of
-  each value into the caller's tensor; its SET sends ready-made bytes: no framing, no
-  checksum, no existence check);
+  doing GET/SET of the same bytes on the same cluster (its GET alone, the raw baseline, and
+  followed by one ``copy_`` of each value into the caller's tensor; its SET sends ready-made
+  bytes: no framing, no checksum, no existence check);
 - the hash-tag run length sweep (G blocks of a chain per slot) that picks the default G;
 - through the engine (as ``kvstore bench engine`` does, same model): TTFT of a 2,048-token
   prompt whose prefix only the remote tier holds (a fresh engine, local tiers empty) vs full
@@ -81,6 +81,9 @@ def bench_throughput(url: str, seeds: list[int], repeat: int) -> tuple[list[Row]
     def base_get() -> None:
         baseline.get(out)
 
+    def raw_get() -> None:
+        baseline.get_raw()
+
     def ours_put() -> None:
         assert tier.put(chains.next(), list(rows_in)) == n
 
@@ -91,18 +94,23 @@ def bench_throughput(url: str, seeds: list[int], repeat: int) -> tuple[list[Row]
             pipe.set(f"base-put:{put_round[0]}:{i}", value)
         pipe.execute()
 
-    get_s, base_get_s, put_s, base_put_s = interleave([ours_get, base_get, ours_put, base_put], repeat)
+    get_s, base_get_s, raw_get_s, put_s, base_put_s = interleave([ours_get, base_get, raw_get, ours_put, base_put],
+                                                                 repeat)
     tier.get(held, list(out))
     assert torch.equal(out, rows_in), "remote get returned other bytes"
     size = f"{n} x {payload // 1024} KiB"
     rows = [
+        Row(f"remote get (the tier alone), {size}, against the raw GET", min(get_s), min(raw_get_s),
+            "redis-py cluster pipeline GET, no copy", ">= 0.9x"),
         Row(f"remote get (the tier alone), {size}", min(get_s), min(base_get_s),
             "redis-py cluster pipeline GET + copy_", ">= 0.9x"),
         Row(f"remote put, {size}", min(put_s), min(base_put_s), "redis-py cluster pipeline SET", ">= 0.9x"),
     ]
     spread = {name: (sorted(t)[len(t) // 2] / min(t) - 1) * 100
-              for name, t in (("get", get_s), ("base_get", base_get_s), ("put", put_s), ("base_put", base_put_s))}
+              for name, t in (("get", get_s), ("base_get", base_get_s), ("raw_get", raw_get_s), ("put", put_s),
+                              ("base_put", base_put_s))}
     spread["paired_get"] = paired_ratio(base_get_s, get_s)
+    spread["paired_raw_get"] = paired_ratio(raw_get_s, get_s)
     spread["paired_put"] = paired_ratio(base_put_s, put_s)
     spread["read_gbps"] = n * payload / min(get_s) / 1e9
     tier.close()
@@ -193,11 +201,12 @@ def render_remote(rows: list[Row], sweep: list[dict[str, Any]], spread: dict[str
                         "on a thread each, GET replies read straight into memory of their own). Layout: 24 "
                         "layers", 1)
     lines = [text, "", *render_store(store_detail), "",
-             f"Tier rows, spread (median over best, %): get {spread['get']:.0f}, baseline get "
-             f"{spread['base_get']:.0f}, "
+             f"Tier rows, spread (median over best, %): get {spread['get']:.0f}, baseline get + copy_ "
+             f"{spread['base_get']:.0f}, raw get {spread['raw_get']:.0f}, "
              f"put {spread['put']:.0f}, baseline put {spread['base_put']:.0f}. Median of the per-round "
-             f"ratios (each pair run back to back): get {spread['paired_get']:.2f}x, put "
-             f"{spread['paired_put']:.2f}x. Remote read bandwidth {spread['read_gbps']:.2f} GB/s.", "",
+             f"ratios (each pair run back to back): get {spread['paired_get']:.2f}x (against the raw GET "
+             f"{spread['paired_raw_get']:.2f}x), put {spread['paired_put']:.2f}x. Remote read bandwidth "
+             f"{spread['read_gbps']:.2f} GB/s.", "",
              f"Load average when the run started: {spread.get('load', 0.0):.1f} on {os.cpu_count()} cores "
              "(the machine is shared; recompute is CPU-bound and slows with it).", "",
              "Hash-tag run length G (blocks of one chain per hash slot), 64-block chains. The default is "
