@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from kvstore.codecs import CODECS, get_codec, stored_bytes
+from kvstore.codecs import AUTO, CODECS, get_codec, stored_bytes
 from kvstore.errors import ConfigError, LayoutMismatchError
 from kvstore.kernels.pages import PAGE_CODES, SCALE_BYTES
 from kvstore.keys import HASHES
@@ -59,7 +59,10 @@ class StoreSettings:
             (kvstore.codecs: "none", "int8", "int8-fp32", "fp8", "int4-rot", "int4-norot"). A
             lossy tier holds about a half (8-bit) or a quarter (4-bit) of the bytes per block,
             and a get from it returns the decoded values, not the bytes put
-            (``get(exact=True)`` refuses those).
+            (``get(exact=True)`` refuses those). ``disk_codec="auto"``: int8 where a cold read
+            of int8 blocks measured faster than of raw ones on that disk when its directory was
+            first used, else none; the choice stays with the directory
+            (kvstore/store/levels/codec_choice.py).
         remote_url: a shared remote tier below the local ones (docs/remote.md):
             ``redis://``, ``rediss://``, ``redis+cluster://h:p,h:p`` or ``rediss+cluster://``;
             None: none. Never shown in repr or in errors (it may hold a password).
@@ -165,9 +168,14 @@ def _check_settings(s: StoreSettings) -> None:
     """
     for name in CODEC_FIELDS:
         value = getattr(s, name)
-        if value not in CODECS:
-            raise ConfigError(f"{name} must be one of {list(CODECS)}, got {value!r}")
-    if get_codec(s.host_codec).lossy and not get_codec(s.disk_codec).lossy and s.disk_path is not None:
+        codecs = [*CODECS, AUTO] if name == "disk_codec" else [*CODECS]
+        if value not in codecs:
+            raise ConfigError(f"{name} must be one of {codecs}, got {value!r}")
+    if s.disk_codec == AUTO and get_codec(s.host_codec).lossy and s.disk_path is not None:
+        raise ConfigError(f"disk_codec='auto' may choose none below host_codec={s.host_codec!r}, which would "
+                          "store decoded values at full size; name the disk's codec")
+    if s.disk_codec != AUTO and get_codec(s.host_codec).lossy and not get_codec(s.disk_codec).lossy \
+            and s.disk_path is not None:
         raise ConfigError(f"disk_codec={s.disk_codec!r} below host_codec={s.host_codec!r} would store "
                           "decoded values at full size; give the disk a lossy codec too")
     for name in ("host_bytes", "disk_bytes"):
@@ -289,6 +297,8 @@ class StoreConfig:
                 raise ConfigError(f"pages={self.pages!r} needs a layout of quantized pages (uint8, head_dim = the "
                                   f"model's + {SCALE_BYTES}), got {self.layout.fingerprint()}")
         for name in CODEC_FIELDS:
+            if getattr(s, name) == AUTO:  # chosen when the store opens, among codecs that fit
+                continue
             try:
                 get_codec(self.tier_codec(name.removesuffix("_codec"))).encoded_bytes(self.codec_layout)
             except LayoutMismatchError as e:
@@ -339,8 +349,10 @@ class StoreConfig:
         return replace(self.layout, head_dim=self.layout.head_dim - SCALE_BYTES, dtype=torch.float32)
 
     def tier_slot_bytes(self, tier: str) -> int:
-        """Bytes one block occupies in ``tier`` ("host", "disk", "remote") under its codec."""
-        codec = get_codec(self.tier_codec(tier))
+        """Bytes one block occupies in ``tier`` ("host", "disk", "remote") under its codec (a
+        raw block's under ``disk_codec="auto"`` until the store has chosen: the larger)."""
+        name = self.tier_codec(tier)
+        codec = get_codec("none" if name == AUTO else name)
         if not codec.lossy:
             return self.slot_bytes
         return -(-stored_bytes(codec, self.codec_layout, PAGE) // PAGE) * PAGE

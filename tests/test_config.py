@@ -33,7 +33,7 @@ URL = f"redis://user:{SECRET}@127.0.0.1:6379"
 
 
 @pytest.mark.parametrize(("knobs", "message"), [
-    ({"disk_codec": "zstd"}, r"disk_codec must be one of \['none', 'int8', 'int8-fp32', 'fp8', 'int4-rot', 'int4-norot'\], got 'zstd'"),
+    ({"disk_codec": "zstd"}, r"disk_codec must be one of \['none', 'int8', 'int8-fp32', 'fp8', 'int4-rot', 'int4-norot', 'auto'\], got 'zstd'"),
     ({"host_codec": "gzip"}, r"host_codec must be one of .*got 'gzip'"),
     ({"write_policy": "write_around"}, r"write_policy must be one of \['write_back', 'write_through'\]"),
     ({"promotion": "always"}, r"promotion must be one of \['get', 'lookup', 'never'\]"),

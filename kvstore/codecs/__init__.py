@@ -37,6 +37,7 @@ _FACTORIES: dict[str, Callable[[], Codec]] = {
     Int4Codec.name: Int4Codec,
 }
 CODECS: tuple[str, ...] = tuple(_FACTORIES)
+AUTO = "auto"  # not a codec: a disk tier's measured choice of int8 or none (kvstore/store/levels/codec_choice.py)
 _INSTANCES: dict[str, Codec] = {name: make() for name, make in _FACTORIES.items()}
 
 
@@ -77,5 +78,5 @@ def codec_for_header(header: BlockHeader) -> FramedCodec:
     )
 
 
-__all__ = ["CODECS", "Codec", "Fp8Codec", "FramedCodec", "Int4Codec", "Int4RotCodec", "Int8Codec", "Int8Fp32Codec", "RawCodec",
+__all__ = ["AUTO", "CODECS", "Codec", "Fp8Codec", "FramedCodec", "Int4Codec", "Int4RotCodec", "Int8Codec", "Int8Fp32Codec", "RawCodec",
            "ScaledCodec", "codec_for_header", "get_codec", "stored_bytes"]

@@ -36,6 +36,7 @@ from kvstore.store.integrity import check_integrity
 from kvstore.store.leases import HostLeases
 from kvstore.store.levels import Level, SharedLevel
 from kvstore.store.levels.build import build_admissions, build_levels, build_shared
+from kvstore.store.levels.codec_choice import resolve_disk_codec
 from kvstore.store.listeners import StoreListener
 from kvstore.store.management import Management
 from kvstore.store.reads import ReadPath
@@ -56,6 +57,7 @@ class TieredStore:
     """
 
     def __init__(self, config: StoreConfig) -> None:
+        config = resolve_disk_codec(config)  # disk_codec="auto": the directory's choice
         self.config = config
         self.layout = config.layout
         self.namespace = Namespace(config.model_id, config.layout, config.settings.hash_algo)

@@ -239,7 +239,7 @@ def test_an_int8_host_tier_holds_twice_the_blocks_and_hands_out_no_leases(tmp_pa
         StoreConfig(layout=LAYOUT, host_bytes=10 * RAW, host_codec="int8", shared_host=True)
     with pytest.raises(ConfigError, match="would store decoded values"):
         StoreConfig(layout=LAYOUT, host_bytes=10 * RAW, host_codec="int8", disk_path=tmp_path, disk_bytes=RAW)
-    with pytest.raises(ConfigError, match=r"disk_codec must be one of \['none', 'int8', 'int8-fp32', 'fp8', 'int4-rot', 'int4-norot'\]"):
+    with pytest.raises(ConfigError, match=r"disk_codec must be one of \['none', 'int8', 'int8-fp32', 'fp8', 'int4-rot', 'int4-norot', 'auto'\]"):
         StoreConfig(layout=LAYOUT, disk_codec="zstd")
 
 

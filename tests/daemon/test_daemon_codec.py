@@ -62,11 +62,33 @@ def test_daemon_with_an_int8_disk(tmp_path: Path) -> None:
             d.kill9()
 
 
+def test_daemon_with_disk_codec_auto_measures_each_namespaces_disk(tmp_path: Path) -> None:
+    d = DaemonProc(tmp_path / "data", "--disk-codec", "auto", host_mem="1MiB", disk="2MiB")
+    try:
+        assert _get(f"{d.http}/v1/tiers")["tiers"]["disk"]["codec"] == "auto"  # before any namespace opens
+        with d.connect(layout=CODEC_LAYOUT) as client:
+            keys = client.block_keys(prompt(3, 30, CODEC_LAYOUT.block_size))
+            client.put(keys, blocks(keys, CODEC_LAYOUT))
+            stats = client.stats()["disk"]
+            chosen = stats["codec"]
+            assert chosen in ("none", "int8")
+            # the namespace's 512 KiB disk share in slots of the chosen size: 20 KiB int8, 32 KiB raw
+            assert stats["num_blocks"] == (25 if chosen == "int8" else 16)
+        record = next((tmp_path / "data" / "namespaces").glob("*/disk/codec-choice.json"))
+        assert json.loads(record.read_text())["codec"] == chosen
+        spaces = _get(f"{d.http}/v1/namespaces")["namespaces"]
+        assert spaces[0]["codecs"]["disk"]["codec"] == chosen
+        assert d.stop() == 0
+    finally:
+        if d.proc.poll() is None:
+            d.kill9()
+
+
 def test_disk_codec_from_toml_and_bad_values(tmp_path: Path) -> None:
     toml = tmp_path / "kvstore.toml"
     toml.write_text('disk_codec = "fp8"\n')
     assert load_config(toml, {"data_dir": tmp_path}).store_settings.disk_codec == "fp8"
     assert load_config(toml, {"data_dir": tmp_path, "disk_codec": "int8"}).store_settings.disk_codec == "int8"  # flags win
     toml.write_text('disk_codec = "zstd"\n')
-    with pytest.raises(ConfigError, match=r"disk_codec must be one of \['none', 'int8', 'int8-fp32', 'fp8', 'int4-rot', 'int4-norot'\]"):
+    with pytest.raises(ConfigError, match=r"disk_codec must be one of \['none', 'int8', 'int8-fp32', 'fp8', 'int4-rot', 'int4-norot', 'auto'\]"):
         load_config(toml, {"data_dir": tmp_path})

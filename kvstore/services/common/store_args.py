@@ -13,7 +13,7 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from kvstore.codecs import CODECS
+from kvstore.codecs import AUTO, CODECS
 from kvstore.config import COLD_BLOCKS, PROMOTIONS, REMOTE_WRITES, WRITE_POLICIES, StoreSettings
 from kvstore.errors import ConfigError
 from kvstore.keys import HASHES
@@ -69,7 +69,9 @@ STORE_FLAGS: dict[str, StoreFlag] = {  # StoreSettings field -> its flag
     "promotion": StoreFlag("--promotion", "when a disk or remote block is copied up to host RAM: on get, "
                            "ahead of time on lookup, or never", choices=PROMOTIONS),
     "host_codec": StoreFlag("--host-codec", CODEC_HELP.format(tier="host RAM"), choices=tuple(CODECS)),
-    "disk_codec": StoreFlag("--disk-codec", CODEC_HELP.format(tier="the disk tier"), choices=tuple(CODECS)),
+    "disk_codec": StoreFlag("--disk-codec", CODEC_HELP.format(tier="the disk tier") + "; auto: int8 where a "
+                            "cold read of int8 blocks measures faster on this disk, else none (measured once per "
+                            "directory, kept in its codec-choice.json)", choices=(*CODECS, AUTO)),
     "remote_codec": StoreFlag("--remote-codec", CODEC_HELP.format(tier="the remote tier"), choices=tuple(CODECS)),
     "remote_url": StoreFlag("--remote-url", "a remote tier shared with other nodes: "
                             "redis+cluster://HOST:PORT[,HOST:PORT...] or redis://HOST:PORT (docs/remote.md); "

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from kvstore.codecs import get_codec, stored_bytes
+from kvstore.codecs import AUTO, get_codec, stored_bytes
 from kvstore.config import PAGE, StoreConfig
 from kvstore.errors import ConfigError, LayoutMismatchError
 from kvstore.keys import HASHES, Namespace
@@ -184,9 +184,10 @@ class Registry:
                                 f"{slot}-byte block of {ns.layout.fingerprint()}")
         settings = replace(cfg.store_settings, host_bytes=host, hash_algo=ns.hash_algo, disk_path=None, disk_bytes=0,
                            write_policy="write_back")
-        disk_codec = get_codec(cfg.store_settings.disk_codec)
+        # "auto" is chosen when the namespace's store opens: a raw block's room, the larger, until then
+        disk_codec = get_codec(_named(cfg.store_settings.disk_codec))
         for tier in ("host", "disk", "remote"):
-            codec = get_codec(getattr(cfg.store_settings, f"{tier}_codec"))
+            codec = get_codec(_named(getattr(cfg.store_settings, f"{tier}_codec")))
             try:
                 codec.encoded_bytes(ns.layout)
             except LayoutMismatchError as exc:  # e.g. an engine's quantized pages (uint8) under int8
@@ -230,7 +231,7 @@ class Registry:
                 out["disk"] = tier_stats(TierCounters(), cfg.store_settings.disk_bytes, 0, 0)
             for tier, codec_name in (("host", cfg.store_settings.host_codec), ("disk", cfg.store_settings.disk_codec)):
                 if tier in out:
-                    out[tier].update(codec=codec_name, lossy=get_codec(codec_name).lossy)
+                    out[tier].update(codec=codec_name, lossy=codec_name == AUTO or get_codec(codec_name).lossy)
             if cfg.store_settings.remote_url is not None:
                 out["remote"] = dict(tier_stats(TierCounters(), 0, 0, 0), dropped=0, pending=0, nodes_up=0,
                                      round_trips=0, hint_hits=0, hint_misses=0, kept_used=0,
@@ -323,3 +324,8 @@ class Registry:
     def close(self) -> None:
         for state in self.namespaces():
             state.store.close()
+
+
+def _named(codec: str) -> str:
+    """A codec setting as a codec name: ``auto`` sized as raw blocks (``none``)."""
+    return "none" if codec == AUTO else codec
