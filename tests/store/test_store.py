@@ -145,6 +145,30 @@ def test_get_promotes_disk_blocks_to_host(tmp_path: Path) -> None:
     store.close()
 
 
+def test_a_get_larger_than_host_promotes_the_leading_blocks_that_fit_and_streams_the_rest(tmp_path: Path) -> None:
+    # 10 disk blocks through a 2-block host tier: the first two are promoted, the other eight
+    # are read from disk into the caller's memory and stay there; nothing the call promoted is
+    # demoted by the same call, and a second get finds the same two in host and evicts nothing
+    store = make_store(tmp_path, host_blocks=2, disk_blocks=16, write_policy="write_through")
+    keys = chain(store, 10)
+    store.put(keys, blocks_for(keys))
+    store.close()
+    store = make_store(tmp_path, host_blocks=2, disk_blocks=16)
+    assert store.lookup(keys).tiers == ("disk",) * 10
+    read = [store.stats()["disk"]["bytes_read"]]
+    for round_ in range(2):
+        assert_exact(store, keys)
+        assert store.lookup(keys).tiers == ("host",) * 2 + ("disk",) * 8, f"get {round_ + 1}"
+        stats = store.stats()
+        assert stats["host"]["num_blocks"] == 2 and stats["host"]["evictions"] == 0
+        assert stats["disk"]["num_blocks"] == 10
+        read.append(stats["disk"]["bytes_read"])
+        store.check_integrity()
+    payload = SMALL_LAYOUT.bytes_per_block
+    assert (read[1] - read[0], read[2] - read[1]) == (10 * payload, 8 * payload)  # then only the rest from disk
+    store.close()
+
+
 def test_promotion_never_keeps_blocks_on_disk(tmp_path: Path) -> None:
     store = make_store(tmp_path, host_blocks=2, disk_blocks=8, promotion="never")
     a, b = chain(store, 2, salt=1), chain(store, 2, salt=2)
