@@ -8,8 +8,8 @@ Dispatch, per call: ``KVSTORE_KERNELS`` (read by ``kernel_backend`` here: the ke
 ``reference`` runs ``kvstore.kernels.reference``; ``triton`` runs the Triton kernels (on CPU tensors only
 under ``TRITON_INTERPRET=1``); ``auto`` (the default) runs Triton when the tensors are on CUDA and
 Triton is installed, else the reference, except that the 8-bit dequantize on the CPU runs the C++
-kernel of ``kvstore.kernels.cpu_ext`` once something has loaded it (a store with an 8-bit codec
-does when it opens; the two agree bit for bit). The Triton modules are imported on first use,
+kernel of ``kvstore.kernels.cpu_ext`` once something has loaded it (a store with a quantizing
+codec does when it opens; the two agree bit for bit). The Triton modules are imported on first use,
 so this package imports without Triton.
 """
 

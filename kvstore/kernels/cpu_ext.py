@@ -1,11 +1,12 @@
 """kvstore's C++ CPU kernels (``csrc/``): one extension module, built on first use.
 
-Two kernels live in it: decode attention over KV rows read in place (``cpu_rows``) and the
-8-bit codecs' dequantize (``cpu_codec``). The module is compiled with
+Two kinds of kernel live in it: decode attention over KV rows read in place (``cpu_rows``,
+``csrc/row_attention.cpp``) and the codecs' decode (int8, fp8, int4; ``csrc/dequantize.cpp``).
+The module is compiled with
 ``torch.utils.cpp_extension`` (a C++ compiler and ninja on the PATH; the build is cached under
 ``$TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``, about 40 s the first time,
-under a second after). ``load()`` builds it: the engine calls it at start and a store whose
-levels decode 8-bit codecs when it opens, never inside a request. Where it cannot be built,
+under a second after). ``load()`` builds it: the engine calls it at start and a store with a
+quantizing codec when it opens (``Codec.prepare``), never inside a request. Where it cannot be built,
 ``load()`` says why once (a warning) and returns None, and every caller keeps its torch path.
 """
 
@@ -44,8 +45,8 @@ def load() -> ModuleType | None:
     (the reason is logged once as a warning)."""
     missing = [tool for tool in ("c++", "ninja") if shutil.which(tool) is None]
     if missing:
-        log.warning("kvstore's CPU kernels are not built (%s not on the PATH): decode attention and the 8-bit "
-                    "codecs' decode take the torch path (docs/engine.md)", " and ".join(missing))
+        log.warning("kvstore's CPU kernels are not built (%s not on the PATH): decode attention and the codecs' "
+                    "decode take the torch path (docs/kernels.md)", " and ".join(missing))
         return None
     from torch.utils.cpp_extension import load as build
 
@@ -60,8 +61,8 @@ def load() -> ModuleType | None:
         return build(name=f"kvstore_cpu_{isa.lower()}_{digest.hexdigest()[:12]}",
                      sources=[str(s) for s in SOURCES], extra_cflags=flags, verbose=False)
     except Exception as exc:  # a compiler error, a read-only cache: the torch paths still work
-        log.warning("kvstore's CPU kernels did not build (%s): decode attention and the 8-bit codecs' decode "
-                    "take the torch path", exc)
+        log.warning("kvstore's CPU kernels did not build (%s): decode attention and the codecs' decode take "
+                    "the torch path", exc)
         return None
 
 

@@ -1,5 +1,5 @@
-// Dequantize 8-bit rows that share one scale per row, on the CPU (kvstore/kernels/cpu_codec.py
-// calls it; cpu_ext.py builds it): the int8 and fp8 codecs' decode.
+// The codecs' decode on the CPU (cpu_ext.py builds it; kvstore/kernels/__init__.py's
+// dequantize_int8/fp8 and kvstore/codecs/int4.py call it). dequantize: the int8 and fp8 rows.
 //
 // out[b, r, :] = value(data[b, r, :]) * scales[b, r], the product formed in float32 and rounded
 // once to out's dtype (float32, float16 or bfloat16, rounding to nearest even): bit for bit what
@@ -74,7 +74,7 @@ inline void store8(c10::BFloat16* o, __m256 v) {
 }
 #endif
 
-constexpr int64_t kGroup = 64;  // values a int4 scale covers (kvstore/codecs/int4.py GROUP)
+constexpr int64_t kGroup = 64;  // values an int4 scale covers (kvstore/codecs/int4.py GROUP)
 constexpr int64_t kMaxDim = 1024;
 
 template <typename O>
@@ -154,7 +154,7 @@ inline void unpack_row(const uint8_t* codes, const c10::Half* scales, float* y, 
 template <typename O>
 void dequantize_int4_rows(const torch::Tensor& packed, const torch::Tensor& scales, torch::Tensor& out,
                           bool hadamard) {
-  const int64_t rows_per_block = out.size(1), dim = out.size(2), groups = scales.size(2);
+  const int64_t rows_per_block = out.size(1), dim = out.size(2);
   const int64_t num_rows = out.size(0) * rows_per_block;
   const auto* p = packed.data_ptr<uint8_t>();
   const auto* s = scales.data_ptr<c10::Half>();
@@ -181,7 +181,6 @@ void dequantize_int4_rows(const torch::Tensor& packed, const torch::Tensor& scal
   if (dim == 64) return rows(std::integral_constant<int64_t, 64>{});
   if (dim == 128) return rows(std::integral_constant<int64_t, 128>{});
   rows(std::integral_constant<int64_t, 0>{});
-  (void)groups;
 }
 
 template <bool kFp8, typename S, typename O>

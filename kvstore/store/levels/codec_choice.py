@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 import statistics
 import tempfile
@@ -107,20 +108,20 @@ def measure(config: StoreConfig) -> tuple[str, dict[str, Any]]:
     blocks = torch.randn((n, *layout.block_shape), generator=torch.Generator().manual_seed(0)).to(layout.dtype)
     rows = list(blocks.view(torch.uint8).reshape(n, -1))
     scratch = Path(tempfile.mkdtemp(prefix=f".{path.name}-codec-probe-", dir=path.parent))
+    probes: dict[str, _Probe] = {}
+    times: dict[str, list[float]] = {"none": [], CANDIDATE: []}
     try:
-        probes = {codec: _Probe(scratch / codec, config, codec, rows) for codec in ("none", CANDIDATE)}
-        try:
-            times: dict[str, list[float]] = {codec: [] for codec in probes}
-            out = list(torch.empty_like(blocks).view(torch.uint8).reshape(n, -1))  # rows of one tensor, as a get's
-            for probe in probes.values():
-                probe.read(out)  # warm: threads and staging, as a running store's are
-            for r in range(ROUNDS):
-                for codec in (("none", CANDIDATE) if r % 2 == 0 else (CANDIDATE, "none")):
-                    times[codec].append(probes[codec].read(out, cold=True))
-        finally:
-            for probe in probes.values():
-                probe.close()
+        for codec in times:
+            probes[codec] = _Probe(scratch / codec, config, codec, rows)
+        out = list(torch.empty_like(blocks).view(torch.uint8).reshape(n, -1))  # rows of one tensor, as a get's
+        for probe in probes.values():
+            probe.read(out)  # warm: threads and staging, as a running store's are
+        for r in range(ROUNDS):
+            for codec in (("none", CANDIDATE) if r % 2 == 0 else (CANDIDATE, "none")):
+                times[codec].append(probes[codec].read(out, cold=True))
     finally:
+        for probe in probes.values():
+            probe.close()
         shutil.rmtree(scratch, ignore_errors=True)
     raw, coded = statistics.median(times["none"]), statistics.median(times[CANDIDATE])
     chosen = CANDIDATE if raw >= MIN_GAIN * coded else "none"
@@ -141,6 +142,7 @@ class _Probe:
         self.slots = tier.allocate(len(rows))
         entries = [BlockEntry(key, None, "", 0.0, [None, slot]) for key, slot in zip(self.keys, self.slots, strict=True)]
         if not self.level.write(entries, self.slots, rows):
+            self.level.close()
             raise OSError(f"the disk_codec=auto probe could not write to {path}: {self.level.last_error}")
 
     def read(self, out: list[torch.Tensor], cold: bool = False) -> float:
@@ -159,8 +161,6 @@ class _Probe:
 
 def _drop_cached(path: str) -> None:
     """Drop the probe's slab from the page cache (a no-op where O_DIRECT bypasses it)."""
-    import os
-
     for name in os.listdir(path):
         if name.startswith("slab-"):
             fd = os.open(os.path.join(path, name), os.O_RDONLY)

@@ -4,9 +4,10 @@ With a codec (``disk_codec``) a slot holds one encoded block padded to 4 KiB, so
 slots are the encoded size and more blocks fit; the checksum covers the encoded bytes. Blocks
 move through page-aligned staging rows (read and written in place with O_DIRECT) and are
 decoded straight into the caller's rows: a read's transfers are decoded as each arrives and
-verifies, on the thread that read it, while the others are in flight. Catalog entries name the representation in their
-layout id (``<namespace>`` raw, ``<namespace>/coded`` encoded): a raw reader never sees
-encoded bytes, and an encoded block's own header says which codec reads it.
+verifies, on the thread that read it, while the others are in flight. Catalog entries name
+the representation in their layout id (``<namespace>`` raw, ``<namespace>/coded`` encoded): a
+raw reader never sees encoded bytes, and an encoded block's own header says which codec reads
+it.
 """
 
 from __future__ import annotations
