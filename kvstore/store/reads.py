@@ -280,21 +280,35 @@ class ReadPath:
         if dst is not None:
             outs += [dst[rows[e.key]] for e, _r in lower[len(promo_slots) :]]
         targets = list(zip(lower[: len(outs)], outs, strict=True))
+        # Raw host slots: a promoted block is copied on to dst as soon as its level has it
+        # (per disk transfer, on the reader's thread, beside the transfers still in flight).
+        copied: list[int] = []  # indices into promo_slots already copied to dst
         for level in cascade.levels[1:]:
-            mine = [(e, out) for (e, r), out in targets if r == level.rank]
+            mine = [j for j, ((_e, r), _out) in enumerate(targets) if r == level.rank]
             if not mine:
                 continue
-            flags = level.read([e.key for e, _ in mine], [slots_read[rows[e.key]] for e, _ in mine],
-                               [out for _, out in mine])
-            for (entry, _out), good in zip(mine, flags, strict=True):
-                ok[entry.key] = good
+
+            def ready(blocks: list[int], good: list[bool], mine: list[int] = mine) -> None:
+                early = [(rows[lower[mine[b]][0].key], mine[b]) for b, g in zip(blocks, good, strict=True)
+                         if g and mine[b] < len(promo_slots)]
+                for first, count in _runs(early):
+                    row, i = early[first]
+                    host.read_rows(promo_slots[i : i + count], dst[row : row + count])  # type: ignore[index]
+                copied.extend(i for _row, i in early)
+
+            keys = [targets[j][0][0].key for j in mine]
+            flags = level.read(keys, [slots_read[rows[key]] for key in keys], [targets[j][1] for j in mine],
+                               ready if dst is not None and host.coding is None and promo_slots else None)
+            for key, good in zip(keys, flags, strict=True):
+                ok[key] = good
             level.counters.bytes_read += sum(flags) * level.payload_bytes
         raw = host.raw_bytes
         read = [ok[e.key] for e, _r in lower[: len(promo_slots)]]
         promoted = host.finish_promotion(promo_slots, targets_on_host, read)
-        copies: list[tuple[int, int]] = []  # (dst row, index into promo_slots) of blocks read
+        done = set(copied)
+        copies: list[tuple[int, int]] = []  # (dst row, index into promo_slots) of blocks read, not yet copied
         for i, ((entry, _r), good, placed) in enumerate(zip(lower, read, promoted, strict=False)):
-            if dst is not None and good:
+            if dst is not None and good and i not in done:
                 copies.append((rows[entry.key], i))
             if good and not placed:
                 unplaced.add(entry.key)

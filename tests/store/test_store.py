@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvstore import CapacityError, ConfigError, KVLayout, KVStoreError, LayoutMismatchError, StoreConfig
+from kvstore import CapacityError, ConfigError, KVLayout, KVStoreError, LayoutMismatchError, StoreConfig, TieredStore
 from kvstore.errors import CodecError, TierError
 
 from factories import SLOT, SMALL_LAYOUT, blocks_for, chain, make_store
@@ -166,6 +166,50 @@ def test_a_get_larger_than_host_promotes_the_leading_blocks_that_fit_and_streams
         store.check_integrity()
     payload = SMALL_LAYOUT.bytes_per_block
     assert (read[1] - read[0], read[2] - read[1]) == (10 * payload, 8 * payload)  # then only the rest from disk
+    store.close()
+
+
+@pytest.mark.parametrize("disk_codec", ["none", "int8"])
+def test_a_promoting_get_copies_each_transfer_on_while_the_rest_is_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                       disk_codec: str) -> None:
+    # 96 blocks of 128 KiB (int8: 68 KiB slots) are several 4 MiB disk transfers: each block
+    # promoted into host goes on to the caller's memory as its transfer lands, on the thread
+    # that read it; the bytes are the bytes put (int8: within its bound), host holds them all
+    import threading
+
+    import kvstore.tiers.slab as slab_module
+    from kvstore.store.levels.host_level import HostLevel
+
+    layout = KVLayout(num_layers=8, num_kv_heads=2, head_dim=64, block_size=32, dtype=torch.float16)
+    n, raw = 96, layout.bytes_per_block
+    config = StoreConfig(layout=layout, model_id="promote", host_bytes=(n + 4) * raw, disk_path=tmp_path / "disk",
+                         disk_bytes=(n + 4) * raw, write_policy="write_through", sync_disk=False, disk_codec=disk_codec)
+    store = TieredStore(config)
+    keys = store.block_keys(list(range(n * layout.block_size)))
+    blocks = torch.randn((n, *layout.block_shape), generator=torch.Generator().manual_seed(5)).half()
+    store.put(keys, blocks)
+    store.close()
+    copies: list[tuple[str, int]] = []
+    read_rows = HostLevel.read_rows
+
+    def spy(self: HostLevel, slots: list[int], dst: torch.Tensor) -> None:
+        copies.append((threading.current_thread().name, len(slots)))
+        read_rows(self, slots, dst)
+
+    monkeypatch.setattr(HostLevel, "read_rows", spy)
+    store = TieredStore(config)
+    got = store.get(keys)
+    if disk_codec == "none":
+        assert torch.equal(got, blocks)
+    else:
+        err = (got.float() - blocks.float()).abs()
+        assert bool((err <= blocks.float().abs().amax(dim=-1, keepdim=True) / 127).all())
+    assert sum(count for _, count in copies) == n and len(copies) >= 3, copies  # per transfer, each block once
+    if slab_module.READERS > 1:
+        assert any(name.startswith("disk-tier-read") for name, _ in copies), copies
+    assert store.lookup(keys).tiers == ("host",) * n
+    assert torch.equal(store.get(keys), got)  # now from host: what the promoted slots hold
+    store.check_integrity()
     store.close()
 
 

@@ -27,6 +27,8 @@ from kvstore.store.index import BlockEntry
 from kvstore.store.levels.coding import LevelCodec
 from kvstore.store.stats import TierCounters, tier_stats
 
+BlocksReady = Callable[[list[int], list[bool]], None]  # (block indices, whether each holds its block)
+
 
 @dataclass(frozen=True)
 class Recovered:
@@ -154,9 +156,14 @@ class Level(ABC):
         """
 
     @abstractmethod
-    def read(self, keys: Sequence[bytes], slots: Sequence[int], outs: Sequence[torch.Tensor]) -> list[bool]:
+    def read(self, keys: Sequence[bytes], slots: Sequence[int], outs: Sequence[torch.Tensor],
+             on_ready: BlocksReady | None = None) -> list[bool]:
         """Copy each slot's block into ``outs[i]`` (raw rows of at least ``raw_bytes``; decoded
-        under a codec) and verify it.
+        under a codec) and verify it. ``on_ready(blocks, ok)``, if given, is told of blocks,
+        each at most once, as soon as their ``outs[i]`` are final (``ok``: whether each holds
+        its block), on whatever thread finished them and before ``read`` returns, so a caller
+        can move them on while the rest is read (a disk hands them over per transfer). A
+        block it never names has only the returned flag.
 
         Returns:
             Per block, True when ``outs[i]`` holds the block written under ``keys[i]``. A

@@ -22,7 +22,7 @@ from kvstore.policy.admission import AdmissionPolicy
 from kvstore.policy.eviction import EvictionPolicy
 from kvstore.results import DISK
 from kvstore.store.index import BlockEntry
-from kvstore.store.levels.base import Recovered, SlotLevel
+from kvstore.store.levels.base import BlocksReady, Recovered, SlotLevel
 from kvstore.store.levels.coding import LevelCodec
 from kvstore.store.levels.staging import Staging, select
 from kvstore.store.stats import tier_stats
@@ -84,19 +84,20 @@ class DiskLevel(SlotLevel):
             return False
         return True
 
-    def read(self, keys: Sequence[bytes], slots: Sequence[int], outs: Sequence[torch.Tensor]) -> list[bool]:
+    def read(self, keys: Sequence[bytes], slots: Sequence[int], outs: Sequence[torch.Tensor],
+             on_ready: BlocksReady | None = None) -> list[bool]:
         if self.coding is None:
             try:
-                return self.tier.read(keys, slots, outs)
+                return self.tier.read(keys, slots, outs, on_ready=on_ready)
             except TierError:
                 self.counters.errors += 1
                 return [False] * len(keys)
         assert self._staging is not None
         with self._staging.rows(len(keys)) as rows:
-            return self._read_coded(keys, slots, outs, rows)
+            return self._read_coded(keys, slots, outs, rows, on_ready)
 
     def _read_coded(self, keys: Sequence[bytes], slots: Sequence[int], outs: Sequence[torch.Tensor],
-                    rows: list[torch.Tensor]) -> list[bool]:
+                    rows: list[torch.Tensor], on_ready: BlocksReady | None) -> list[bool]:
         """One read of the encoded slots into ``rows``; each transfer decodes into ``outs`` on
         the thread that read it, once verified, while the others are in flight."""
         coding = self.coding
@@ -111,6 +112,8 @@ class DiskLevel(SlotLevel):
                 flags[i] = ok
                 if not ok:
                     refused.append(keys[i])
+            if on_ready is not None:
+                on_ready(blocks, [flags[i] for i in blocks])
 
         try:
             self.tier.read(keys, slots, rows, on_ready=decode)

@@ -16,7 +16,7 @@ from kvstore.layout import raw_rows
 from kvstore.policy.eviction import EvictionPolicy
 from kvstore.results import HOST
 from kvstore.store.index import BlockEntry
-from kvstore.store.levels.base import SlotLevel
+from kvstore.store.levels.base import BlocksReady, SlotLevel
 from kvstore.store.levels.coding import LevelCodec
 from kvstore.tiers.host import HostTier
 
@@ -60,13 +60,18 @@ class HostLevel(SlotLevel):
                 self.tier.slot_view(slot)[:size].copy_(payload[:size])
         return True
 
-    def read(self, keys: Sequence[bytes], slots: Sequence[int], outs: Sequence[torch.Tensor]) -> list[bool]:
+    def read(self, keys: Sequence[bytes], slots: Sequence[int], outs: Sequence[torch.Tensor],
+             on_ready: BlocksReady | None = None) -> list[bool]:
         if self.coding is not None:
-            return self.coding.decode(self.views(slots), outs)
-        size = self.tier.payload_bytes
-        for slot, out in zip(slots, outs, strict=True):
-            out[:size].copy_(self.tier.slot_view(slot)[:size])
-        return [True] * len(slots)
+            flags = self.coding.decode(self.views(slots), outs)
+        else:
+            size = self.tier.payload_bytes
+            for slot, out in zip(slots, outs, strict=True):
+                out[:size].copy_(self.tier.slot_view(slot)[:size])
+            flags = [True] * len(slots)
+        if on_ready is not None:
+            on_ready(list(range(len(slots))), flags)
+        return flags
 
     def read_rows(self, slots: Sequence[int], dst: torch.Tensor) -> None:
         """Copy the slots' blocks into ``dst``'s consecutive rows: raw ``[n, raw_bytes]``

@@ -148,18 +148,25 @@ def bench_get_beside_puts(seconds: float) -> list[Row]:
 CEILING_GBPS = 4.0  # what a read from a tmpfs slab must reach on two cores (the store's own ceiling)
 
 
+DISK_SIZES = (40, 256, 1024)  # the size sweep's prefixes: 8, 50 and 201 MB of 192 KiB blocks
+SMALL_READ_TARGET = 0.6  # a short read's share of dd's rate (its fixed costs weigh more)
+
+
 def bench_disk(num_blocks: int, repeat: int, workdir: Path, medium: str = "disk",
-               ceiling_gbps: float | None = None) -> tuple[list[Row], str]:
+               ceiling_gbps: float | None = None, promotion: str = "never",
+               host_blocks: int | None = None, write_row: bool = True) -> tuple[list[Row], str]:
     """A cold read (a reopened store, the slab's pages dropped) and a write-through put of
     ``num_blocks`` against dd on the same medium: ``dd iflag=direct`` with 4 MiB requests
     reads the very extents that hold the blocks (the medium's own rate). With
-    ``ceiling_gbps``, only the read, as a rate against that one (dd's named beside it)."""
+    ``ceiling_gbps``, only the read, as a rate against that one (dd's named beside it). The
+    read promotes as ``promotion`` says, into a host tier of ``host_blocks`` (default: twice
+    the read); without ``write_row`` only the read's row comes back."""
     layout = BENCH_LAYOUT
     payload = layout.bytes_per_block
     disk_dir = workdir / "disk"
-    cfg = StoreConfig(layout=layout, model_id="bench", host_bytes=2 * num_blocks * payload,
+    cfg = StoreConfig(layout=layout, model_id="bench", host_bytes=(host_blocks or 2 * num_blocks) * payload,
                       disk_path=disk_dir, disk_bytes=(repeat + 2) * num_blocks * payload,
-                      write_policy="write_through", promotion="never")
+                      write_policy="write_through", promotion=promotion)
     store = TieredStore(cfg)
     blocks = torch.randn((num_blocks, *layout.block_shape)).to(layout.dtype)
     chains = [store.block_keys(list(range(r * 10**6, r * 10**6 + num_blocks * layout.block_size))) for r in range(repeat + 1)]
@@ -208,18 +215,35 @@ def bench_disk(num_blocks: int, repeat: int, workdir: Path, medium: str = "disk"
     size = f"{num_blocks} x {payload // 1024} KiB"
     dd_name = "dd iflag=direct bs=4M" if direct == "O_DIRECT" else "dd bs=4M"
     nbytes = num_blocks * payload
-    read_name = f"{medium} cold read ({direct}), {size}: {nbytes / read_s / 1e9:.2f} GB/s"
+    promoted = "" if promotion == "never" else f", promotion={promotion!r} into a {host_blocks or 2 * num_blocks}-block host tier"
+    read_name = f"{medium} cold read ({direct}), {size}{promoted}: {nbytes / read_s / 1e9:.2f} GB/s"
     if ceiling_gbps is not None:
         budget_s = nbytes / ceiling_gbps / 1e9
         return [Row(f"{read_name} ({dd_name}: {nbytes / dd_read / 1e9:.2f} GB/s)", read_s, budget_s,
                     f"{ceiling_gbps:g} GB/s", f"< {budget_s * 1e3:.1f} ms", ratio_kind="budget")], direct
+    read_row = Row(read_name, read_s, dd_read, dd_name, f">= {SMALL_READ_TARGET if nbytes < 16 << 20 else 0.8}x")
+    if not write_row:
+        return [read_row], direct
     target = workdir / "dd-write"
     dd_write = min(dd_seconds(["if=/dev/zero", f"of={target}", f"bs={payload}", f"count={num_blocks}",
                                 "oflag=direct", "conv=fdatasync"]) for _ in range(repeat))
     return [
-        Row(read_name, read_s, dd_read, dd_name, ">= 0.8x"),
+        read_row,
         Row(f"{medium} write + sync + catalog, {size}", write_s, dd_write, "dd oflag=direct conv=fdatasync", ">= 0.7x"),
     ], direct
+
+
+def bench_disk_sweep(repeat: int, workdir: Path) -> list[Row]:
+    """The cold read at each of ``DISK_SIZES`` without promotion, and with the default one
+    (``promotion="get"``) into a host tier of 4 blocks (smaller than the read: it promotes
+    what fits and reads the rest into the caller's memory) and into one that holds it all."""
+    rows: list[Row] = []
+    for num_blocks in DISK_SIZES:
+        for promotion, host_blocks in (("never", None), ("get", 4), ("get", 2 * num_blocks)):
+            with scratch_dir(str(workdir), f"disk-{num_blocks}-{promotion}") as where:
+                rows += bench_disk(num_blocks, repeat, where, promotion=promotion, host_blocks=host_blocks,
+                                   write_row=False)[0]
+    return rows
 
 
 def vllm_style_keys(tokens: list[int], block_size: int) -> list[bytes]:
@@ -267,6 +291,9 @@ def run_tiers(args: argparse.Namespace) -> int:
             with scratch_dir(str(shm), "tiers") as ram:
                 tmpfs_rows, _mode = bench_disk(args.disk_blocks, args.repeat, ram, "tmpfs slab", CEILING_GBPS)
             rows += tmpfs_rows
+        if not args.no_disk_sweep:
+            print(f"disk cold reads of {', '.join(map(str, DISK_SIZES))} blocks, promoting and not ...", flush=True)
+            rows += bench_disk_sweep(args.repeat, tmp)
         print("keys ...", flush=True)
         rows += bench_keys(32 * 1024, args.repeat)
     rows += beside
@@ -290,6 +317,8 @@ def register_target(targets: argparse._SubParsersAction) -> None:
     tiers.add_argument("--host-blocks", type=positive(int), default=128, help="blocks per host get/put (default 128)")
     tiers.add_argument("--disk-blocks", type=positive(int), default=256, help="blocks per disk read/write (default 256)")
     tiers.add_argument("--repeat", type=positive(int), default=5, help="repetitions; the best is kept (default 5)")
+    tiers.add_argument("--no-disk-sweep", action="store_true",
+                       help="skip the disk cold reads of 8, 50 and 201 MB with and without promotion (a minute or so)")
     tiers.add_argument("--beside-seconds", type=positive(float), default=8.0,
                        help="seconds of gets beside a putting thread, both sides together (default 8)")
     tiers.add_argument("--dir", help="where to create the scratch disk tier (default: current directory; "
