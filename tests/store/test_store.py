@@ -9,7 +9,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvstore import CapacityError, ConfigError, KVLayout, KVStoreError, LayoutMismatchError, StoreConfig, TieredStore
+from kvstore import (
+    CapacityError,
+    ConfigError,
+    KVLayout,
+    KVStoreError,
+    LayoutMismatchError,
+    StoreConfig,
+    TieredStore,
+)
 from kvstore.errors import CodecError, TierError
 
 from factories import SLOT, SMALL_LAYOUT, blocks_for, chain, make_store
