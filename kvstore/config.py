@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from kvstore.codecs import AUTO, CODECS, get_codec, stored_bytes
+from kvstore.codecs import AUTO, CODECS, get_codec, sizing_codec, stored_bytes
 from kvstore.errors import ConfigError, LayoutMismatchError
 from kvstore.kernels.pages import PAGE_CODES, SCALE_BYTES
 from kvstore.keys import HASHES
@@ -351,8 +351,7 @@ class StoreConfig:
     def tier_slot_bytes(self, tier: str) -> int:
         """Bytes one block occupies in ``tier`` ("host", "disk", "remote") under its codec (a
         raw block's under ``disk_codec="auto"`` until the store has chosen: the larger)."""
-        name = self.tier_codec(tier)
-        codec = get_codec("none" if name == AUTO else name)
+        codec = sizing_codec(self.tier_codec(tier))
         if not codec.lossy:
             return self.slot_bytes
         return -(-stored_bytes(codec, self.codec_layout, PAGE) // PAGE) * PAGE

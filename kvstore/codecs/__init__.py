@@ -53,6 +53,12 @@ def get_codec(name: str) -> Codec:
     return codec
 
 
+def sizing_codec(setting: str) -> Codec:
+    """The codec a ``*_codec`` setting's blocks are sized by before a store opens: ``auto``
+    (chosen then, int8 or none) as raw blocks, the larger; any other as ``get_codec``."""
+    return get_codec("none" if setting == AUTO else setting)
+
+
 def stored_bytes(codec: Codec, layout: KVLayout, align: int) -> int:
     """Bytes a medium stores per block of ``layout`` under ``codec``: the encoded size rounded
     up to ``align``; raw blocks are stored as they are (not padded)."""
@@ -79,4 +85,4 @@ def codec_for_header(header: BlockHeader) -> FramedCodec:
 
 
 __all__ = ["AUTO", "CODECS", "Codec", "Fp8Codec", "FramedCodec", "Int4Codec", "Int4RotCodec", "Int8Codec", "Int8Fp32Codec", "RawCodec",
-           "ScaledCodec", "codec_for_header", "get_codec", "stored_bytes"]
+           "ScaledCodec", "codec_for_header", "get_codec", "sizing_codec", "stored_bytes"]

@@ -14,12 +14,25 @@ import fcntl
 import os
 from collections.abc import Collection
 from dataclasses import dataclass
+from pathlib import Path
 
 from kvstore.tiers.catalog import Catalog, initial_map_bytes
 from kvstore.tiers.errors import TierError, TierFullError
 from kvstore.tiers.records import decode_record
 from kvstore.tiers.slab import ALIGN, Slab
 from kvstore.tiers.slot_table import SlotTable
+
+
+def drop_page_cache(path: str | os.PathLike[str]) -> None:
+    """Drop a file's pages from the page cache, or those of every file below a folder, so
+    that the next read comes from the disk (a no-op for pages O_DIRECT never cached)."""
+    root = Path(path)
+    for f in [root] if root.is_file() else [f for f in root.rglob("*") if f.is_file()]:
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
 
 
 def _prepare_directory(path: str) -> None:

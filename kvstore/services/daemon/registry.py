@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from kvstore.codecs import AUTO, get_codec, stored_bytes
+from kvstore.codecs import AUTO, get_codec, sizing_codec, stored_bytes
 from kvstore.config import PAGE, StoreConfig
 from kvstore.errors import ConfigError, LayoutMismatchError
 from kvstore.keys import HASHES, Namespace
@@ -185,9 +185,9 @@ class Registry:
         settings = replace(cfg.store_settings, host_bytes=host, hash_algo=ns.hash_algo, disk_path=None, disk_bytes=0,
                            write_policy="write_back")
         # "auto" is chosen when the namespace's store opens: a raw block's room, the larger, until then
-        disk_codec = get_codec(_named(cfg.store_settings.disk_codec))
+        disk_codec = sizing_codec(cfg.store_settings.disk_codec)
         for tier in ("host", "disk", "remote"):
-            codec = get_codec(_named(getattr(cfg.store_settings, f"{tier}_codec")))
+            codec = sizing_codec(getattr(cfg.store_settings, f"{tier}_codec"))
             try:
                 codec.encoded_bytes(ns.layout)
             except LayoutMismatchError as exc:  # e.g. an engine's quantized pages (uint8) under int8
@@ -324,8 +324,3 @@ class Registry:
     def close(self) -> None:
         for state in self.namespaces():
             state.store.close()
-
-
-def _named(codec: str) -> str:
-    """A codec setting as a codec name: ``auto`` sized as raw blocks (``none``)."""
-    return "none" if codec == AUTO else codec

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
 import statistics
 import tempfile
@@ -40,6 +39,7 @@ from kvstore.store.levels.build import tenant_policy
 from kvstore.store.levels.coding import LevelCodec
 from kvstore.store.levels.disk_level import DiskLevel
 from kvstore.tiers.disk import DiskTier
+from kvstore.tiers.disk_files import drop_page_cache
 from kvstore.tiers.errors import TierError
 
 log = logging.getLogger("kvstore.store")
@@ -147,7 +147,7 @@ class _Probe:
 
     def read(self, out: list[torch.Tensor], cold: bool = False) -> float:
         if cold:
-            _drop_cached(self.level.tier.path)
+            drop_page_cache(self.level.tier.path)
         t0 = time.perf_counter()
         ok = self.level.read(self.keys, self.slots, out)
         elapsed = time.perf_counter() - t0
@@ -158,13 +158,3 @@ class _Probe:
     def close(self) -> None:
         self.level.close()
 
-
-def _drop_cached(path: str) -> None:
-    """Drop the probe's slab from the page cache (a no-op where O_DIRECT bypasses it)."""
-    for name in os.listdir(path):
-        if name.startswith("slab-"):
-            fd = os.open(os.path.join(path, name), os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)

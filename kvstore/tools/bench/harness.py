@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from kvstore.layout import KVLayout
+from kvstore.tiers.disk_files import drop_page_cache as drop_page_cache  # the benches drop what they read
 
 BENCH_LAYOUT = KVLayout(num_layers=24, num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.float16)
 
@@ -129,16 +130,6 @@ def _drain(stream: Iterable[str]) -> None:
     for _ in stream:
         pass
 
-
-def drop_page_cache(path: Path) -> None:
-    """Drop a file's pages from the page cache, or those of every file below a folder, so
-    that the next read comes from the disk."""
-    for f in [path] if path.is_file() else [f for f in path.rglob("*") if f.is_file()]:
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def machine() -> str:
