@@ -20,11 +20,12 @@ from pathlib import Path
 
 from kvstore.services.common.argtypes import positive
 from kvstore.tools.bench.harness import ratio_text
-from kvstore.tools.bench.serving_servers import SERVED, Server, reserved_text, run_client
+from kvstore.tools.bench.serving_servers import SERVED, Server, reserved_label, reserved_text, run_client
 from kvstore.tools.bench.vllm import Daemon
 
 OVERFLOW_SERVERS = ("kvstore", "vllm", "vllm+kvstore")
-OVERFLOW_TARGET = 2.0  # kvstore's mean TTFT of returning users at least this many times lower than vLLM's
+LABELS = {"kvstore": "kvstore engine", "vllm": "vLLM, no connector", "vllm+kvstore": "vLLM + kvstore's connector"}
+TARGETS = {"vllm": 2.0, "vllm+kvstore": 1.0}  # kvstore's mean TTFT of returning users that many times lower
 TURN_TOKENS = 32  # the new turn a returning user adds to their history
 SHAREGPT_MAX_PROMPT = 1024  # vLLM's client drops ShareGPT prompts longer than this (its tokenizer's count)
 
@@ -72,22 +73,30 @@ def overflow_pool_bytes(args: argparse.Namespace) -> int:
     return max(args.pool_users * tokens, 2 * (SHAREGPT_MAX_PROMPT + args.output_tokens)) * per_token
 
 
-def measure_overflow(args: argparse.Namespace, work: Path) -> dict[str, dict[str, float]]:
-    """Per server: the client's figures for the returning users (the second pass)."""
+def _runs(args: argparse.Namespace) -> list[tuple[str, int | None]]:
+    """(server, vLLM's reserved cores) of every run: the engine, then both vLLM servers in each
+    configuration of ``--vllm-reserved-cpus``."""
+    return [("kvstore", None), *((which, r) for which in OVERFLOW_SERVERS[1:] for r in args.vllm_reserved_cpus)]
+
+
+def measure_overflow(args: argparse.Namespace, work: Path) -> dict[tuple[str, int | None], dict[str, float]]:
+    """Per (server, vLLM's reserved cores): the client's figures for the returning users (the
+    second pass)."""
     histories, returns = overflow_files(args, work)
     tokenizer = args.bench_model.hf_dir(work)
     kv_bytes = overflow_pool_bytes(args)
-    results: dict[str, dict[str, float]] = {}
-    for which in OVERFLOW_SERVERS:
+    results: dict[tuple[str, int | None], dict[str, float]] = {}
+    for which, reserved in _runs(args):
         daemon, server, sockets = None, None, None
         try:
             if which == "vllm+kvstore":  # the socket in a short directory of its own: the scratch one may be deep
                 sockets = Path(tempfile.mkdtemp(prefix="kvstore-bench-"))
                 daemon = Daemon(work / "daemon", host_mem=f"{args.host_gib}GiB", socket=sockets / "kv.sock")
                 daemon.start()
-            print(f"overflow: starting {which}'s server", flush=True)
+            print(f"overflow: starting {which}'s server" + ("" if which == "kvstore" else
+                                                            f" ({reserved_label(reserved)})"), flush=True)
             server = Server(which, args, work, args.port, kv_bytes=kv_bytes, store=daemon.url if daemon else None,
-                            max_model_len=SHAREGPT_MAX_PROMPT + args.output_tokens)
+                            max_model_len=SHAREGPT_MAX_PROMPT + args.output_tokens, reserved=reserved)
             for path, concurrency in ((histories, 4), (returns, 1)):
                 flags = ["--backend", "openai", "--base-url", server.base_url, "--endpoint", "/v1/completions",
                          "--model", SERVED, "--tokenizer", str(tokenizer), "--dataset-name", "sharegpt",
@@ -98,9 +107,9 @@ def measure_overflow(args: argparse.Namespace, work: Path) -> dict[str, dict[str
                 r = run_client(flags)
                 if r["completed"] != args.users or r.get("failed", 0):
                     raise RuntimeError(f"{which}: {r['completed']} of {args.users} requests served")
-            results[which] = {k: float(r[k]) for k in ("mean_ttft_ms", "median_ttft_ms", "mean_tpot_ms")}
-            print(f"  {which}: returning users: " + ", ".join(f"{k} {v:.1f}" for k, v in results[which].items()),
-                  flush=True)
+            results[(which, reserved)] = {k: float(r[k]) for k in ("mean_ttft_ms", "median_ttft_ms", "mean_tpot_ms")}
+            print(f"  {which}: returning users: " + ", ".join(
+                f"{k} {v:.1f}" for k, v in results[(which, reserved)].items()), flush=True)
         finally:
             if server is not None:
                 server.stop()
@@ -111,8 +120,9 @@ def measure_overflow(args: argparse.Namespace, work: Path) -> dict[str, dict[str
     return results
 
 
-def render_overflow(results: dict[str, dict[str, float]], args: argparse.Namespace) -> str:
-    ours = results["kvstore"]["mean_ttft_ms"]
+def render_overflow(results: dict[tuple[str, int | None], dict[str, float]], args: argparse.Namespace) -> str:
+    ours = results[("kvstore", None)]["mean_ttft_ms"]
+    configs = "; ".join(reserved_text(r) for r in args.vllm_reserved_cpus)
     lines = [
         "### Conversations that overflow the device pool (`kvstore bench serving --overflow`)",
         "",
@@ -122,17 +132,20 @@ def render_overflow(results: dict[str, dict[str, float]], args: argparse.Namespa
         "MiB), so by the time a user returns their history has left it. Lower tiers: the engine's host tier and, for "
         f"vLLM with kvstore's connector, a `kvstore serve` daemon's host tier ({args.host_gib} GiB each). vLLM's "
         "client sends the histories 4 at a time, then the returns one at a time (the TTFT below is theirs), vLLM's "
-        f"`sharegpt` dataset loader in its file's order. One run of each server. vLLM{reserved_text(args)}.",
+        f"`sharegpt` dataset loader in its file's order. One run of each server; vLLM in each configuration of its "
+        f"cores ({configs}), each judged.",
         "",
         "| server | mean TTFT, returning users | median TTFT | mean TPOT | kvstore's mean TTFT lower by | target | met |",
         "|---|---|---|---|---|---|---|",
     ]
-    for which, label, want in (("kvstore", "kvstore engine", None), ("vllm", "vLLM, no connector", OVERFLOW_TARGET),
-                               ("vllm+kvstore", "vLLM + kvstore's connector", 1.0)):
-        r = results[which]
-        if want is None:
+    for which, reserved in _runs(args):
+        r = results[(which, reserved)]
+        label = LABELS[which]
+        if which == "kvstore":
             ratio, target, met = "-", "-", "-"
         else:
+            label += f" ({reserved_label(reserved)})" if len(args.vllm_reserved_cpus) > 1 else ""
+            want = TARGETS[which]
             speed = r["mean_ttft_ms"] / ours
             ratio, target = f"{ratio_text(speed, want)}x", f">= {want:g}x"
             met = "yes" if speed >= want else "NO"

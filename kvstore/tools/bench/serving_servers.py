@@ -1,7 +1,11 @@
 """The servers ``kvstore bench serving`` starts, one at a time, and vLLM's client that drives them.
 
 ``Server`` starts ``kvstore engine``, vLLM's OpenAI server, or that server with kvstore's
-connector on a daemon, and stops it; ``run_client`` runs vLLM's benchmark client
+connector on a daemon, and stops it. vLLM runs in each configuration of its cores asked for
+(``vllm_configs``): as shipped, which keeps ``VLLM_CPU_NUM_OF_RESERVED_CPU`` cores (one on a
+small machine) off its model for its frontend, and with that set to a count (0: its model gets
+every core, sharing them with its frontend and the client as the engine does); the benchmarks
+compare the engine with the faster. ``run_client`` runs vLLM's benchmark client
 (``vllm.benchmarks.serve``) in this process, as its command line would. Both the
 prefix-repetition workloads (bench.serving) and the pool-overflow one (bench.serving_overflow)
 use them. vLLM is imported only inside ``run_client``.
@@ -45,20 +49,48 @@ def _wait_for_http(url: str, proc: subprocess.Popen[Any], log: Path) -> None:
     raise RuntimeError(f"vLLM's server did not answer {url} in {START_TIMEOUT_S:.0f} s:\n{_errors(log)}")
 
 
-def reserved_text(args: argparse.Namespace) -> str:
-    """How the table names vLLM's reserved cores: as shipped, or ``--vllm-reserved-cpus``."""
-    if args.vllm_reserved_cpus is None:
-        return ", as shipped (VLLM_CPU_NUM_OF_RESERVED_CPU unset: on 2 cores its model runs on 1)"
-    return f", VLLM_CPU_NUM_OF_RESERVED_CPU={args.vllm_reserved_cpus}"
+SHIPPED = "shipped"  # --vllm-reserved-cpus' name for vLLM as shipped (the variable unset)
+
+
+def vllm_configs(text: str) -> list[int | None]:
+    """``--vllm-reserved-cpus``: a comma-separated list of core counts and ``shipped`` (None)."""
+    configs: list[int | None] = []
+    for item in text.split(","):
+        item = item.strip()
+        if item == SHIPPED:
+            configs.append(None)
+            continue
+        try:
+            configs.append(int(item))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected core counts or {SHIPPED!r}, comma-separated, like "
+                                             f"'{SHIPPED},0', got {text!r}") from None
+    if len(set(configs)) != len(configs):
+        raise argparse.ArgumentTypeError(f"a configuration named twice in {text!r}")
+    return configs
+
+
+def reserved_label(reserved: int | None) -> str:
+    """A vLLM configuration's name in a table: ``as shipped`` or ``N reserved``."""
+    return "as shipped" if reserved is None else f"{reserved} reserved"
+
+
+def reserved_text(reserved: int | None) -> str:
+    """A vLLM configuration in a table's prose: its name, then what it sets."""
+    if reserved is None:
+        return "as shipped (VLLM_CPU_NUM_OF_RESERVED_CPU unset: on 2 cores its model runs on 1)"
+    return (f"{reserved_label(reserved)} (VLLM_CPU_NUM_OF_RESERVED_CPU={reserved}"
+            + (": its model on every core)" if reserved == 0 else ")"))
 
 
 class Server:
     """One server process, up for a round of workloads: ``kvstore`` (``kvstore engine``),
     ``vllm`` (vLLM's OpenAI server) or ``vllm+kvstore`` (the same with kvstore's connector on the
-    daemon at ``store``). ``kv_bytes``: the device KV pool of either server (None: ``--kv-cache-gib``)."""
+    daemon at ``store``). ``kv_bytes``: the device KV pool of either server (None: ``--kv-cache-gib``);
+    ``reserved``: vLLM's ``VLLM_CPU_NUM_OF_RESERVED_CPU`` (None: unset, as shipped)."""
 
     def __init__(self, which: str, args: argparse.Namespace, work: Path, port: int, kv_bytes: int | None = None,
-                 store: str | None = None, max_model_len: int | None = None) -> None:
+                 store: str | None = None, max_model_len: int | None = None, reserved: int | None = None) -> None:
         model = args.bench_model
         self.base_url = f"http://127.0.0.1:{port}"
         self.proc: subprocess.Popen[Any]
@@ -77,8 +109,8 @@ class Server:
         env = dict(os.environ)
         env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the server runs its engine core as vLLM ships it
         env.pop("VLLM_CPU_NUM_OF_RESERVED_CPU", None)
-        if args.vllm_reserved_cpus is not None:
-            env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(args.vllm_reserved_cpus)
+        if reserved is not None:
+            env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(reserved)
         if max_model_len is not None:  # vLLM refuses a KV cache smaller than one sequence of the model's length
             cmd += ["--max-model-len", str(max_model_len)]
         if args.enforce_eager:
@@ -89,7 +121,7 @@ class Server:
                          "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
                          "kv_connector_extra_config": {"store_url": store}}
             cmd += ["--distributed-executor-backend", "uni", "--kv-transfer-config", json.dumps(connector)]
-        log = work / f"{which}-server-{port}.log"
+        log = work / f"{which}-{reserved_label(reserved).replace(' ', '-')}-server-{port}.log"
         with log.open("wb") as out:
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
         _wait_for_http(f"{self.base_url}/v1/models", self.proc, log)

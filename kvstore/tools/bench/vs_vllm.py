@@ -1,12 +1,18 @@
 """``kvstore bench vs-vllm``: the kvstore engine against vLLM, the same model (SmolLM2-135M-Instruct
 by default), the same CPU, fp32, in one process, each row's two sides interleaved.
 
-Rows: prefill of a prompt nothing caches, decode at batch 1 and 16, the TTFT of a cached
+Rows: prefill of a prompt nothing caches, decode at batch 1, 8 and 32, the TTFT of a cached
 prefix (the engine's host tier against vLLM with kvstore's connector on a ``kvstore serve``
 daemon's host tier, vLLM's own prefix cache off), and for reference the engine over the same
-daemon and each engine's own warm prefix cache. A torch profile of a prefill and of a few decode
-steps of each says where the time goes (the sides and their timing: bench.vs_vllm_sides). vLLM
-is imported only when the benchmark runs.
+daemon, each engine's own warm prefix cache, and a next turn (a few new tokens over the cached
+prefix) from each one's warm cache. The engine alone: a next turn with the prefix in its host
+tier, against twice the copy of the prefix's bytes plus the same new tokens' prefill with no
+context, all timed in the same run. A torch profile of a prefill, of a next turn and of a few
+decode steps of each says where the time goes (the sides and their timing:
+bench.vs_vllm_sides). vLLM is imported only when the benchmark runs. In one process (the
+``uni`` executor) vLLM reserves no core for a frontend: ``VLLM_CPU_NUM_OF_RESERVED_CPU`` binds
+the threads of its multiprocess engine core, which this benchmark does not start; the table
+says how many threads vLLM's model had.
 """
 
 from __future__ import annotations
@@ -33,6 +39,8 @@ from kvstore.tools.bench.vs_vllm_sides import Ours, Theirs, decode_rate, profile
 
 BLOCK = 16  # the engine's block, as in bench engine
 TARGET = 0.8  # prefill and decode: kvstore's speed at least this share of vLLM's
+DECODE_BATCHES = (1, 8, 32)
+TURN_BOUND = 2.0  # a next turn from host RAM: at most this many times (prefix copy + its new tokens' prefill)
 TOP_OPS = 5  # ops named per profiled side
 
 Results = dict[str, Any]  # "<row>_ours" / "<row>_vllm": each run's seconds or tokens/s; profiles; facts
@@ -52,8 +60,9 @@ def measure(args: argparse.Namespace, work: Path) -> Results:
     def prompts(batch: int, num_tokens: int) -> list[list[int]]:
         return torch.randint(2, model.vocab_size, (batch, num_tokens), generator=gen).tolist()
 
-    decode_blocks = 16 * -(-(args.decode_prompt + args.decode_tokens + 2) // BLOCK)
-    pool = (max(-(-(args.prompt_tokens + 1) // BLOCK), decode_blocks) + 16) * model.layout(BLOCK).bytes_per_block
+    decode_blocks = max(DECODE_BATCHES) * -(-(args.decode_prompt + args.decode_tokens + 3) // BLOCK)
+    prompt_blocks = -(-(args.prompt_tokens + args.turn_tokens + 1) // BLOCK)
+    pool = (max(2 * prompt_blocks, decode_blocks) + 16) * model.layout(BLOCK).bytes_per_block
 
     def engine(**kwargs: Any) -> LLMEngine:
         return model.engine(dtype=torch.float32, block_size=BLOCK, kv_cache_bytes=pool, max_num_batched_tokens=4096,
@@ -71,7 +80,11 @@ def measure(args: argparse.Namespace, work: Path) -> Results:
                     engine(store_url=daemon.url)]
         plain, host, over_daemon = engines
         r["async_scheduling"] = _speed(r, args, model.hf_dir(work), plain, prompts)
-        _cached(r, args, model.hf_dir(work), host, over_daemon, daemon.url, prompts(1, args.prompt_tokens)[0])
+        cached = prompts(1, args.prompt_tokens)[0]
+        _cached(r, args, model.hf_dir(work), host, over_daemon, daemon.url, cached,
+                lambda: prompts(1, args.turn_tokens)[0])
+        _turn_bound(r, args, plain, model.layout(BLOCK).bytes_per_block * -(-args.prompt_tokens // BLOCK),
+                    lambda: prompts(1, args.turn_tokens)[0])
     finally:
         for e in engines:
             e.close()
@@ -83,6 +96,7 @@ def _speed(r: Results, args: argparse.Namespace, hf: Path, plain: LLMEngine,
            prompts: Callable[[int, int], list[list[int]]]) -> bool:
     """Prefill and decode, prefix caching off on both sides; whether vLLM scheduled asynchronously."""
     llm = vllm_instance(hf, None, prefix_caching=False)
+    r["vllm_threads"] = torch.get_num_threads()  # as vLLM's worker left them (its model runs on this thread)
     ours, theirs = Ours(plain), Theirs(llm)
     long = prompts(1, args.prompt_tokens)[0]
     ttft(plain, long[:64]), vllm_ttft(llm, long[:64])  # warm-up
@@ -91,7 +105,7 @@ def _speed(r: Results, args: argparse.Namespace, hf: Path, plain: LLMEngine,
     if not args.no_profile:
         r["profile_prefill_ours"] = profiled(partial(ttft, plain, long))
         r["profile_prefill_vllm"] = profiled(partial(vllm_ttft, llm, long))
-    for batch in (1, 16):
+    for batch in DECODE_BATCHES:
         warm_up = prompts(batch, args.decode_prompt)
         decode_rate(ours, warm_up, 2), decode_rate(theirs, warm_up, 2)
         for i in range(args.repeat):
@@ -109,11 +123,13 @@ def _speed(r: Results, args: argparse.Namespace, hf: Path, plain: LLMEngine,
 
 
 def _cached(r: Results, args: argparse.Namespace, hf: Path, host: LLMEngine, over_daemon: LLMEngine, store: str,
-            cached: list[int]) -> None:
+            cached: list[int], new_turn: Callable[[], list[int]]) -> None:
     """The cached prefix: the engine's embedded host tier and the engine over the daemon at
     ``store``, against vLLM with kvstore's connector on that daemon (vLLM's own prefix cache
-    off); then each engine's own warm prefix cache. Also the fewest prompt tokens a hit of each
-    found in the store (``<row>_found``)."""
+    off); then each engine's own warm prefix cache, for the prefix and for a next turn over it
+    (``new_turn()``: new tokens, other ones each time); and the engine's next turn with the
+    prefix in its host tier. Also the fewest prompt tokens a hit of each found in the store
+    (``<row>_found``)."""
     from kvstore.integrations.vllm import counters, flush
 
     for e in (host, over_daemon):
@@ -124,11 +140,11 @@ def _cached(r: Results, args: argparse.Namespace, hf: Path, host: LLMEngine, ove
         if not e.store.flush(timeout=120):
             raise RuntimeError("the engine's store did not take the prefix within 120 s")
 
-    def hit(e: LLMEngine, key: str) -> float:
+    def hit(e: LLMEngine, key: str, tail: tuple[int, ...] = ()) -> float:
         e.evict_device_cache()  # device -> its store (the blocks are there already: write-through)
         params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
         started = time.perf_counter()
-        out = e.generate([cached], params)[0]
+        out = e.generate([cached + list(tail)], params)[0]
         seconds = time.perf_counter() - started
         found = sum(n for tier, n in out.metrics.cached_tokens.items() if tier != "device")
         r[key] = min(r.get(key, found), found)
@@ -141,6 +157,7 @@ def _cached(r: Results, args: argparse.Namespace, hf: Path, host: LLMEngine, ove
     for i in range(args.repeat):
         both(r, "host", i, partial(hit, host, "host_found"), partial(vllm_ttft, llm, cached))
         r.setdefault("daemon_ours", []).append(hit(over_daemon, "daemon_found"))
+        r.setdefault("turn_host_ours", []).append(hit(host, "turn_found", tuple(new_turn())))
     r["vllm_found"] = (counters()["loaded_blocks"] - before) // args.repeat * VLLM_BLOCK
     del llm
     gc.collect()
@@ -149,8 +166,29 @@ def _cached(r: Results, args: argparse.Namespace, hf: Path, host: LLMEngine, ove
     ttft(host, cached)
     for i in range(args.repeat):
         both(r, "warm", i, partial(ttft, host, cached), partial(vllm_ttft, llm, cached))
+        tail = new_turn()
+        both(r, "turn", i, partial(ttft, host, cached + tail), partial(vllm_ttft, llm, cached + tail))
+    if not args.no_profile:
+        tail = new_turn()
+        r["profile_turn_ours"] = profiled(partial(ttft, host, cached + tail))
+        r["profile_turn_vllm"] = profiled(partial(vllm_ttft, llm, cached + tail))
     del llm
     gc.collect()
+
+
+def _turn_bound(r: Results, args: argparse.Namespace, plain: LLMEngine, prefix_bytes: int,
+                new_turn: Callable[[], list[int]]) -> None:
+    """The next turn's bound, timed in the same run: a copy of the prefix's bytes (a warm
+    ``copy_`` between two buffers of its size) and the new tokens' prefill with no context."""
+    src = torch.ones(prefix_bytes, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # both touched: no page faults in the timed copies
+    for _ in range(args.repeat):
+        started = time.perf_counter()
+        dst.copy_(src)
+        r.setdefault("copy_ours", []).append(time.perf_counter() - started)
+        r.setdefault("fresh_turn_ours", []).append(ttft(plain, new_turn()))
+    r["prefix_bytes"] = prefix_bytes
 
 
 def _row(name: str, ours: str, theirs: str, ratio: float, want: float | None, spread: str) -> str:
@@ -181,7 +219,7 @@ def render(r: dict[str, Any], args: argparse.Namespace) -> str:
     rows = [_row(f"prefill, {n}-token prompt (a miss: TTFT)", f"{ours_pf:.1f} tok/s ({best_s['prefill_ours'] * 1e3:.0f} ms)",
                  f"{theirs_pf:.1f} tok/s ({best_s['prefill_vllm'] * 1e3:.0f} ms)", ours_pf / theirs_pf, TARGET,
                  spreads("prefill"))]
-    for batch in (1, 16):
+    for batch in DECODE_BATCHES:
         ours, theirs = best_rate[f"decode{batch}_ours"], best_rate[f"decode{batch}_vllm"]
         rows.append(_row(f"decode, batch {batch}", f"{ours:.1f} tok/s", f"{theirs:.1f} tok/s", ours / theirs, TARGET,
                          spreads(f"decode{batch}")))
@@ -197,16 +235,24 @@ def render(r: dict[str, Any], args: argparse.Namespace) -> str:
     rows.append(_row("TTFT, each engine's own warm prefix cache (the engine's device pool / vLLM's prefix cache)",
                      f"{warm_ours * 1e3:.1f} ms", f"{warm_vllm * 1e3:.1f} ms", warm_vllm / warm_ours, None,
                      spreads("warm")))
+    turn_ours, turn_vllm = best_s["turn_ours"], best_s["turn_vllm"]
+    t = args.turn_tokens
+    rows.append(_row(f"TTFT, a next turn: {t} new tokens over the cached {n}-token prefix, each engine's own warm "
+                     "prefix cache", f"{turn_ours * 1e3:.1f} ms", f"{turn_vllm * 1e3:.1f} ms", turn_vllm / turn_ours,
+                     None, spreads("turn")))
     behind = [f"{name} {ratio_text(ratio, 1)}x" for name, ratio in (
-        ("prefill", ours_pf / theirs_pf), ("decode at batch 1", best_rate["decode1_ours"] / best_rate["decode1_vllm"]),
-        ("decode at batch 16", best_rate["decode16_ours"] / best_rate["decode16_vllm"])) if ratio < 1]
+        ("prefill", ours_pf / theirs_pf),
+        *((f"decode at batch {b}", best_rate[f"decode{b}_ours"] / best_rate[f"decode{b}_vllm"]) for b in DECODE_BATCHES))
+        if ratio < 1]
     verdict = ("kvstore is behind vLLM on " + ", ".join(behind) + " (kvstore's speed over vLLM's)." if behind
                else "kvstore is not behind vLLM on prefill or decode in this run.")
     lines = [
         "## kvstore engine vs vLLM (`kvstore bench vs-vllm`)",
         "",
         f"Machine: {machine()}, vLLM {vllm.__version__} (CPU build), both in one process ({r['threads']} torch "
-        f"threads). Model: {args.bench_model.describe()}, fp32 on both sides, {loaded_from(args.bench_model)}. "
+        f"threads; vLLM's model ran on {r['vllm_threads']}: its `uni` executor reserves no core, "
+        "VLLM_CPU_NUM_OF_RESERVED_CPU binds only a multiprocess engine core's threads). "
+        f"Model: {args.bench_model.describe()}, fp32 on both sides, {loaded_from(args.bench_model)}. "
         f"vLLM: `enforce_eager=True`, the `uni` executor, 256 MiB of KV cache, its CPU block of {VLLM_BLOCK} tokens, "
         f"async scheduling {'on' if r['async_scheduling'] else 'off'}; the engine: block {BLOCK}, a device pool "
         "sized to the workload. TTFT is the wall time of `generate(max_tokens=1)` on both sides. Prefill and "
@@ -227,13 +273,15 @@ def render(r: dict[str, Any], args: argparse.Namespace) -> str:
         *rows,
         "",
         f"Spread: (worst - best) / best over a row's {args.repeat} runs. {verdict}",
+        "",
+        *_turn_table(r, args),
     ]
     if not args.no_profile:
-        lines += ["", f"Where the time goes (torch profiler, all threads; one prefill, and {args.profile_steps} decode "
-                  "steps after the first; self CPU time of the ops in ms, per step for decode; the profiler slows "
+        lines += ["", f"Where the time goes (torch profiler, all threads; one prefill, one next turn from each "
+                  f"engine's warm cache, and {args.profile_steps} decode steps after the first; self CPU time of the ops in ms, per step for decode; the profiler slows "
                   "both sides):", ""]
-        for what, label in (("prefill", "prefill"), ("decode1", "decode step, batch 1"),
-                            ("decode16", "decode step, batch 16")):
+        for what, label in (("prefill", "prefill"), ("turn", f"next turn ({args.turn_tokens} tokens over {n} cached)"),
+                            *((f"decode{b}", f"decode step, batch {b}") for b in DECODE_BATCHES)):
             for side, name in (("ours", "kvstore engine"), ("vllm", "vLLM")):
                 wall, ops = r[f"profile_{what}_{side}"]
                 in_ops = sum(ops.values())
@@ -241,6 +289,29 @@ def render(r: dict[str, Any], args: argparse.Namespace) -> str:
                 lines.append(f"- {label}, {name}: {wall:.1f} ms, {in_ops:.1f} in torch ops ({top}), "
                              f"{wall - in_ops:.1f} outside them (Python, scheduling, sampling).")
     return "\n".join(lines)
+
+
+def _turn_table(r: Results, args: argparse.Namespace) -> list[str]:
+    """The engine's next turn from its host tier against its bound (``TURN_BOUND`` x the copy of
+    the prefix's bytes plus the new tokens' prefill with no context), every figure the best of
+    the run's repetitions."""
+    n, t = args.prompt_tokens, args.turn_tokens
+    turn, copy, fresh = min(r["turn_host_ours"]), min(r["copy_ours"]), min(r["fresh_turn_ours"])
+    bound = TURN_BOUND * (copy + fresh)
+    ratio = turn / bound
+    spread = " / ".join(f"{_spread(r[k]):.0%}" for k in ("turn_host_ours", "copy_ours", "fresh_turn_ours"))
+    return [
+        f"The engine alone, a next turn from its host tier: the {n}-token prefix in host RAM (every hit found "
+        f"at least {r['turn_found']} of its tokens there), {t} new tokens, against {TURN_BOUND:g} x (a `copy_` of "
+        f"the prefix's {r['prefix_bytes'] / 2**20:.1f} MiB of KV between two warm buffers + the same number of "
+        f"new tokens' prefill with no context), all in this run, best of {args.repeat} each:",
+        "",
+        "| measurement | kvstore engine | bound | TTFT / bound | target | met | spread (turn / copy / prefill) |",
+        "|---|---|---|---|---|---|---|",
+        f"| TTFT, a next turn: {t} new tokens over the {n}-token prefix in host RAM | {turn * 1e3:.1f} ms "
+        f"| {bound * 1e3:.1f} ms = {TURN_BOUND:g} x ({copy * 1e3:.1f} + {fresh * 1e3:.1f}) | {ratio:.2f} | <= 1 "
+        f"| {'yes' if ratio <= 1 else 'NO'} | {spread} |",
+    ]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -255,13 +326,15 @@ def run(args: argparse.Namespace) -> int:
 
 
 def register_target(targets: argparse._SubParsersAction) -> None:
-    p = targets.add_parser("vs-vllm", help="the kvstore engine vs vLLM: prefill, decode, cached-prefix TTFT "
-                           "(SmolLM2; needs vLLM)")
+    p = targets.add_parser("vs-vllm", help="the kvstore engine vs vLLM: prefill, decode, cached-prefix and next-turn "
+                           "TTFT (SmolLM2; needs vLLM)")
     add_model_arguments(p)
     p.add_argument("--prompt-tokens", type=positive(int), default=2048,
                    help="prefill and cached-prefix prompt length (default 2048)")
     p.add_argument("--decode-prompt", type=positive(int), default=128, help="prompt length of the decode runs (default 128)")
     p.add_argument("--decode-tokens", type=positive(int), default=32, help="decode steps measured (default 32)")
+    p.add_argument("--turn-tokens", type=positive(int), default=16,
+                   help="new tokens of a next turn over the cached prefix (default 16)")
     p.add_argument("--repeat", type=positive(int), default=5, help="repetitions of each side; the best is kept (default 5)")
     p.add_argument("--profile-steps", type=positive(int), default=4,
                    help="decode steps profiled per side and batch (default 4)")
