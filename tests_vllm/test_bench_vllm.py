@@ -239,3 +239,28 @@ def test_bench_serving_refuses_a_configuration_it_cannot_read(tmp_path: Path) ->
                                "--vllm-reserved-cpus", flag, "--dir", str(tmp_path)], cwd=ROOT,
                               capture_output=True, text=True, timeout=120)
         assert proc.returncode == 2 and why in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_bench_serving_overflow_judges_every_vllm_configuration_it_ran() -> None:
+    """With vLLM run in both configurations of its cores, the overflow table has a row per server
+    and configuration, each named and judged against the engine (the figures: a real run's,
+    19:22-19:39 UTC on 12-07, docs/benchmarks.md)."""
+    from kvstore.cli import build_parser
+    from kvstore.tools.bench.models import BenchModel
+    from kvstore.tools.bench.serving_overflow import render_overflow
+    from kvstore.tools.bench.serving_servers import Arm
+
+    args = build_parser().parse_args(["bench", "serving", "--overflow", "--random-model"])
+    assert args.vllm_reserved_cpus == [None, 0]  # the default: as shipped and on every core
+    args.bench_model = BenchModel.from_args(args)
+    figures = {Arm("kvstore"): 137.4, Arm("vllm", None): 2497.4, Arm("vllm", 0): 1303.3,
+               Arm("vllm+kvstore", None): 194.3, Arm("vllm+kvstore", 0): 189.1}
+    out = render_overflow({arm: {"mean_ttft_ms": t, "median_ttft_ms": t, "mean_tpot_ms": 50.0}
+                           for arm, t in figures.items()}, args)
+    rows = table(out)
+    assert list(rows) == ["kvstore engine", "vLLM, no connector (as shipped)", "vLLM, no connector (0 reserved)",
+                          "vLLM + kvstore's connector (as shipped)", "vLLM + kvstore's connector (0 reserved)"]
+    for name, cells in list(rows.items())[1:]:
+        assert cells[4] == (">= 2x" if "no connector" in name else ">= 1x") and cells[5] == "yes", name
+        assert_quotient(cells[3], number(cells[0], MS), number(rows["kvstore engine"][0], MS))
+    assert "(as shipped (VLLM_CPU_NUM_OF_RESERVED_CPU unset" in out and "0 reserved (VLLM_CPU_NUM_OF_RESERVED_CPU=0" in out

@@ -131,7 +131,6 @@ def _drain(stream: Iterable[str]) -> None:
         pass
 
 
-
 def machine() -> str:
     cpu = platform.processor() or platform.machine()
     try:

@@ -29,6 +29,7 @@ from kvstore.tools.bench.output import add_output_arguments, publish
 from kvstore.tools.bench.serving_servers import (
     SERVED,
     SHIPPED,
+    Arm,
     Server,
     reserved_label,
     reserved_text,
@@ -75,19 +76,6 @@ def workloads(args: argparse.Namespace) -> list[Workload]:
     loaded = [Workload(f"concurrency {c}, {2 * c} requests, 4 prefixes", 4, 2 * c, None, c)
               for c in args.concurrency]
     return [paced, *loaded]
-
-
-@dataclass(frozen=True)
-class Arm:
-    """One server as the benchmark runs it: ``kvstore engine``, or vLLM with ``reserved`` cores
-    kept for its frontend (None: as shipped)."""
-
-    which: str
-    reserved: int | None = None
-
-    @property
-    def name(self) -> str:
-        return "kvstore" if self.which == "kvstore" else f"vLLM {reserved_label(self.reserved)}"
 
 
 def arms(args: argparse.Namespace) -> list[Arm]:

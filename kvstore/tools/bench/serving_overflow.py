@@ -20,7 +20,7 @@ from pathlib import Path
 
 from kvstore.services.common.argtypes import positive
 from kvstore.tools.bench.harness import ratio_text
-from kvstore.tools.bench.serving_servers import SERVED, Server, reserved_label, reserved_text, run_client
+from kvstore.tools.bench.serving_servers import SERVED, Arm, Server, reserved_label, reserved_text, run_client
 from kvstore.tools.bench.vllm import Daemon
 
 OVERFLOW_SERVERS = ("kvstore", "vllm", "vllm+kvstore")
@@ -73,20 +73,20 @@ def overflow_pool_bytes(args: argparse.Namespace) -> int:
     return max(args.pool_users * tokens, 2 * (SHAREGPT_MAX_PROMPT + args.output_tokens)) * per_token
 
 
-def _runs(args: argparse.Namespace) -> list[tuple[str, int | None]]:
-    """(server, vLLM's reserved cores) of every run: the engine, then both vLLM servers in each
-    configuration of ``--vllm-reserved-cpus``."""
-    return [("kvstore", None), *((which, r) for which in OVERFLOW_SERVERS[1:] for r in args.vllm_reserved_cpus)]
+def _runs(args: argparse.Namespace) -> list[Arm]:
+    """Every run: the engine, then both vLLM servers in each configuration of
+    ``--vllm-reserved-cpus``."""
+    return [Arm("kvstore"), *(Arm(which, r) for which in OVERFLOW_SERVERS[1:] for r in args.vllm_reserved_cpus)]
 
 
-def measure_overflow(args: argparse.Namespace, work: Path) -> dict[tuple[str, int | None], dict[str, float]]:
-    """Per (server, vLLM's reserved cores): the client's figures for the returning users (the
-    second pass)."""
+def measure_overflow(args: argparse.Namespace, work: Path) -> dict[Arm, dict[str, float]]:
+    """Per run: the client's figures for the returning users (the second pass)."""
     histories, returns = overflow_files(args, work)
     tokenizer = args.bench_model.hf_dir(work)
     kv_bytes = overflow_pool_bytes(args)
-    results: dict[tuple[str, int | None], dict[str, float]] = {}
-    for which, reserved in _runs(args):
+    results: dict[Arm, dict[str, float]] = {}
+    for arm in _runs(args):
+        which, reserved = arm.which, arm.reserved
         daemon, server, sockets = None, None, None
         try:
             if which == "vllm+kvstore":  # the socket in a short directory of its own: the scratch one may be deep
@@ -107,9 +107,9 @@ def measure_overflow(args: argparse.Namespace, work: Path) -> dict[tuple[str, in
                 r = run_client(flags)
                 if r["completed"] != args.users or r.get("failed", 0):
                     raise RuntimeError(f"{which}: {r['completed']} of {args.users} requests served")
-            results[(which, reserved)] = {k: float(r[k]) for k in ("mean_ttft_ms", "median_ttft_ms", "mean_tpot_ms")}
-            print(f"  {which}: returning users: " + ", ".join(
-                f"{k} {v:.1f}" for k, v in results[(which, reserved)].items()), flush=True)
+            results[arm] = {k: float(r[k]) for k in ("mean_ttft_ms", "median_ttft_ms", "mean_tpot_ms")}
+            print(f"  {which}: returning users: " + ", ".join(f"{k} {v:.1f}" for k, v in results[arm].items()),
+                  flush=True)
         finally:
             if server is not None:
                 server.stop()
@@ -120,8 +120,8 @@ def measure_overflow(args: argparse.Namespace, work: Path) -> dict[tuple[str, in
     return results
 
 
-def render_overflow(results: dict[tuple[str, int | None], dict[str, float]], args: argparse.Namespace) -> str:
-    ours = results[("kvstore", None)]["mean_ttft_ms"]
+def render_overflow(results: dict[Arm, dict[str, float]], args: argparse.Namespace) -> str:
+    ours = results[Arm("kvstore")]["mean_ttft_ms"]
     configs = "; ".join(reserved_text(r) for r in args.vllm_reserved_cpus)
     lines = [
         "### Conversations that overflow the device pool (`kvstore bench serving --overflow`)",
@@ -138,14 +138,14 @@ def render_overflow(results: dict[tuple[str, int | None], dict[str, float]], arg
         "| server | mean TTFT, returning users | median TTFT | mean TPOT | kvstore's mean TTFT lower by | target | met |",
         "|---|---|---|---|---|---|---|",
     ]
-    for which, reserved in _runs(args):
-        r = results[(which, reserved)]
-        label = LABELS[which]
-        if which == "kvstore":
+    for arm in _runs(args):
+        r = results[arm]
+        label = LABELS[arm.which]
+        if arm.which == "kvstore":
             ratio, target, met = "-", "-", "-"
         else:
-            label += f" ({reserved_label(reserved)})" if len(args.vllm_reserved_cpus) > 1 else ""
-            want = TARGETS[which]
+            label += f" ({reserved_label(arm.reserved)})" if len(args.vllm_reserved_cpus) > 1 else ""
+            want = TARGETS[arm.which]
             speed = r["mean_ttft_ms"] / ours
             ratio, target = f"{ratio_text(speed, want)}x", f">= {want:g}x"
             met = "yes" if speed >= want else "NO"

@@ -20,6 +20,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +82,23 @@ def reserved_text(reserved: int | None) -> str:
         return "as shipped (VLLM_CPU_NUM_OF_RESERVED_CPU unset: on 2 cores its model runs on 1)"
     return (f"{reserved_label(reserved)} (VLLM_CPU_NUM_OF_RESERVED_CPU={reserved}"
             + (": its model on every core)" if reserved == 0 else ")"))
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One server as a benchmark runs it: ``which`` is ``kvstore`` (``kvstore engine``), ``vllm``
+    or ``vllm+kvstore`` (``Server``'s), ``reserved`` vLLM's ``VLLM_CPU_NUM_OF_RESERVED_CPU``
+    (None: as shipped; always None for the engine)."""
+
+    which: str
+    reserved: int | None = None
+
+    @property
+    def name(self) -> str:
+        """``kvstore``, or the vLLM server and its configuration (``vLLM as shipped``, ``vLLM 0 reserved``)."""
+        if self.which == "kvstore":
+            return "kvstore"
+        return f"{'vLLM' if self.which == 'vllm' else self.which} {reserved_label(self.reserved)}"
 
 
 class Server:
