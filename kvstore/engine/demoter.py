@@ -25,7 +25,7 @@ from collections import deque
 import torch
 
 from kvstore.api import BlockStore
-from kvstore.errors import KVStoreError
+from kvstore.errors import KVStoreError, TierFullError
 
 log = logging.getLogger("kvstore.engine.demoter")
 
@@ -141,5 +141,5 @@ class Demoter:
         try:  # a key stored meanwhile (another engine) is only refreshed by put
             self.store.put(keys, payload, tenant=tenant, group=group)
             self.num_demoted += len(keys)
-        except KVStoreError:  # the store is full of pinned or in-flight blocks
+        except (KVStoreError, TierFullError):  # the store is full: pinned or in-flight blocks, a full disk
             self.num_dropped += len(keys)

@@ -357,10 +357,12 @@ class LLMEngine:
         self._requests.clear()
         self.runner.close()
         if self.store is not None:
-            self.block_manager.write_back()
-            self.block_manager.close()
-            if self._owns_store:
-                self.store.close()
+            try:
+                self.block_manager.write_back()
+            finally:  # a write-back that failed (a daemon gone) still stops the thread and the connection
+                self.block_manager.close()
+                if self._owns_store:
+                    self.store.close()
         if self._store_events is not None:
             self._store_events.detach()
         if self.kv_events is not None:

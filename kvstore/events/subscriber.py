@@ -202,13 +202,15 @@ class Subscriber:
             if restarted:
                 self.sink.apply(EventBatch(time.time(), [AllBlocksCleared()], batch.data_parallel_rank))
             self.epoch, self.last_seq, self._synced = batch.epoch, -1, True
+        if batch.epoch != self.epoch:  # the snapshot just taken is of a later boot: this batch is none of it
+            return applied
         if seq <= self.last_seq:
             self.counters["duplicates"] += 1
             return applied
         if seq > self.last_seq + 1:
             self.counters["gaps"] += 1
             applied += self._fill(seq)
-            if seq <= self.last_seq:
+            if seq <= self.last_seq or batch.epoch != self.epoch:  # filled, or a snapshot of a later boot taken
                 return applied
             if seq > self.last_seq + 1:
                 self.counters["unfilled_gaps"] += 1

@@ -201,13 +201,13 @@ def _wire_event(event: Event) -> _Out:
 
 def encode_batch(batch: EventBatch) -> bytes:
     """The msgpack payload of ``batch``: vLLM 0.32's bytes, then the extension element when
-    ``batch.epoch`` is set."""
+    ``batch`` sets any of its fields (kvstore's publisher sets ``epoch`` on every batch)."""
     body: list[Any] = [float(batch.ts), [_wire_event(e) for e in batch.events], batch.data_parallel_rank]
-    if batch.epoch is not None:
+    if batch.epoch is not None or batch.snapshot or batch.media is not None:  # (what a decoder read, written back)
         ext: dict[str, Any] = {"epoch": batch.epoch}
         if batch.snapshot:
             ext["snapshot"] = True
-        if batch.media:
+        if batch.media is not None:
             ext["media"] = batch.media
         body.append(ext)
     return _ENCODER.encode(body)
@@ -325,10 +325,26 @@ def _extension(ext: Any) -> tuple[int | None, bool, dict[str, dict[str, Any]] | 
     return (epoch if isinstance(epoch, int) else None), ext.get("snapshot") is True, media
 
 
+def _no_ext(code: int, data: bytes) -> Any:
+    raise WireError(f"payload has a msgpack extension of type {code}: KV events use none")
+
+
+def _no_timestamps(container: Any) -> Any:
+    """(msgpack reads its timestamp extension without asking ``ext_hook``: each array and
+    map is looked through instead.)"""
+    items = container.items() if isinstance(container, dict) else ((v, v) for v in container)
+    if any(type(k) is msgpack.Timestamp or type(v) is msgpack.Timestamp for k, v in items):
+        raise WireError("payload has a msgpack timestamp: KV events use none")
+    return container
+
+
 def _decode_generic(payload: bytes) -> EventBatch:
     """``decode_batch`` for any payload: every encoding vLLM has used, and the error's words."""
     try:
-        doc = msgpack.unpackb(payload, raw=False, strict_map_key=False)
+        doc = msgpack.unpackb(payload, raw=False, strict_map_key=False, ext_hook=_no_ext, list_hook=_no_timestamps,
+                              object_hook=_no_timestamps)
+    except WireError:
+        raise
     except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
         raise WireError(f"payload is not msgpack: {exc}") from None
     except TypeError as exc:  # a map keyed by an array or a map: msgpack, but no batch

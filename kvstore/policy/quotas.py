@@ -30,6 +30,7 @@ from kvstore.errors import ConfigError
 EVERY_TIER = "*"
 HARD_TIERS = ("host",)  # a hard quota applies where puts land (see the module docstring)
 KINDS = ("soft", "hard")
+MAX_BYTES = (1 << 63) - 1  # the largest size (kvstore/services/common/sizes.py: the largest file offset)
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,8 @@ class Limit:
                               f"share={self.share!r}")
         if self.bytes is not None and (type(self.bytes) is not int or self.bytes < 0):
             raise ConfigError(f"a quota in bytes must be an integer >= 0, got {self.bytes!r}")
+        if self.bytes is not None and self.bytes > MAX_BYTES:
+            raise ConfigError(f"a quota of {self.bytes} bytes is past the largest size, {MAX_BYTES} bytes")
         if self.share is not None and not (isinstance(self.share, float) and math.isfinite(self.share)
                                            and 0 < self.share <= 1):
             raise ConfigError(f"a quota share must be in (0, 1] (or \"1%\" to \"100%\"), got {self.share!r}")
@@ -84,8 +87,9 @@ class Limit:
         return math.floor(self.share * num_slots + 1e-9)
 
     def describe(self) -> str | int:
-        """As written back: bytes as an int, a share as "N%"."""
-        return self.bytes if self.bytes is not None else f"{round(100 * self.share, 6):g}%"  # type: ignore[operator]
+        """As written back: bytes as an int, a share as "N%" (six significant digits: a share of
+        1e-9 is "1e-07%", which reads back as a share, never "0%", which does not)."""
+        return self.bytes if self.bytes is not None else f"{100 * self.share:.6g}%"  # type: ignore[operator]
 
 
 @dataclass(frozen=True)
@@ -119,7 +123,11 @@ class QuotaTable:
     def __post_init__(self) -> None:
         rows = {t: dict(q) for t, q in self.tenants.items()}
         for tenant, tiers in rows.items():
-            if not isinstance(tenant, str) or len(tenant.encode()) > 255:
+            try:
+                named = isinstance(tenant, str) and len(tenant.encode()) <= 255
+            except UnicodeEncodeError:  # a lone surrogate: JSON's "\ud800"
+                named = False
+            if not named:
                 raise ConfigError(f"a tenant name is a str of at most 255 UTF-8 bytes, got {tenant!r:.80}")
             for tier, quota in tiers.items():
                 if not isinstance(quota, TierQuota):

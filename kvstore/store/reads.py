@@ -261,7 +261,8 @@ class ReadPath:
         cascade = self.cascade
         host = cascade.host
         ok: dict[bytes, bool] = {}
-        rows = {e.key: i for i, (e, _r) in enumerate(plan)}
+        # the dst row of each block of ``lower``, by position: a key named twice fills both rows
+        rows = [i for i, (_e, r) in enumerate(plan) if r > 0]
         host_items = [(i, slots_read[i]) for i, (_e, r) in enumerate(plan) if r == 0]
         if dst is not None and host_items:
             idx, slots = zip(*host_items, strict=True)
@@ -278,7 +279,7 @@ class ReadPath:
         targets_on_host = host.promotion_targets(promo_slots)
         outs: list[torch.Tensor] = list(targets_on_host)
         if dst is not None:
-            outs += [dst[rows[e.key]] for e, _r in lower[len(promo_slots) :]]
+            outs += [dst[rows[j]] for j in range(len(promo_slots), len(lower))]
         targets = list(zip(lower[: len(outs)], outs, strict=True))
         # Raw host slots: a promoted block is copied on to dst as soon as its level has it
         # (per disk transfer, on the reader's thread, beside the transfers still in flight).
@@ -289,7 +290,7 @@ class ReadPath:
                 continue
 
             def ready(blocks: list[int], good: list[bool], mine: list[int] = mine) -> None:
-                early = [(rows[lower[mine[b]][0].key], mine[b]) for b, g in zip(blocks, good, strict=True)
+                early = [(rows[mine[b]], mine[b]) for b, g in zip(blocks, good, strict=True)
                          if g and mine[b] < len(promo_slots)]
                 for first, count in _runs(early):
                     row, i = early[first]
@@ -297,7 +298,7 @@ class ReadPath:
                 copied.extend(i for _row, i in early)
 
             keys = [targets[j][0][0].key for j in mine]
-            flags = level.read(keys, [slots_read[rows[key]] for key in keys], [targets[j][1] for j in mine],
+            flags = level.read(keys, [slots_read[rows[j]] for j in mine], [targets[j][1] for j in mine],
                                ready if dst is not None and host.coding is None and promo_slots else None)
             for key, good in zip(keys, flags, strict=True):
                 ok[key] = good
@@ -309,7 +310,7 @@ class ReadPath:
         copies: list[tuple[int, int]] = []  # (dst row, index into promo_slots) of blocks read, not yet copied
         for i, ((entry, _r), good, placed) in enumerate(zip(lower, read, promoted, strict=False)):
             if dst is not None and good and i not in done:
-                copies.append((rows[entry.key], i))
+                copies.append((rows[i], i))
             if good and not placed:
                 unplaced.add(entry.key)
         if dst is not None and host.coding is None:  # raw slots: one copy per run of rows and slots
@@ -328,15 +329,18 @@ class ReadPath:
         exact: list[bool] = []  # a copy decoded from a lossy level is not the bytes put
         promoted_slots: list[int] = []
         unused: list[int] = []
+        seen: set[bytes] = set()  # a key named twice is settled once; its second promotion slot goes unused
         for i, (entry, rank) in enumerate(lower):
+            first = entry.key not in seen
+            seen.add(entry.key)
             good = ok.get(entry.key, False)
-            if not good and entry.key in ok:
+            if first and not good and entry.key in ok:
                 cascade.placement.lost(rank, [entry])  # the level dropped the corrupt or unreadable slot
-            elif good:
+            elif first and good:
                 cascade.levels[rank].policy.access([entry.key])
             if i < len(promo_slots):
                 # (not a block being written by a put or a demotion: its writer places it)
-                if good and entry.slots[0] is None and not entry.writing and entry.key in cascade.index \
+                if first and good and entry.slots[0] is None and not entry.writing and entry.key in cascade.index \
                         and entry.key not in unplaced:
                     promoted.append(entry)
                     promoted_slots.append(promo_slots[i])

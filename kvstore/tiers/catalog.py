@@ -12,6 +12,7 @@ never races an open transaction.
 
 from __future__ import annotations
 
+import mmap
 import os
 import struct
 from collections.abc import Callable, Collection, Iterator, Sequence
@@ -23,6 +24,9 @@ from kvstore.tiers.errors import TierError, TierFullError, TierIOError
 from kvstore.tiers.records import FORMAT_VERSION, GEOMETRY, LAST_ACCESS_OFFSET, MAGIC, decode_record
 
 _ENTRY_ESTIMATE_BYTES = 512  # generous: a 64-byte key and a ~100-byte value in half-full pages
+# LMDB's longest write: MDB_COMMIT_PAGES (64) pages of its page size, the OS's. A commit that
+# fails with less than this free may have been cut short by the full filesystem.
+_COMMIT_RUN_BYTES = 64 * mmap.PAGESIZE
 _T = TypeVar("_T")
 _STAMP = struct.Struct("<d")
 
@@ -115,7 +119,21 @@ class Catalog:
             except lmdb.DiskError as e:
                 raise TierFullError(f"catalog at {self.path}: no space left on device ({e})") from e
             except lmdb.Error as e:
+                free = self._bytes_free()
+                if free is not None and free < _COMMIT_RUN_BYTES:
+                    # LMDB reports a write the filesystem cut short (it filled midway) as EIO
+                    raise TierFullError(
+                        f"catalog at {self.path}: no space left on device ({e}; {free} bytes free)"
+                    ) from e
                 raise TierIOError(f"catalog at {self.path}: transaction failed ({e})") from e
+
+    def _bytes_free(self) -> int | None:
+        """Bytes the catalog's filesystem has free for this process (None if it cannot say)."""
+        try:
+            stat = os.statvfs(self.path)
+        except OSError:
+            return None
+        return stat.f_bavail * stat.f_frsize
 
     def _grow(self) -> None:
         new_bytes = self.map_bytes * 2

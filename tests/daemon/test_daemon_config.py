@@ -166,3 +166,48 @@ def test_a_good_tokens_file_maps_tokens_to_tenants(tmp_path: Path) -> None:
     assert tokens.authenticate("tok-acme-2") == Principal("acme")
     assert tokens.authenticate("tok-beta") == Principal("beta", shm=False)
     assert Tokens(None, None).is_open and Tokens(None, None).authenticate(None) == Principal("")
+
+
+# ------------------------------------------------------------------------- fuzz regressions
+# Found by the daemon_toml and tokens_file fuzz harnesses (fuzz/regressions/daemon_toml/,
+# fuzz/regressions/tokens_file/): each escaped as another error than ConfigError.
+
+
+@pytest.mark.parametrize("content", [
+    b'listen = "127.0.0.1:7470\xff"\n',  # tomllib decodes the bytes itself: UnicodeDecodeError
+    b"host_bytes = " + b"[" * 600 + b"]" * 600 + b"\n",  # and nests by recursion: RecursionError
+])
+def test_a_file_that_is_not_toml_is_a_config_error(tmp_path: Path, content: bytes) -> None:
+    toml = tmp_path / "kvstore.toml"
+    toml.write_bytes(content)
+    with pytest.raises(ConfigError, match=f"cannot read config {re.escape(str(toml))}: "):
+        load_config(toml, {"data_dir": tmp_path / "data"})
+    with pytest.raises(ConfigError, match=f"cannot read tokens file {re.escape(str(toml))}: "):
+        Tokens(None, str(toml))
+
+
+@pytest.mark.parametrize(("line", "message"), [
+    ('listen = "127.0.0.1:²"', "address '127.0.0.1:²' is not HOST:PORT"),  # "²".isdigit(): int() raised
+    ('socket_path = "/tmp/k\\u0000.sock"', "socket_path holds a NUL character"),
+    ('tokens_file = "/etc/\\u0000"', "tokens_file holds a NUL character"),
+])
+def test_an_address_or_path_no_socket_can_take_is_a_config_error(tmp_path: Path, line: str, message: str) -> None:
+    toml = tmp_path / "kvstore.toml"
+    toml.write_text(line + "\n", encoding="utf-8")
+    with pytest.raises(ConfigError, match=message):
+        load_config(toml, {"data_dir": tmp_path / "data", "host_bytes": "64MiB", "disk_bytes": 0})
+
+
+@pytest.mark.parametrize(("data_dir", "message"), [
+    ("d" * 300, "File name too long"),  # OSError from the probe of its file system
+    ("/tmp/d\\u0000", "embedded null byte"),  # ValueError
+])
+def test_a_data_dir_whose_file_system_cannot_be_sized_is_a_config_error(tmp_path: Path, data_dir: str,
+                                                                        message: str) -> None:
+    toml = tmp_path / "kvstore.toml"
+    toml.write_text(f'data_dir = "{data_dir}"\nhost_bytes = "64MiB"\n')
+    with pytest.raises(ConfigError, match=f"data_dir .*: its file system cannot be sized .*{message}.*give disk_bytes"):
+        load_config(toml, {})
+    toml.write_text(f'data_dir = "{data_dir}"\nhost_bytes = "64MiB"\ndisk_bytes = 0\n')
+    with pytest.raises(ConfigError, match="holds a NUL character" if "u0000" in data_dir else "sun_path|at most 107"):
+        load_config(toml, {})

@@ -234,3 +234,40 @@ def test_a_put_cut_off_inside_its_data_gives_its_host_slots_back(daemon: DaemonP
         c.put(keys, blocks(keys))  # received straight into host slots: the same bytes come back
         assert torch.equal(c.get(keys), blocks(keys))
         assert c.stats()["host"]["used_bytes"] == used + 6 * 4096
+
+
+def test_every_reply_fits_a_small_max_frame(tmp_path: Path) -> None:
+    """Found by the frames fuzz harness (fuzz/regressions/frames/): a request's id of another
+    type than int was echoed (a binary of nearly max_frame bytes pushed a get's reply past the
+    cap), and an inspect of max_keys keys answered rows of ~100 bytes each; either reply failed
+    ReplyWriter's cap assertion and never came. Now the id is None, the inspect BAD_REQUEST."""
+    config = tmp_path / "daemon.toml"
+    config.write_text("max_frame = 16384\n")
+    d = DaemonProc(tmp_path / "data", "--config", str(config))
+    try:
+        with d.connect(shm=False) as c:
+            keys = c.block_keys(prompt(4242, 3))
+            c.put(keys, blocks(keys))
+        s = raw(d)
+        s.sendall(encode(HELLO))
+        assert reply(s)["max_frame"] == 16384  # type: ignore[index]
+        s.sendall(encode({"op": "get", "id": b"x" * 15000, "keys": b"".join(keys)}))
+        head = s.recv(HEADER.size, socket.MSG_WAITALL)
+        meta_len, data_len = HEADER.unpack(head)
+        assert meta_len + data_len <= 16384
+        meta = msgpack.unpackb(s.recv(meta_len, socket.MSG_WAITALL))
+        assert meta["id"] is None and meta["num_blocks"] == 3
+        got = torch.frombuffer(bytearray(s.recv(data_len, socket.MSG_WAITALL)), dtype=LAYOUT.dtype)
+        assert torch.equal(got.view(3, *LAYOUT.block_shape), blocks(keys))
+        s.sendall(encode({"op": "lookup", "id": "seven", "keys": b"".join(keys)}))
+        assert reply(s) == {"id": None, "num_blocks": 3, "tiers": "hhh"}
+        s.sendall(encode({"op": "inspect", "id": 8, "keys": keys[0] * 400}))  # ~40 KB of rows
+        refused = reply(s)
+        assert code_of(refused) == Code.BAD_REQUEST and refused["id"] == 8  # type: ignore[index]
+        assert "max_frame" in refused["error"]["message"]  # type: ignore[index]
+        s.sendall(encode({"op": "inspect", "id": 9, "keys": b"".join(keys)}))
+        rows = reply(s)["blocks"]  # type: ignore[index]
+        assert [row["tiers"][0] for row in rows] == ["host"] * 3
+        s.close()
+    finally:
+        d.kill9()

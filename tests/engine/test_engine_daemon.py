@@ -8,13 +8,17 @@ produces A's greedy output; an engine with another tenant's token finds nothing.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
+import pytest
 import torch
 
 from kvstore import KVLayout
+from kvstore.engine import LLMEngine, SamplingParams
 from kvstore.engine.checkpoint import random_checkpoint
 from tests.daemon.daemon_helpers import ROOT, DaemonProc
 
@@ -80,3 +84,20 @@ def test_two_engine_processes_share_the_daemon(tmp_path: Path) -> None:
             client.close()
     finally:
         assert daemon.stop() == 0
+
+
+def test_closing_an_engine_whose_daemon_was_killed_still_frees_its_thread_and_connection(tmp_path: Path) -> None:
+    # Found by scripts/daemon_kill_loop.py: close() raised from its write-back (the daemon
+    # gone) before it stopped the demoter thread and closed the connection, leaking both.
+    def demoters() -> set[threading.Thread]:
+        return {t for t in threading.enumerate() if t.name == "engine-demoter"}
+
+    daemon = DaemonProc(tmp_path / "data", host_mem="4MiB", disk="8MiB")
+    before = (demoters(), len(os.listdir("/proc/self/fd")))
+    llm = LLMEngine(None, store_url=daemon.unix, block_size=BLOCK, kv_cache_bytes=64 * 2048, dtype=torch.float32,
+                    random_model=TINY, cpu_decode_kernel=False)
+    llm.generate(PROMPT, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    daemon.kill9()
+    with pytest.raises(OSError):  # the device blocks' write-back cannot reach the daemon
+        llm.close()
+    assert (demoters(), len(os.listdir("/proc/self/fd"))) == before

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
+import math
 import os
 import shutil
 from dataclasses import replace
@@ -20,7 +21,13 @@ import pytest
 import torch
 
 from kvstore.engine import CheckpointError, LLMEngine, SamplingParams
-from kvstore.engine.checkpoint import Checkpoint, load_checkpoint, random_checkpoint, save_random_checkpoint
+from kvstore.engine.checkpoint import (
+    Checkpoint,
+    ModelConfig,
+    load_checkpoint,
+    random_checkpoint,
+    save_random_checkpoint,
+)
 from kvstore.engine.checkpoint.model_cache import MANIFEST, convert_gguf
 
 from factories import require
@@ -102,8 +109,13 @@ def write_gguf(path: Path, ckpt: Checkpoint, arch: str = "llama", quant: str | N
     w.add_eos_token_id(2)
     w.add_add_bos_token(True)
     w.add_chat_template(TEMPLATE)
-    for key, value in (extra or {}).items():
-        w.add_string(key, value) if isinstance(value, str) else w.add_uint32(key, value)
+    for key, value in (extra or {}).items():  # (a key written above is overwritten)
+        if isinstance(value, str):
+            w.add_string(key, value)
+        elif isinstance(value, float):
+            w.add_float32(key, value)
+        else:
+            w.add_uint32(key, value)
     for name, tensor in ckpt.weights.items():
         array = tensor.float().numpy()
         if arch == "llama" and ".q_proj." in name:
@@ -317,3 +329,105 @@ def test_hf_directories_still_load(tiny: tuple[Checkpoint, Path, Path], tmp_path
     loaded = load_checkpoint(copy)
     assert loaded.model_id.startswith("hf:") and torch.equal(loaded.weights["model.norm.weight"],
                                                              tiny[0].weights["model.norm.weight"])
+
+
+# ------------------------------------------------------------------------- fuzz regressions
+# Found by the gguf and gguf_tokenizer fuzz harnesses (fuzz/regressions/gguf*/): each was another
+# error than CheckpointError, a hang, or a file accepted that the engine cannot run.
+
+
+@pytest.mark.timeout(60)
+def test_an_array_claiming_more_values_than_the_file_holds_is_a_checkpoint_error(
+        tiny: tuple[Checkpoint, Path, Path], tmp_path: Path, cache: Path) -> None:
+    """The gguf package reads past the end of a file as empty arrays: an array of numbers that
+    claimed 2**60 entries looped for ever, growing a list of them."""
+    import gguf
+
+    data = bytearray(tiny[2].read_bytes())
+    key = "tokenizer.ggml.token_type"
+    field = gguf.GGUFReader(tiny[2]).fields[key]
+    count_at = field.offset + 8 + len(key) + 4 + 4  # key length, key, value type, item type
+    assert int.from_bytes(data[count_at:count_at + 8], "little") == len(vocab())
+    data[count_at:count_at + 8] = (1 << 60).to_bytes(8, "little")
+    data += bytes(-(len(data) - count_at - 8) % 4)  # whole int32s to the end: then reads past it are empty
+    (tmp_path / "lying.gguf").write_bytes(data)
+    with pytest.raises(CheckpointError, match=r"lying\.gguf .*truncated or corrupt .*run past the end of the file"):
+        convert_gguf(tmp_path / "lying.gguf")
+
+
+@pytest.mark.parametrize(("extra", "match"), [
+    # a list of one entry per layer (gemma3: at conversion, minutes and GBs; llama: at load)
+    ({"llama.block_count": 2**32 - 1}, r"llama\.block_count is 4294967295, not 1 to 4096"),
+    ({"llama.context_length": math.inf}, r"llama\.context_length is inf, not a \(finite\) number"),  # OverflowError
+    ({"llama.feed_forward_length": math.nan}, r"llama\.feed_forward_length is nan"),  # ValueError
+    # numpy's reshape error un-permuting q
+    ({"llama.attention.key_length": 15, "llama.rope.dimension_count": 15}, r"head_dim 15 is odd"),
+])
+def test_metadata_out_of_range_is_a_checkpoint_error(extra: dict[str, Any], match: str, tmp_path: Path,
+                                                     cache: Path) -> None:
+    path = write_gguf(tmp_path / "m.gguf", random_checkpoint(MODEL, 1), extra=extra)
+    with pytest.raises(CheckpointError, match=match):
+        convert_gguf(path)
+
+
+@pytest.mark.parametrize(("fields", "match"), [
+    ({"num_kv_heads": -2}, "num_kv_heads must be positive, got -2"),  # 4 % -2 == 0: it was accepted
+    ({"num_kv_heads": 0}, "num_kv_heads must be positive, got 0"),  # ZeroDivisionError
+    ({"num_heads": -4}, "num_heads must be positive, got -4"),
+    ({"num_layers": 10**9}, "num_layers=1000000000 is out of range: 1 to 4096"),
+])
+def test_model_config_refuses_counts_out_of_range(fields: dict[str, Any], match: str) -> None:
+    with pytest.raises(CheckpointError, match=match):
+        ModelConfig(**{"num_heads": 4, "num_kv_heads": 2, **fields})
+    with pytest.raises(CheckpointError, match=r"num_hidden_layers=1000000000 is out of range"):  # before a list
+        ModelConfig.from_hf({"model_type": "gemma3_text", "num_attention_heads": 4, "hidden_size": 64,
+                             "num_hidden_layers": 10**9, "vocab_size": 8, "intermediate_size": 8})
+
+
+def gpt2_metadata(**change: Any) -> dict[str, Any]:
+    """``gpt2_vocab()`` as the GGUF reader hands it to ``build_tokenizer``, with ``change``."""
+    tok = gpt2_vocab()
+    meta = {f"tokenizer.ggml.{k}": tok[k] for k in ("model", "pre", "tokens", "merges")}
+    meta.update({"tokenizer.ggml.token_type": tok["types"], "tokenizer.ggml.bos_token_id": 1,
+                 "tokenizer.ggml.add_bos_token": True})
+    return {**meta, **{f"tokenizer.ggml.{k}": v for k, v in change.items()}}
+
+
+@pytest.mark.parametrize(("change", "match"), [
+    ({"merges": [*MERGES, "j l"]}, r"merges\[3\] is 'j l', not two tokens of its vocabulary"),  # tokenizers' Exception
+    ({"merges": [*MERGES, "he"]}, r"merges\[3\] is 'he'"),  # TypeError
+    ({"merges": [*MERGES, 7]}, r"merges\[3\] is 7"),  # AttributeError
+    ({"tokens": [*vocab(), 7]}, "tokenizer.ggml.tokens holds 129 values, not all strings"),  # TypeError
+    ({"token_type": 1}, "tokenizer.ggml.token_type is a int, not a list"),  # TypeError
+    ({"model": "llama", "scores": [0.0] * 127 + ["high"]}, "no tokenizer.ggml.scores for its 128 tokens"),  # TypeError
+    ({"tokens": ["<|endoftext|>", "$foo", *vocab()[2:]]}, r"BOS token '\$foo' starts with '\$'"),  # ValueError
+    ({"tokens": ["<|endoftext|>", "$A", *vocab()[2:]]}, r"BOS token '\$A'"),  # the prompt came twice
+    ({"tokens": ["<|endoftext|>", ":", *vocab()[2:]]}, r"BOS token ':' cannot be prepended"),  # ValueError
+    ({"tokens": ["<|endoftext|>", "x:1", *vocab()[2:]]}, r"BOS token 'x:1' cannot be prepended"),
+])
+def test_malformed_tokenizer_metadata_is_a_checkpoint_error(change: dict[str, Any], match: str) -> None:
+    from kvstore.engine.checkpoint.gguf_tokenizer import build_tokenizer
+
+    with pytest.raises(CheckpointError, match=match):
+        build_tokenizer(gpt2_metadata(**change))
+
+
+def test_a_pre_tokenizer_that_is_no_name_splits_as_gpt2() -> None:
+    """As an unknown name does (it was a TypeError: a list is no dict key)."""
+    from kvstore.engine.checkpoint.gguf_tokenizer import build_tokenizer
+
+    tokens = vocab()
+    assert build_tokenizer(gpt2_metadata(pre=["smollm"])).encode("the 42").ids == [
+        1, tokens.index("t"), tokens.index("he"), tokens.index("Ġ"), tokens.index("4"), tokens.index("2")]
+
+
+def test_a_gemma3_unknown_token_of_spaces_is_looked_up_as_respelled() -> None:
+    """Gemma's tokens of spaces are respelled with "▁" in the vocabulary, but the unknown token was
+    looked up as the file spells it: encoding a character the vocabulary lacks raised the
+    tokenizers library's "Unk token ` ` not found in the vocabulary"."""
+    from kvstore.engine.checkpoint.gguf_tokenizer import build_tokenizer
+
+    meta = {"general.architecture": "gemma3", "tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": [" ", "a"],
+            "tokenizer.ggml.scores": [0.0, 0.0], "tokenizer.ggml.unknown_token_id": 0,
+            "tokenizer.ggml.add_space_prefix": False}
+    assert build_tokenizer(meta).encode("ab").ids == [1, 0]  # "b" is unknown: the respelled " "

@@ -242,3 +242,28 @@ def test_a_refused_quota_change_loses_nothing(tmp_path: Path) -> None:
     assert store.view.tenant_stats()["acme"]["tiers"]["host"]["soft_blocks"] == 4
     store.check_integrity()
     store.close()
+
+
+@pytest.mark.parametrize("share", [1e-9, 1 / 3, 0.125, 0.9999999, 1.0])
+def test_a_share_written_back_reads_back(share: float) -> None:
+    """Found by the tokens_file and quotas fuzz harnesses (fuzz/regressions/quotas/): a share
+    of 1e-9 ("0.0000001%") was written back as "0%", which reads back as no share at all."""
+    shown = QuotaTable({"acme": {"host": TierQuota(soft=Limit(share=share))}}).as_dict()
+    again = QuotaTable.from_dict(shown)
+    assert again.as_dict() == shown
+    assert again.tenants["acme"]["host"].soft.share == pytest.approx(share, rel=1e-5)  # type: ignore[union-attr]
+
+
+def test_bytes_past_the_largest_size_are_refused() -> None:
+    """Found by the quotas fuzz harness: an int limit skipped the size parser's bound (a string
+    of the same number was refused)."""
+    with pytest.raises(ConfigError, match=r"a quota of 100000000000000000000000 bytes is past the largest size"):
+        QuotaTable.from_dict({"acme": {"host": {"hard": 10**23}}})
+    assert Limit(bytes=(1 << 63) - 1).bytes == (1 << 63) - 1
+
+
+def test_a_tenant_name_that_is_no_utf_8_is_refused() -> None:
+    """Found by the quotas fuzz harness: JSON's "\\ud800" (a lone surrogate) made the name's
+    length check raise UnicodeEncodeError."""
+    with pytest.raises(ConfigError, match="a tenant name is a str of at most 255 UTF-8 bytes"):
+        QuotaTable.from_dict({"\ud800": {"host": {"soft": "10%"}}})

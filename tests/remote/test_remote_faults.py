@@ -13,12 +13,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import redis
 
 from kvstore.tiers.remote import RemoteTier, parse_url
 from kvstore.tiers.remote.nodes import error_kind
 from kvstore.tiers.remote.topology import Topology
-from kvstore.tools.bench.redis_local import RedisCluster, RedisServer, cli, free_port
+from kvstore.tools.bench.redis_local import MIB, RedisCluster, RedisServer, cli, free_port, need_binaries
 
+from factories import require
 from remote_helpers import PAYLOAD, TrickleNode, keys, owner_port, payloads, tier
 from waiting import wait_until
 
@@ -42,8 +44,9 @@ def split_by_primary(t: RemoteTier, cluster: RedisCluster, port: int, tag: str) 
 
 
 def test_client_pause_takes_the_timeout_path_within_the_deadline(cluster: RedisCluster) -> None:
+    """The timeout path itself: replica reads off (with them, the replica answers; below)."""
     timeout = 0.5
-    with tier(cluster.url, timeout_s=timeout, breaker_threshold=2, breaker_cooldown_s=0.5) as t:
+    with tier(cluster.url, timeout_s=timeout, breaker_threshold=2, breaker_cooldown_s=0.5, replica_reads=False) as t:
         paused = cluster.primaries()[0]
         on, off = split_by_primary(t, cluster, paused.port, "pause")
         ks = on + off
@@ -245,3 +248,53 @@ def test_a_pool_busy_with_a_stalled_node_charges_no_other_node(cluster: RedisClu
             assert replies[queued].results == [b"q"] * 2 and error_kind(replies[stalled].error) == "unavailable"  # type: ignore[arg-type]
         finally:
             top.close()
+
+
+def test_reads_of_a_killed_primary_go_to_its_replica_until_the_failover(tmp_path: Path) -> None:
+    """A primary killed: its slots' reads go to its replica (READONLY) at once, long before the
+    cluster promotes it (node timeout 2 s), with the right bytes; writes to it are dropped and
+    counted meanwhile; after the failover the promoted replica serves reads and writes."""
+    require(need_binaries() is None, "no redis-server: the failover test needs a real Redis Cluster")
+    cluster = RedisCluster.start(tmp_path / "cluster", maxmemory=24 * MIB, node_timeout_ms=2000)
+    try:
+        with tier(cluster.url, timeout_s=0.3, breaker_cooldown_s=0.3) as t:
+            victim = cluster.primaries()[0]
+            on, off = split_by_primary(t, cluster, victim.port, "failover")
+            ks = on[:8] + off[:8]
+            data = payloads(ks)
+            t.put(ks, list(data))
+            assert redis.Redis(port=victim.port).execute_command("WAIT", 1, 5000) == 1, "the replica took the writes"
+            out = np.zeros_like(data)
+            assert all(t.get(ks, list(out))) and np.array_equal(out, data)
+            t.forget_hints()  # every read below asks the nodes
+
+            victim.kill()
+            killed_at = time.monotonic()
+            reads: list[tuple[float, float, int]] = []  # (start, end, hits) after the kill
+            wrong = 0
+            while time.monotonic() - killed_at < 1.5:
+                started = time.monotonic()
+                out = np.zeros_like(data)
+                ok = t.get(ks, list(out))
+                reads.append((started - killed_at, time.monotonic() - killed_at, sum(ok)))
+                wrong += sum(1 for j in range(len(ks)) if ok[j] and not np.array_equal(out[j], data[j]))
+                t.forget_hints()
+            assert cluster.replica_of(victim) is not None, "the replica must not be promoted yet (node timeout 2 s)"
+            assert wrong == 0
+            late = [r for r in reads if r[0] >= 1.0]
+            assert late and all(hits == len(ks) for _s, _e, hits in late), \
+                f"reads from 1 s after the kill on must all hit; got {[r for r in reads if r[2] < len(ks)][:5]}"
+            s = t.stats()
+            assert s["replica_reads"] > 0 and s["errors"] > 0
+            dropped = s["dropped"]
+            fresh = on[8:12]  # more keys of the dead primary's slots, never written
+            t.put(fresh, list(payloads(fresh)))
+            assert t.stats()["dropped"] > dropped, "writes to a down primary are dropped and counted"
+
+            cluster.wait_failover(victim)
+            wait_until(lambda: round_trip(t, f"after-failover-{time.monotonic()}"), 15,
+                       "reads and writes after the failover", poll_s=0.2)
+            out = np.zeros_like(data)
+            assert all(t.get(ks, list(out))) and np.array_equal(out, data)
+    finally:
+        cluster.close()

@@ -177,6 +177,24 @@ def test_a_get_larger_than_host_promotes_the_leading_blocks_that_fit_and_streams
     store.close()
 
 
+@pytest.mark.parametrize("host_blocks", [8, 2])  # every disk block promoted; or most read straight into dst
+def test_a_key_twice_in_one_get_of_disk_blocks_fills_both_rows(tmp_path: Path, host_blocks: int) -> None:
+    # Found by scripts/daemon_kill_loop.py: a get naming a disk block twice filled only the
+    # row of its last occurrence (the rest stayed as the output tensor was), and promoted
+    # the block into two host slots.
+    store = make_store(tmp_path, host_blocks=host_blocks, disk_blocks=16, write_policy="write_through")
+    keys = chain(store, 4)
+    store.put(keys, blocks_for(keys))
+    store.close()
+    store = make_store(tmp_path, host_blocks=host_blocks, disk_blocks=16)
+    assert store.lookup(keys).tiers == ("disk",) * 4
+    twice = [keys[0], keys[1], keys[0], keys[2], keys[1]]
+    assert torch.equal(store.get(twice, out=torch.full((5, *SMALL_LAYOUT.block_shape), 7.0)), blocks_for(twice))
+    store.check_integrity()
+    assert store.stats()["host"]["num_blocks"] == min(3, host_blocks)
+    store.close()
+
+
 @pytest.mark.parametrize("disk_codec", ["none", "int8"])
 def test_a_promoting_get_copies_each_transfer_on_while_the_rest_is_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                                        disk_codec: str) -> None:

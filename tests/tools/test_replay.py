@@ -166,6 +166,9 @@ def test_table_cascade_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[st
     (['{"input_length": 3}'], [], "line 1: missing field 'hash_ids'"),
     (['{"hash_ids": [1, -2]}'], [], "line 1: 'hash_ids' must be a list of integers"),
     (['[1, 2]'], [], "line 1: expected a JSON object"),
+    # found by the trace fuzz harness (fuzz/regressions/trace/): a RecursionError, a UnicodeEncodeError
+    (['{"hash_ids": [1]}', "[" * 3000 + "]" * 3000], [], "line 2: invalid JSON (nested too deeply)"),
+    (['{"hash_ids": [1], "tenant": "\\ud800"}'], [], "line 1: 'tenant' must be a string"),
     ([""], [], "holds no requests"),
     (['{"hash_ids": [1]}'], ["--capacity", "-5"], "must be a positive int"),
     (['{"hash_ids": [1]}'], ["--capacity", "10,x"], "must be a positive int"),
@@ -323,3 +326,18 @@ def test_quota_file_for_replay(tmp_path: Path, capsys: pytest.CaptureFixture[str
     quotas.write_text('[quotas.nobody]\nhost = { soft = "60%" }\n')
     code, _, err = cli([str(path), "--host", "100", "--quotas", str(quotas)], capsys)
     assert code == 2 and "not the trace's" in err
+
+
+@pytest.mark.parametrize(("content", "message"), [
+    (b'[quotas.t0]\nhost = { soft = "40%\xff" }\n', "can't decode byte 0xff"),
+    (b"[quotas.t0]\nhost = " + b"[" * 600 + b"]" * 600 + b"\n", "recursion depth"),
+])
+def test_a_quota_file_that_is_not_toml_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                        content: bytes, message: str) -> None:
+    """Found by the quotas fuzz harness (fuzz/regressions/quotas/): tomllib decodes the bytes
+    itself and nests by recursion, so these escaped as UnicodeDecodeError and RecursionError."""
+    path = write_trace(tmp_path / "t.jsonl", [[1, 2], [3]])
+    quotas = tmp_path / "q.toml"
+    quotas.write_bytes(content)
+    code, out, err = cli([str(path), "--host", "10", "--tenants", "2", "--quotas", str(quotas)], capsys)
+    assert code == 2 and f"--quotas {quotas}: " in err and message in err and "Traceback" not in err and out == ""

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import re
 from pathlib import Path
 from typing import Any
@@ -39,7 +40,7 @@ from typing import Any
 import torch
 
 from kvstore.engine.checkpoint.gguf_tokenizer import GEMMA3_CHAT_TEMPLATE, build_tokenizer, special_token
-from kvstore.engine.checkpoint.types import FULL, SLIDING, CheckpointError, ModelConfig
+from kvstore.engine.checkpoint.types import FULL, MAX_LAYERS, SLIDING, CheckpointError, ModelConfig
 
 log = logging.getLogger("kvstore.engine")
 
@@ -100,8 +101,20 @@ def _open(src: Path) -> Any:
         from gguf import GGUFReader
     except ImportError:
         raise CheckpointError(f"reading {src.name} needs the gguf package: pip install gguf") from None
+
+    class BoundedReader(GGUFReader):
+        """The gguf package's reader, but a read past the end of the file fails: its own returns
+        a short array, so a lying count (an array of 2**60 numbers) loops for ever, growing a
+        list, instead of failing."""
+
+        def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None) -> Any:
+            values = super()._get(offset, dtype, count, override_order)
+            if len(values) != int(count):
+                raise ValueError(f"{int(count)} values at byte {offset} run past the end of the file")
+            return values
+
     try:
-        reader = GGUFReader(src)
+        reader = BoundedReader(src)
     except Exception as exc:  # the reader raises ValueError, IndexError, struct errors on a bad file
         raise CheckpointError(f"cannot read GGUF {src} ({src.stat().st_size} bytes): it is truncated or "
                               f"corrupt ({type(exc).__name__}: {exc})") from None
@@ -137,8 +150,8 @@ def hf_config(meta: dict[str, Any], tensor_names: list[str], src: Path) -> tuple
         value = meta.get(f"{arch}.{key}", default)
         if value is None:
             raise CheckpointError(f"{src.name} has no {arch}.{key} in its metadata")
-        if not isinstance(value, (int, float)) or isinstance(value, bool):
-            raise CheckpointError(f"{src.name}: {arch}.{key} is {value!r}, not a number")
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+            raise CheckpointError(f"{src.name}: {arch}.{key} is {value!r}, not a (finite) number")
         return kind(value)
 
     splits = meta.get("split.count", 1)
@@ -149,6 +162,9 @@ def hf_config(meta: dict[str, Any], tensor_names: list[str], src: Path) -> tuple
         raise CheckpointError(f"{src.name} is a mixture of experts ({arch}.expert_count); not supported")
     if "rope_freqs.weight" in tensor_names:
         raise CheckpointError(f"{src.name} has rope_freqs.weight (Llama 3.1-style rope scaling); not supported")
+    layers = get("block_count")
+    if not 0 < layers <= MAX_LAYERS:  # before any list of one entry per layer is built
+        raise CheckpointError(f"{src.name}: {arch}.block_count is {layers}, not 1 to {MAX_LAYERS}")
     heads, hidden = get("attention.head_count"), get("embedding_length")
     if heads <= 0:
         raise CheckpointError(f"{src.name}: {arch}.attention.head_count is {heads}")
@@ -157,12 +173,14 @@ def hf_config(meta: dict[str, Any], tensor_names: list[str], src: Path) -> tuple
     if rope_dim != head_dim:
         raise CheckpointError(f"{src.name}: rotary dimension {rope_dim} is not head_dim {head_dim} "
                               "(partial rotary embeddings are not supported)")
+    if head_dim % 2:
+        raise CheckpointError(f"{src.name}: head_dim {head_dim} is odd (rotary embeddings rotate pairs)")
     tokens = meta.get("tokenizer.ggml.tokens")
     config: dict[str, Any] = {
         "architectures": ["LlamaForCausalLM" if arch == "llama" else "Qwen2ForCausalLM"], "model_type": arch,
         "vocab_size": get("vocab_size", len(tokens) if isinstance(tokens, list) else None),
         "hidden_size": hidden, "intermediate_size": get("feed_forward_length"),
-        "num_hidden_layers": get("block_count"), "num_attention_heads": heads,
+        "num_hidden_layers": layers, "num_attention_heads": heads,
         "num_key_value_heads": get("attention.head_count_kv", heads), "head_dim": head_dim,
         "rms_norm_eps": get("attention.layer_norm_rms_epsilon", kind=float),
         "rope_theta": get("rope.freq_base", 10000.0, float),

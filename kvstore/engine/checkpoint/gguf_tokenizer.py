@@ -19,7 +19,6 @@ when ``tokenizer.ggml.add_bos_token`` says so (sentencepiece vocabularies defaul
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
 from typing import Any
 
 from kvstore.engine.checkpoint.types import CheckpointError, need_tokenizers
@@ -72,7 +71,9 @@ def build_tokenizer(meta: dict[str, Any]) -> Any:
 
     Raises:
         CheckpointError: no vocabulary, a tokenizer model other than gpt2 and llama, or no
-            ``tokenizers`` package.
+            ``tokenizers`` package; tokens, token types, merges or scores that are not lists of
+            their kind, a merge naming a token the vocabulary lacks, a BOS token the
+            tokenizers library cannot template.
     """
     need_tokenizers()
     from tokenizers import AddedToken, processors
@@ -81,6 +82,11 @@ def build_tokenizer(meta: dict[str, Any]) -> Any:
     tokens = meta.get("tokenizer.ggml.tokens")
     if not isinstance(tokens, list) or not tokens:
         raise CheckpointError("the GGUF has no tokenizer.ggml.tokens (no vocabulary)")
+    if not all(isinstance(t, str) for t in tokens):
+        raise CheckpointError(f"the GGUF's tokenizer.ggml.tokens holds {len(tokens)} values, not all strings")
+    types = meta.get("tokenizer.ggml.token_type") or []
+    if not isinstance(types, list):
+        raise CheckpointError(f"the GGUF's tokenizer.ggml.token_type is a {type(types).__name__}, not a list")
     if kind == "gpt2":
         tokenizer, tokens = _byte_level(meta, tokens), _byte_spelled(tokens)
     elif kind == "llama":
@@ -90,7 +96,6 @@ def build_tokenizer(meta: dict[str, Any]) -> Any:
         tokenizer = _sentencepiece(meta, spelled)
     else:
         raise CheckpointError(f"tokenizer.ggml.model {kind!r} is not supported; supported: {list(TOKENIZER_MODELS)}")
-    types: Sequence[int] = meta.get("tokenizer.ggml.token_type") or ()
     vocab = tokenizer.get_vocab()
     tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False)
                                   for t, kind_ in zip(tokens, types, strict=False) if kind_ == CONTROL and t in vocab])
@@ -98,16 +103,24 @@ def build_tokenizer(meta: dict[str, Any]) -> Any:
                           for t, kind_ in zip(tokens, types, strict=False) if kind_ == USER_DEFINED and t in vocab])
     bos = special_token(meta, "bos")
     if meta.get("tokenizer.ggml.add_bos_token", kind == "llama") and bos is not None:
-        tokenizer.post_processor = processors.TemplateProcessing(
-            single=[bos, "$A"], pair=[bos, "$A", bos, "$B"],
-            special_tokens=[(bos, int(meta["tokenizer.ggml.bos_token_id"]))])
+        if bos.startswith("$"):  # a template piece "$A", "$B", "$1" is a sequence, not a token
+            raise CheckpointError(f"the GGUF's BOS token {bos!r:.40} starts with '$': the tokenizers library "
+                                  "cannot prepend it (its template reads it as a sequence)")
+        try:  # a piece "X:N" is read as token X of type N: a BOS token ":" or "a:b" is no piece
+            tokenizer.post_processor = processors.TemplateProcessing(
+                single=[bos, "$A"], pair=[bos, "$A", bos, "$B"],
+                special_tokens=[(bos, int(meta["tokenizer.ggml.bos_token_id"]))])
+        except ValueError as exc:
+            raise CheckpointError(f"the GGUF's BOS token {bos!r:.40} cannot be prepended by the tokenizers "
+                                  f"library's template: {exc}") from None
     return tokenizer
 
 
-def special_token(meta: dict[str, Any], name: str) -> str | None:
-    """The text of special token ``name`` (bos, eos, unknown, padding), None if the file names none."""
+def special_token(meta: dict[str, Any], name: str, tokens: list[str] | None = None) -> str | None:
+    """The text of special token ``name`` (bos, eos, unknown, padding), None if the file names none;
+    in ``tokens`` (the vocabulary as respelled) when given, else as the file spells it."""
     token_id = meta.get(f"tokenizer.ggml.{name}_token_id")
-    tokens = meta["tokenizer.ggml.tokens"]
+    tokens = meta["tokenizer.ggml.tokens"] if tokens is None else tokens
     return tokens[token_id] if isinstance(token_id, int) and 0 <= token_id < len(tokens) else None
 
 
@@ -125,10 +138,10 @@ def _byte_level(meta: dict[str, Any], tokens: list[str]) -> Any:
     if not isinstance(merges, list):
         raise CheckpointError("the GGUF's gpt2 tokenizer has no tokenizer.ggml.merges")
     vocab = {t: i for i, t in enumerate(_byte_spelled(tokens))}
-    pairs = [tuple(m.split(" ", 1)) for m in merges]
+    pairs = _merge_pairs(merges, vocab)
     tokenizer = Tokenizer(models.BPE(vocab, pairs, fuse_unk=False, byte_fallback=False))
     pre = meta.get("tokenizer.ggml.pre", "default")
-    splits = PRE_TOKENIZER_SPLITS.get(pre)
+    splits = PRE_TOKENIZER_SPLITS.get(pre) if isinstance(pre, str) else None
     if splits is None:
         log.warning("tokenizer.ggml.pre %r is unknown; splitting text as GPT-2 does (known: %s)",
                     pre, sorted(PRE_TOKENIZER_SPLITS))
@@ -144,16 +157,17 @@ def _sentencepiece(meta: dict[str, Any], tokens: list[str]) -> Any:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     scores = meta.get("tokenizer.ggml.scores")
-    if not isinstance(scores, list) or len(scores) != len(tokens):
+    if not isinstance(scores, list) or len(scores) != len(tokens) \
+            or not all(isinstance(s, (int, float)) for s in scores):
         raise CheckpointError("the GGUF's llama (sentencepiece) tokenizer has no tokenizer.ggml.scores "
-                              f"for its {len(tokens)} tokens")
+                              f"for its {len(tokens)} tokens (one number each)")
     vocab = {t: i for i, t in enumerate(tokens)}
     if meta.get("general.architecture") == "gemma3":  # ranked by their order in the file, not by score
         scores = [-float(i) for i in range(len(tokens))]
     merges = meta.get("tokenizer.ggml.merges")
-    pairs = ([tuple(m.split(" ", 1)) for m in merges] if isinstance(merges, list)
+    pairs = (_merge_pairs(merges, vocab) if isinstance(merges, list)
              else _merges_from_scores(vocab, dict(zip(tokens, scores, strict=True))))
-    unk = special_token(meta, "unknown")
+    unk = special_token(meta, "unknown", tokens)  # a token of the model's vocabulary: respelled
     tokenizer = Tokenizer(models.BPE(vocab, pairs, unk_token=unk, fuse_unk=True, byte_fallback=True))
     prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
     tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first" if prefix else "never",
@@ -161,6 +175,20 @@ def _sentencepiece(meta: dict[str, Any], tokens: list[str]) -> Any:
     steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
     tokenizer.decoder = decoders.Sequence([*steps, decoders.Strip(" ", 1, 0)] if prefix else steps)
     return tokenizer
+
+
+def _merge_pairs(merges: list[Any], vocab: dict[str, int]) -> list[tuple[str, str]]:
+    """``"LEFT RIGHT"`` -> (LEFT, RIGHT); CheckpointError for a merge that is not two tokens of
+    ``vocab`` whose concatenation is one too (the tokenizers library refuses it with a plain
+    Exception)."""
+    pairs = []
+    for i, merge in enumerate(merges):
+        left, space, right = merge.partition(" ") if isinstance(merge, str) else ("", "", "")
+        if not space or left not in vocab or right not in vocab or left + right not in vocab:
+            raise CheckpointError(f"the GGUF's tokenizer.ggml.merges[{i}] is {merge!r:.60}, not two tokens of its "
+                                  "vocabulary (separated by a space) whose concatenation is one too")
+        pairs.append((left, right))
+    return pairs
 
 
 def _merges_from_scores(vocab: dict[str, int], scores: dict[str, float]) -> list[tuple[str, str]]:

@@ -26,6 +26,9 @@ LACKS = {
     "lfm2": "short convolution layers", "llama4": "chunked attention", "llama4_text": "chunked attention",
     "gemma2": "attention logit softcapping", "gemma3": "a vision tower: give it the text model, gemma3_text",
 }
+# more layers than this is a corrupt or malicious count (the deepest models have ~130), refused
+# before a list of one entry per layer is built
+MAX_LAYERS = 4096
 # Gemma 3's defaults where its config.json leaves a key out (transformers' Gemma3TextConfig)
 _GEMMA3 = {"rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0, "query_pre_attn_scalar": 256,
            "sliding_window": 4096, "sliding_window_pattern": 6}
@@ -131,6 +134,8 @@ class ModelConfig:
             heads = int(cfg["num_attention_heads"])
             hidden = int(cfg["hidden_size"])
             num_layers = int(cfg["num_hidden_layers"])
+            if not 0 < num_layers <= MAX_LAYERS:
+                raise CheckpointError(f"num_hidden_layers={num_layers} is out of range: 1 to {MAX_LAYERS}")
             theta, scaling, local_theta, local_scaling = _rope(cfg, gemma)
             eos: Any = (generation or {}).get("eos_token_id", cfg.get("eos_token_id"))
             eos_ids = tuple(int(e) for e in (eos if isinstance(eos, list) else [] if eos is None else [eos]))
@@ -160,18 +165,21 @@ class ModelConfig:
                 sliding_rope_scaling=local_scaling,
                 final_logit_softcapping=None if softcap is None else float(softcap),
             )
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, OverflowError) as exc:
             if isinstance(exc, CheckpointError):
                 raise
             raise CheckpointError(f"config.json is malformed: {type(exc).__name__}: {exc}") from None
 
     def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                     "head_dim"):
+            if getattr(self, name) <= 0:
+                raise CheckpointError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.num_layers > MAX_LAYERS:
+            raise CheckpointError(f"num_layers={self.num_layers} is out of range: 1 to {MAX_LAYERS}")
         if self.num_heads % self.num_kv_heads:
             raise CheckpointError(f"num_attention_heads={self.num_heads} is not a multiple of "
                                   f"num_key_value_heads={self.num_kv_heads}")
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "head_dim"):
-            if getattr(self, name) <= 0:
-                raise CheckpointError(f"{name} must be positive, got {getattr(self, name)}")
         if self.attention and len(self.attention) != self.num_layers:
             raise CheckpointError(f"{len(self.attention)} layer attention specs for {self.num_layers} layers")
         if self.hidden_act not in ACTIVATIONS:

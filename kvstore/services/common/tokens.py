@@ -90,7 +90,8 @@ def _read_tokens_file(path: str) -> tuple[list[tuple[str, Principal]], QuotaTabl
     try:
         with open(path, "rb") as f:
             doc = tomllib.load(f)
-    except (OSError, tomllib.TOMLDecodeError) as exc:
+    except (OSError, UnicodeDecodeError, RecursionError, tomllib.TOMLDecodeError) as exc:
+        # (tomllib decodes the bytes itself, and nests by recursion: not UTF-8, or too deep)
         raise ConfigError(f"cannot read tokens file {path}: {exc}") from None
     unknown = sorted(set(doc) - {"tenant"})
     if unknown:

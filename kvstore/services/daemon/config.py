@@ -120,6 +120,9 @@ class DaemonConfig:
                 raise ConfigError(f"{name} is not a daemon setting: {reason}")
         if self.socket_path is None:
             object.__setattr__(self, "socket_path", str(self.data_dir / "kvstore.sock"))
+        for name in ("data_dir", "socket_path", "tokens_file"):
+            if "\0" in str(getattr(self, name) or ""):
+                raise ConfigError(f"{name} holds a NUL character: no path can")
         for name in ("max_namespaces", "max_frame", "max_inflight", "max_connections"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -227,7 +230,8 @@ def load_config(path: str | os.PathLike[str] | None, overrides: dict[str, Any]) 
         try:
             with open(path, "rb") as f:
                 values = tomllib.load(f)
-        except (OSError, tomllib.TOMLDecodeError) as exc:
+        except (OSError, UnicodeDecodeError, RecursionError, tomllib.TOMLDecodeError) as exc:
+            # (tomllib decodes the bytes itself, and nests by recursion: not UTF-8, or too deep)
             raise ConfigError(f"cannot read config {path}: {exc}") from None
         for old, new in RENAMED.items():
             if old in values:
@@ -257,5 +261,10 @@ def load_config(path: str | os.PathLike[str] | None, overrides: dict[str, Any]) 
     if "host_bytes" not in settings:
         settings["host_bytes"] = default_host_bytes()
     if "disk_bytes" not in settings:
-        settings["disk_bytes"] = default_disk_bytes(Path(values.get("data_dir", DaemonConfig.data_dir)))
+        data_dir = Path(values.get("data_dir", DaemonConfig.data_dir))
+        try:
+            settings["disk_bytes"] = default_disk_bytes(data_dir)
+        except (OSError, ValueError) as exc:  # a name too long, a NUL character
+            raise ConfigError(f"data_dir {str(data_dir)[:80]!r}: its file system cannot be sized "
+                              f"({type(exc).__name__}: {str(exc)[:120]}); give disk_bytes") from None
     return DaemonConfig(store_settings=replace(DEFAULT_STORE, **settings), **values)

@@ -73,6 +73,9 @@ class Dispatcher:
 
     def _run(self, session: Session, meta: dict[str, Any], data: Data, *, now: bool) -> Reply | None:
         rid = meta.get("id")
+        # only an integer id is echoed, in replies and error frames alike: one of another type
+        # (a binary of nearly max_frame bytes, say) would push the reply past the frame cap
+        rid = rid if isinstance(rid, int) and not isinstance(rid, bool) else None
         op = meta.get("op")
         ran: str | None = None  # the op, once it runs: a request, whether it succeeds or fails
         try:
@@ -118,5 +121,4 @@ class Dispatcher:
         self.errors[code.name] += 1
         if session.state is not None and session.principal is not None:
             session.state.count(session.principal.tenant, errors=1)
-        rid = rid if isinstance(rid, int) and not isinstance(rid, bool) else None
         return {"id": rid, "error": {"code": int(code), "message": message[:2000]}}, b""

@@ -15,13 +15,14 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from kvstore.protocol import Code, ProtocolError, field_of
+from kvstore.protocol import Code, ProtocolError, encode, field_of
 from kvstore.services.daemon.op_context import Handler, OpContext, Reply
 from kvstore.services.daemon.registry import NamespaceState
 from kvstore.services.daemon.session import Session
 from kvstore.services.daemon.tenant_admin import NotAllowed, UnknownTenant, acting_tenant, forget_everywhere
 
 MAX_STATUS_WAIT_S = 5.0  # the longest a prefetch_status waits for its prefetch
+REPLY_ROOM = 16  # bytes of a reply kept for its id
 
 
 def _tenant(ctx: OpContext, session: Session, meta: dict[str, Any]) -> str:
@@ -113,7 +114,12 @@ def inspect(ctx: OpContext, session: Session, meta: dict[str, Any], data: bytes)
         row = info.as_dict()
         del row["key"]  # the key as filed (scoped): the client knows the one it sent
         blocks.append(row)
-    return {"blocks": blocks}, b""
+    reply = {"blocks": blocks}
+    size = len(encode(reply)) + REPLY_ROOM
+    if size > ctx.config.max_frame:  # a row is ~100 bytes, a key 32: max_keys may not fit
+        raise ProtocolError(Code.BAD_REQUEST, f"inspect of {len(keys)} keys: its reply of {size} bytes would "
+                            f"exceed max_frame of {ctx.config.max_frame}; ask fewer keys at a time")
+    return reply, b""
 
 
 def forget(ctx: OpContext, session: Session, meta: dict[str, Any], data: bytes) -> Reply:

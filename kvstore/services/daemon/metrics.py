@@ -113,7 +113,8 @@ REMOTE_COUNTERS = {"dropped": "Blocks a write-behind gave up on (queue full or n
                    "round_trips": "Requests to the remote a caller waited for (nodes asked in parallel count once)",
                    "hint_hits": "Blocks a lookup or read answered from a fresh hint, without a request",
                    "hint_misses": "Blocks a lookup had to ask the remote about",
-                   "kept_used": "Values a read took from the lookup before it instead of asking again"}
+                   "kept_used": "Values a read took from the lookup before it instead of asking again",
+                   "replica_reads": "Node reads a replica answered (READONLY) for its failed primary"}
 NODE_GAUGES = {"used_memory": "Bytes the remote node uses (Redis INFO used_memory)",
                "maxmemory": "The remote node's maxmemory limit in bytes (0: none)",
                "keys": "Keys in the remote node's database (DBSIZE)"}

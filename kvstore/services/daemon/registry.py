@@ -234,7 +234,7 @@ class Registry:
                     out[tier].update(codec=codec_name, lossy=codec_name == AUTO or get_codec(codec_name).lossy)
             if cfg.store_settings.remote_url is not None:
                 out["remote"] = dict(tier_stats(TierCounters(), 0, 0, 0), dropped=0, pending=0, nodes_up=0,
-                                     round_trips=0, hint_hits=0, hint_misses=0, kept_used=0,
+                                     round_trips=0, hint_hits=0, hint_misses=0, kept_used=0, replica_reads=0,
                                      codec=cfg.store_settings.remote_codec, lossy=get_codec(cfg.store_settings.remote_codec).lossy)
         configured = {"host", "disk"} & set(out)
         for state in self.namespaces():

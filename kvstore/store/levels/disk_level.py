@@ -158,8 +158,11 @@ class DiskLevel(SlotLevel):
         return [Recovered(d.key, d.slot, d.tenant, d.created, d.last_access) for d in found]
 
     def stats(self) -> dict[str, Any]:
+        # ``errors``: the level's own count (every failed write batch passes through ``write``)
+        # plus the tier's corrupt reads, which reach the level only as False; not the tier's
+        # ``failed_writes``, which would count each failed batch twice
         return tier_stats(self.counters, self.capacity_bytes, self.num_used, self.slot_bytes,
-                          int(self.tier.stats().get("errors", 0)))
+                          int(self.tier.stats()["corrupt_reads"]))
 
     def check_integrity(self, held: dict[bytes, int]) -> None:
         catalog = {d.key: d.slot for d in self.tier.entries()}

@@ -144,7 +144,7 @@ class RemoteLevel(SharedLevel):
             out.update(self.counters.as_dict())
         out.update({name: s[name] for name in ("evictions", "bytes_read", "bytes_written", "errors", "dropped",
                                                 "pending", "nodes_up", "round_trips", "hint_hits", "hint_misses",
-                                                "kept_used")})
+                                                "kept_used", "replica_reads")})
         out.update(codec=self.coding.codec.name if self.coding else "none", lossy=self.lossy)
         return out
 

@@ -18,6 +18,8 @@ from kvstore.tiers.remote.topology import Topology
 from kvstore.tiers.remote.url import Node
 from kvstore.tiers.remote.writer import PendingWrite
 
+READS = frozenset({"GET", "EXISTS"})  # commands a replica may answer for its primary (READONLY)
+
 
 class RemoteCalls:
     """Stateless beyond its counters; thread-safe as the topology and the counters are.
@@ -27,10 +29,13 @@ class RemoteCalls:
         counters: the tier's; round trips, errors by kind, and a put's written, skipped and
             dropped blocks go here.
         payload_bytes: bytes per block (a written block counts this many ``bytes_written``).
+        replica_reads: a read (``READS``) of a primary that fails goes to its replica.
     """
 
-    def __init__(self, topology: Topology, counters: RemoteCounters, payload_bytes: int) -> None:
+    def __init__(self, topology: Topology, counters: RemoteCounters, payload_bytes: int, *,
+                 replica_reads: bool = True) -> None:
         self._topology, self.counters, self.payload_bytes = topology, counters, payload_bytes
+        self.replica_reads = replica_reads
 
     def by_node(self, names: Sequence[bytes]) -> tuple[dict[Node, list[int]], list[int]]:
         """Indices of ``names`` per owning primary, and those no known node owns."""
@@ -49,11 +54,14 @@ class RemoteCalls:
     def ask(self, names: Sequence[bytes], command: str, value_bytes: int | None = None) -> list[Any]:
         """``command name`` for every name, one pipeline per node in parallel. Per name: the
         reply, or the exception it failed with (each node failure counted once). With
-        ``value_bytes`` (GET only), values as ``Topology.run`` reads them."""
+        ``value_bytes`` (GET only), values as ``Topology.run`` reads them. A read (``READS``)
+        of a primary that fails is answered by its replica where ``replica_reads`` (counted
+        in the counters' ``replica_reads``)."""
         groups, unowned = self.by_node(names)
         most = max(map(len, groups.values()), default=0)
         replies = self._topology.run({n: [(command, names[i]) for i in idx] for n, idx in groups.items()},
-                                     value_bytes=value_bytes, transfer_bytes=most * (value_bytes or 0))
+                                     value_bytes=value_bytes, transfer_bytes=most * (value_bytes or 0),
+                                     replica_reads=self.replica_reads and command in READS)
         if any(not isinstance(reply.error, NodeUnavailable) for reply in replies.values()):
             self.counters.add(round_trips=1)  # the nodes answer in parallel: one trip for the call
         out: list[Any] = [None] * len(names)
@@ -61,6 +69,9 @@ class RemoteCalls:
             out[i] = ConnectionError("no node owns this slot yet")
         for node, idx in groups.items():
             reply = replies[node]
+            if reply.failed_over is not None:  # the primary failed; its replica answered
+                self.counters.error(error_kind(reply.failed_over))
+                self.counters.add(replica_reads=1)
             if reply.results is None:
                 assert reply.error is not None
                 self.counters.error(error_kind(reply.error))
@@ -93,6 +104,9 @@ class RemoteCalls:
         written, failed = 0, len(unowned)
         for node, idx in groups.items():
             reply = replies[node]
+            if reply.failed_over is not None:  # the primary failed; its replica answered
+                self.counters.error(error_kind(reply.failed_over))
+                self.counters.add(replica_reads=1)
             if reply.results is None:  # the EXISTS pipeline failed: nothing sent
                 assert reply.error is not None
                 self.counters.error(error_kind(reply.error))
@@ -101,6 +115,8 @@ class RemoteCalls:
             for result in reply.results:
                 if isinstance(result, BaseException):
                     self.counters.error(error_kind(result))
+                    failed += 1
+                elif result != 0 and result != 1:  # no EXISTS of one key answers this: not sent, dropped
                     failed += 1
             self.counters.add(skipped=sum(1 for r in reply.results if r == 1))
             sent = missing(node, reply.results)

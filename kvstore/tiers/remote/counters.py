@@ -24,6 +24,7 @@ class RemoteCounters:
     hint_hits: int = 0  # blocks a lookup or read answered from a fresh hint, with no request
     hint_misses: int = 0  # blocks a lookup had to ask the remote about
     kept_used: int = 0  # values a read took from the lookup before it instead of asking again
+    replica_reads: int = 0  # node pipelines of reads a replica answered for its failed primary (READONLY)
     error_kinds: dict[str, int] = field(default_factory=lambda: dict.fromkeys(ERROR_KINDS, 0))
     corrupt_reasons: dict[str, int] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)

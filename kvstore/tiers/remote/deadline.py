@@ -36,6 +36,11 @@ def deadline(at: float) -> Iterator[None]:
         _local.at = outer
 
 
+def current_deadline() -> float | None:
+    """This thread's deadline (``time.monotonic()``), or None outside ``deadline``."""
+    return getattr(_local, "at", None)
+
+
 def _bounded(timeout: float | None) -> float | None:
     """``timeout`` cut to what is left of this thread's deadline; raises once it passed."""
     at: float | None = getattr(_local, "at", None)
@@ -84,6 +89,8 @@ def _connect(connection: Connection, connect: Callable[[], socket.socket]) -> _D
     connection.socket_connect_timeout = _bounded(base)
     try:
         return _DeadlineSocket(connect())
+    except ValueError as exc:  # a host name IDNA refuses ("a..b"), as a MOVED, ASK or CLUSTER SLOTS may name
+        raise OSError(f"cannot resolve host {connection.host!r}: {exc}") from None  # redis-py: ConnectionError
     finally:
         connection.socket_connect_timeout = base
 

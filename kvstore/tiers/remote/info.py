@@ -61,8 +61,12 @@ class NodeInfoCache:
                 found.append(NodeInfo(address, False, breaker, error=type(error).__name__))
                 continue
             memory, stats, dbsize = results
-            found.append(NodeInfo(address, True, breaker, int(memory.get("used_memory", 0)),
-                                  int(memory.get("maxmemory", 0)), int(stats.get("evicted_keys", 0)), int(dbsize)))
+            try:
+                found.append(NodeInfo(address, True, breaker, int(memory.get("used_memory", 0)),
+                                      int(memory.get("maxmemory", 0)), int(stats.get("evicted_keys", 0)),
+                                      int(dbsize)))
+            except (TypeError, ValueError, OverflowError) as exc:  # a field no Redis sends ("used_memory:x")
+                found.append(NodeInfo(address, False, breaker, error=f"unreadable INFO or DBSIZE: {exc}"[:120]))
         with self._lock:
             self._nodes, self._at = found, time.monotonic()
         return found

@@ -6,7 +6,9 @@ This module is the bottom of the tier's topology: ``slot_map`` (who owns which k
 
 Each node's client has socket timeouts on connect, send and receive and no retries (a cache's
 answer to a failure is a miss); its connections are the deadline-aware ones of
-tiers.remote.deadline, so every socket operation of a call ends by that call's deadline.
+tiers.remote.deadline, so every socket operation of a call ends by that call's deadline. A
+replica has a second client whose connections send ``READONLY`` when they connect: reads of
+its primary's slots, while that primary is down (tiers.remote.topology).
 """
 
 from __future__ import annotations
@@ -49,6 +51,16 @@ _NO_SETINFO: dict[str, Any] = ({"driver_info": None} if "driver_info" in inspect
                                else {"lib_name": None, "lib_version": None})
 
 
+def _read_only(connection: Connection) -> None:
+    """Connect as redis-py does, then ``READONLY``: this connection may read its node's
+    primary's slots (a replica serves them; a primary ignores it)."""
+    connection.on_connect()
+    connection.send_command("READONLY")
+    reply = connection.read_response()
+    if reply not in (b"OK", "OK"):
+        raise RedisConnectionError(f"READONLY answered {reply!r}")
+
+
 class NodeUnavailable(Exception):
     """A node was not asked: its breaker is open, no node owns the slot yet, or every worker
     was busy until the call's deadline."""
@@ -77,11 +89,13 @@ def error_kind(error: BaseException) -> str:
 class NodeReply:
     """What one node's pipeline gave: per command a result or an exception; or one error.
     ``followup``: the results of the second pipeline ``run(then=...)`` asked for (None when
-    it asked for none or it failed: then ``error`` says why)."""
+    it asked for none or it failed: then ``error`` says why). ``failed_over``: the results
+    are a replica's, read because the primary failed with this error."""
 
     results: list[Any] | None
     error: BaseException | None = None
     followup: list[Any] | None = None
+    failed_over: BaseException | None = None  # the primary's failure a replica then answered for
 
 
 class NodeClients:
@@ -92,29 +106,32 @@ class NodeClients:
         self.url, self.timeout_s = url, timeout_s
         self._breaker_settings = (breaker_threshold, breaker_cooldown_s, max(5.0, breaker_cooldown_s))
         self._lock = threading.Lock()
-        self._clients: dict[Node, redis.Redis] = {}
+        self._clients: dict[tuple[Node, bool], redis.Redis] = {}
         self._breakers: dict[Node, CircuitBreaker] = {}
 
-    def client(self, node: Node) -> redis.Redis:
+    def client(self, node: Node, *, read_only: bool = False) -> redis.Redis:
+        """``node``'s client; ``read_only``: the one whose connections send ``READONLY``."""
         with self._lock:
-            client = self._clients.get(node)
+            client = self._clients.get((node, read_only))
             if client is None:
                 u = self.url
                 # RESP2 and no CLIENT SETINFO: a new connection sends nothing before its first
                 # command (AUTH and SELECT only where the URL asks), so a fresh store's first
                 # call pays one TCP connect per node, not three more round trips
+                # redis-py calls redis_connect_func with the connection (its hint says no argument)
+                on_connect: Any = _read_only if read_only else None
                 client = redis.Redis(
                     host=node[0], port=node[1], db=u.db, username=u.username, password=u.password,
                     ssl=u.tls, socket_timeout=self.timeout_s, socket_connect_timeout=self.timeout_s,
                     retry=Retry(NoBackoff(), 0), health_check_interval=0, socket_read_size=READ_BYTES,
-                    protocol=2, **_NO_SETINFO,
+                    protocol=2, redis_connect_func=on_connect, **_NO_SETINFO,
                 )
                 # the same connections with their sockets under the call's deadline (no
                 # connection exists yet: the pool makes them on first use)
                 pool = client.connection_pool
                 assert pool.connection_class in _DEADLINED, pool.connection_class
                 pool.connection_class = _DEADLINED[pool.connection_class]
-                self._clients[node] = client
+                self._clients[(node, read_only)] = client
             return client
 
     def breaker(self, node: Node) -> CircuitBreaker:

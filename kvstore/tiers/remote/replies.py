@@ -21,10 +21,16 @@ from typing import Any, Protocol
 
 from redis._parsers import BaseParser
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
 
 CRLF = b"\r\n"
 LINE_READ = 512  # bytes asked of the socket for a header line: the rest of a value goes straight to its buffer
 MAX_ODD_VALUE = 64 << 20  # a value of another length than asked is read whole only up to this (else skipped)
+MAX_ERROR = 64 << 10  # the longest RESP3 blob error read (Redis's are one short line)
+# What redis-py's parsers and reply callbacks raise for a reply no Redis sends (a MOVED that
+# names no node, an INFO that is an integer, a SCAN that is not [cursor, names]): its
+# callers take these as they take a ProtocolError.
+UNREADABLE = (ValueError, TypeError, AttributeError, IndexError, KeyError)
 
 
 class ReadableSocket(Protocol):
@@ -83,12 +89,15 @@ class GetReplies:
         if kind == b"_":
             return None  # RESP3 null
         if kind == b"-":
-            return BaseParser.parse_error(rest.decode("utf-8", errors="replace"))
+            return _error(rest)
         if kind == b"!":  # RESP3 blob error
-            blob = memoryview(bytearray(_int(rest)))
+            length = _int(rest)
+            if not 0 <= length <= MAX_ERROR:
+                raise ProtocolError(f"a blob error of {length} bytes (at most {MAX_ERROR} are read)")
+            blob = memoryview(bytearray(length))
             self._fill(blob)
             self._expect_crlf()
-            return BaseParser.parse_error(bytes(blob).decode("utf-8", errors="replace"))
+            return _error(blob)
         raise ProtocolError(f"unexpected reply to GET: {bytes(line[:40])!r}")
 
     def _odd(self, length: int) -> Odd:
@@ -147,6 +156,16 @@ class GetReplies:
         if not data:
             raise RedisConnectionError("Connection closed by server.")
         return data
+
+
+def _error(text: bytes | memoryview) -> BaseException:
+    """The exception redis-py makes of an error reply; a plain ResponseError where redis-py
+    cannot read a redirection's slot or node (``MOVED x``)."""
+    message = bytes(text).decode("utf-8", errors="replace")
+    try:
+        return BaseParser.parse_error(message)
+    except ValueError:
+        return ResponseError(message)
 
 
 def _int(text: bytes) -> int:

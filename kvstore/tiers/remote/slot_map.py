@@ -1,4 +1,5 @@
-"""Who owns which key: the cluster's slot map (slot -> primary), kept fresh from the replies.
+"""Who owns which key: the cluster's slot map (slot -> primary, and each primary's replicas),
+kept fresh from the replies.
 
 For a cluster the slot map comes from ``CLUSTER SLOTS`` (asked of the known nodes and the
 seeds in turn); a ``MOVED`` reply fixes its slot at once and schedules a full refresh, so a
@@ -29,6 +30,7 @@ from redis.exceptions import ClusterDownError, MovedError, RedisError, TryAgainE
 from kvstore.tiers.remote.breaker import OPEN
 from kvstore.tiers.remote.deadline import deadline
 from kvstore.tiers.remote.nodes import NodeClients
+from kvstore.tiers.remote.replies import UNREADABLE
 from kvstore.tiers.remote.url import Node, RemoteURL
 
 NUM_SLOTS = 16384
@@ -49,6 +51,7 @@ class SlotMap:
         self._nodes = nodes
         self._lock = threading.Lock()
         self._slots: list[Node | None] = [None] * NUM_SLOTS
+        self._replicas: dict[Node, tuple[Node, ...]] = {}  # primary -> its replicas, as CLUSTER SLOTS names them
         self._known: list[Node] = list(url.nodes)  # seeds, then every node CLUSTER SLOTS named
         self._last_refresh = 0.0
         self._refreshing = False
@@ -76,6 +79,10 @@ class SlotMap:
         if not self._discovered:
             self.discover()
         return self._owners()
+
+    def replicas(self, primary: Node) -> tuple[Node, ...]:
+        """The replicas the last ``CLUSTER SLOTS`` named for ``primary`` (none without a cluster)."""
+        return self._replicas.get(primary, ())
 
     def discover(self) -> None:
         """Ask for the slot map now, once (callers meanwhile wait for this one). Best effort:
@@ -107,12 +114,13 @@ class SlotMap:
                 try:
                     with deadline(time.monotonic() + self.timeout_s):
                         reply = self._nodes.client(node).execute_command("CLUSTER", "SLOTS")
-                except RedisError:
+                    slots, named = parse_slots(reply, node)
+                except (RedisError, *UNREADABLE):  # no answer, or one no Redis gives: ask the next node
                     continue
-                slots, named = parse_slots(reply, node)
                 if named:
                     with self._lock:
                         self._slots = slots
+                        self._replicas = parse_replicas(reply, node)
                         self._known = list(dict.fromkeys(self._known + named))
                         self.num_refreshes += 1
                     return
@@ -146,12 +154,50 @@ def parse_slots(reply: Any, asked: Node) -> tuple[list[Node | None], list[Node]]
     """CLUSTER SLOTS -> (owner per slot, every node named). Empty host means the asked one."""
     slots: list[Node | None] = [None] * NUM_SLOTS
     named: list[Node] = []
-    for entry in reply or ():
-        start, end, primary, *replicas = entry
-        nodes = []
-        for item in (primary, *replicas):
-            host = item[0].decode() if isinstance(item[0], bytes) else str(item[0])
-            nodes.append((host or asked[0], int(item[1])))
+    for start, end, nodes in _ranges(reply, asked):
         named += nodes
-        slots[int(start) : int(end) + 1] = [nodes[0]] * (int(end) - int(start) + 1)
+        slots[start : end + 1] = [nodes[0]] * (end - start + 1)
     return slots, named
+
+
+def parse_replicas(reply: Any, asked: Node) -> dict[Node, tuple[Node, ...]]:
+    """CLUSTER SLOTS -> the replicas named for each primary (over all its slot ranges)."""
+    replicas: dict[Node, dict[Node, None]] = {}
+    for _start, _end, (primary, *others) in _ranges(reply, asked):
+        replicas.setdefault(primary, {}).update(dict.fromkeys(others))
+    return {primary: tuple(found) for primary, found in replicas.items()}
+
+
+def _ranges(reply: Any, asked: Node) -> list[tuple[int, int, list[Node]]]:
+    """CLUSTER SLOTS -> (first slot, last slot, [primary, *replicas]) per range.
+
+    Raises:
+        ValueError: a reply no Redis gives (another shape, slots outside 0..16383, a port
+            outside 1..65535, a host that is not UTF-8), naming the entry.
+    """
+    if reply is not None and not isinstance(reply, list):
+        raise ValueError(f"CLUSTER SLOTS answered {type(reply).__name__} {reply!r:.60}, not an array")
+    out = []
+    for i, entry in enumerate(reply or ()):
+        if not (isinstance(entry, list) and len(entry) >= 3 and all(_is_int(x) for x in entry[:2])
+                and all(isinstance(n, list) and len(n) >= 2 and isinstance(n[0], bytes | str) and _is_int(n[1])
+                        for n in entry[2:])):
+            raise ValueError(f"CLUSTER SLOTS entry #{i} is not [start, end, [host, port, ...], ...]: {entry!r:.120}")
+        start, end = entry[:2]
+        if not 0 <= start <= end < NUM_SLOTS:
+            raise ValueError(f"CLUSTER SLOTS entry #{i} has slots {start}..{end}, not within 0..{NUM_SLOTS - 1}")
+        nodes = []
+        for host, port, *_ in entry[2:]:
+            if not 0 < port < 65536:
+                raise ValueError(f"CLUSTER SLOTS entry #{i} names port {port}")
+            try:
+                host = host.decode() if isinstance(host, bytes) else host
+            except UnicodeDecodeError:
+                raise ValueError(f"CLUSTER SLOTS entry #{i} names host {host!r:.60}, not UTF-8") from None
+            nodes.append((host or asked[0], port))
+        out.append((start, end, nodes))
+    return out
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -23,6 +23,7 @@ from redis.exceptions import RedisError
 
 from kvstore.tiers.remote import codec
 from kvstore.tiers.remote.deadline import deadline
+from kvstore.tiers.remote.replies import UNREADABLE
 from kvstore.tiers.remote.topology import Topology
 
 SCAN_COUNT = 1000  # names one SCAN round asks a node for (a hint to Redis, not a bound)
@@ -51,7 +52,7 @@ def sweep_owner(topology: Topology, pattern: bytes, owner: bytes, timeout_s: flo
         where = f"{node[0]}:{node[1]}"
         try:
             _sweep_node(topology, node, pattern, owner, max(timeout_s, ROUND_S), count, result)
-        except (RedisError, OSError) as exc:
+        except (RedisError, OSError, *UNREADABLE) as exc:  # (a SCAN reply redis-py cannot read, too)
             result.failed.append(f"{where}: {type(exc).__name__}: {exc}")
     if not topology.primaries():
         result.failed.append("no node of the remote tier is known (none answered)")

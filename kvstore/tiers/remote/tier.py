@@ -19,7 +19,9 @@ asks EXISTS of a long one (tiers.remote.reads, tiers.remote.hints).
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -27,12 +29,13 @@ from kvstore.tiers.buffers import byte_view
 from kvstore.tiers.remote import codec
 from kvstore.tiers.remote.calls import RemoteCalls
 from kvstore.tiers.remote.counters import RemoteCounters
+from kvstore.tiers.remote.deadline import deadline
 from kvstore.tiers.remote.hints import HINT_TTL_S, Hints, KeptValues
 from kvstore.tiers.remote.info import NodeInfo, NodeInfoCache
 from kvstore.tiers.remote.naming import DEFAULT_PREFIX, MAX_RUN_LENGTH, block_name, check_prefix, name_pattern
 from kvstore.tiers.remote.reads import LOOKUP_GET_BYTES, RemoteReads
 from kvstore.tiers.remote.sweep import SweepResult, sweep_owner
-from kvstore.tiers.remote.topology import Topology
+from kvstore.tiers.remote.topology import TRANSFER_FLOOR, Topology
 from kvstore.tiers.remote.url import Node, RemoteURL, parse_url
 from kvstore.tiers.remote.writer import PendingWrite, Room, WriteBehind
 
@@ -61,6 +64,9 @@ class RemoteTier:
             values); another node's write is seen at most this late.
         lookup_get_bytes: a lookup GETs (and keeps the values for the read that follows) an
             unknown run of at most this many value bytes, and asks EXISTS of a longer one.
+        replica_reads: reads of a primary that fails or whose circuit is open go to one of
+            its replicas (``READONLY``) until the cluster promotes one; a value the replica
+            lacks or holds stale is a miss by its own checks (tiers.remote.topology).
 
     Every batch method takes ``tags``: the group head key of each block (``naming.group_tags``);
     None means each block is its own head, which is right only for ``run_length == 1``. Writes
@@ -77,7 +83,7 @@ class RemoteTier:
         self, url: str | RemoteURL, payload_bytes: int, layout_id: str, *, prefix: str = DEFAULT_PREFIX,
         run_length: int = 1, timeout_s: float = 0.5, queue_blocks: int = 256, batch_blocks: int = 64,
         breaker_threshold: int = 3, breaker_cooldown_s: float = 0.5, hint_ttl_s: float = HINT_TTL_S,
-        lookup_get_bytes: int = LOOKUP_GET_BYTES,
+        lookup_get_bytes: int = LOOKUP_GET_BYTES, replica_reads: bool = True,
     ) -> None:
         if not isinstance(payload_bytes, int) or payload_bytes <= 0:
             raise ValueError(f"payload_bytes must be a positive int, got {payload_bytes!r}")
@@ -93,7 +99,7 @@ class RemoteTier:
         self._topology = Topology(self.url, timeout_s, breaker_threshold=breaker_threshold,
                                   breaker_cooldown_s=breaker_cooldown_s)
         self._info = NodeInfoCache(self._topology)
-        self._calls = RemoteCalls(self._topology, self.counters, payload_bytes)
+        self._calls = RemoteCalls(self._topology, self.counters, payload_bytes, replica_reads=replica_reads)
         self.on_stored: Callable[[list[bytes]], None] | None = None
         self._writer = WriteBehind(self._send, queue_blocks, batch_blocks,
                                    lambda n: self.counters.add(dropped=n))
@@ -139,7 +145,8 @@ class RemoteTier:
         fresh hints answer without a request; the rest is one round trip, a GET of a short run
         (the values kept for the ``get`` that follows) or EXISTS of a long one (reads.py)."""
         self._check_tags(keys, tags)
-        return self._reads.lookup(keys, tags)
+        with self._read_deadline(keys):
+            return self._reads.lookup(keys, tags)
 
     def get(self, keys: Sequence[bytes], outs: Sequence[Any], tags: Sequence[bytes] | None = None, *,
             leading: bool = False, owners: list[bytes | None] | None = None) -> list[bool]:
@@ -159,7 +166,16 @@ class RemoteTier:
             under ``keys[i]``. A missing, unreachable or invalid value is False (and counted);
             an invalid one is also deleted from the remote.
         """
-        return self._reads.get(keys, outs, tags, leading, owners)
+        with self._read_deadline(keys):
+            return self._reads.get(keys, outs, tags, leading, owners)
+
+    def _read_deadline(self, keys: Sequence[bytes]) -> contextlib.AbstractContextManager[None]:
+        """One deadline over a read's calls: its GETs (or EXISTS), the slot map a first read
+        asks for, and the DEL of the bad values it found, so a read over a slow network takes
+        one deadline, not one per call: ``timeout_s`` plus all its values' time at
+        TRANSFER_FLOOR (each call keeps its own deadline where that is earlier)."""
+        value_bytes = codec.header_bytes(len(keys[0])) + self.payload_bytes if keys else 0
+        return deadline(time.monotonic() + self.timeout_s + len(keys) * value_bytes / TRANSFER_FLOOR)
 
     @property
     def hints(self) -> Hints:

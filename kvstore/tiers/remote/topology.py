@@ -18,6 +18,12 @@ they read, never write caller memory, so a late answer cannot land anywhere.
 An ``ASK`` reply (a slot being migrated; this key already moved) is followed once, on the
 same thread and deadline: ``ASKING`` plus the command on the node it names. Only ``MOVED``
 changes the slot map.
+
+Reads (``run(..., replica_reads=True)``: GET, EXISTS) of a primary that fails, or whose
+breaker is open, go to one of its replicas on a ``READONLY`` connection, on the same thread
+and deadline, until the cluster promotes one and the slot map names it. A replica may lack a
+value or hold an older one: the value's own checks make that a miss (tiers.remote.codec),
+never other bytes. Writes never go to a replica: those of a down primary are dropped.
 """
 
 from __future__ import annotations
@@ -33,9 +39,9 @@ import redis
 from redis.exceptions import AskError, MovedError, RedisError
 
 from kvstore.tiers.remote.breaker import CircuitBreaker
-from kvstore.tiers.remote.deadline import deadline, socket_of
+from kvstore.tiers.remote.deadline import current_deadline, deadline, socket_of
 from kvstore.tiers.remote.nodes import Command, NodeClients, NodeReply, NodeUnavailable, Then
-from kvstore.tiers.remote.replies import GetReplies, Odd
+from kvstore.tiers.remote.replies import UNREADABLE, GetReplies, Odd, ProtocolError
 from kvstore.tiers.remote.slot_map import SlotMap
 from kvstore.tiers.remote.url import Node, RemoteURL
 
@@ -68,7 +74,8 @@ class Topology:
         return self.nodes.breaker(node)
 
     def run(self, batches: dict[Node, Sequence[Command]], then: Then | None = None,
-            value_bytes: int | None = None, transfer_bytes: int = 0) -> dict[Node, NodeReply]:
+            value_bytes: int | None = None, transfer_bytes: int = 0, *,
+            replica_reads: bool = False) -> dict[Node, NodeReply]:
         """One pipeline per node, nodes in parallel; returns by ``timeout_s`` after the call,
         plus the time ``transfer_bytes`` (the most one node sends or receives) take at
         ``TRANSFER_FLOOR`` bytes/s: a stalled node still costs at most that, and a large read
@@ -79,10 +86,14 @@ class Topology:
         without waiting for the other nodes; it shares the call's deadline. With
         ``value_bytes``, every command is a GET: each result is a ``memoryview`` of a value of
         that many bytes (memory of this call's own), ``replies.Odd`` for a value of another
-        length, None for no value, or the error. Never raises for a node's failure: that
-        node's reply carries the error instead.
+        length, None for no value, or the error. ``replica_reads``: the commands only read,
+        and a replica answers for a primary that fails or whose breaker is open
+        (``NodeReply.failed_over``). Never raises for a node's failure: that node's reply
+        carries the error instead.
         """
         at = time.monotonic() + self.timeout_s + transfer_bytes / TRANSFER_FLOOR
+        outer = current_deadline()  # a call inside a caller's (a read's DEL of bad values) ends by its deadline
+        at = at if outer is None else min(at, outer)
         replies: dict[Node, NodeReply] = {}
         allowed: list[Node] = []
         for node in batches:
@@ -90,20 +101,23 @@ class Topology:
             if breaker.is_closed:
                 allowed.append(node)
                 continue
-            # Open: refuse at once. After the cool-down a PING probes the node in the
-            # background, so no request ever waits on a node that is still down.
+            # Open: refuse at once (or read its replica). After the cool-down a PING probes
+            # the node in the background, so no request ever waits on a node that is still down.
             if breaker.should_probe():
                 with contextlib.suppress(RuntimeError):
                     self._pool.submit(self._probe, node)
+            if replica_reads and self._replica(node) is not None:
+                allowed.append(node)
+                continue
             replies[node] = NodeReply(None, NodeUnavailable(f"{node[0]}:{node[1]} circuit open"))
         # The caller's thread runs the biggest pipeline itself (the deadline bounds it like the
         # others); the rest go to the pool, so a batch never waits on a hand-off it can avoid.
         allowed.sort(key=lambda n: len(batches[n]))
         inline = allowed.pop() if allowed else None
-        asked = {node: self._pool.submit(self._pipeline, node, batches[node], then, at, value_bytes)
+        asked = {node: self._pool.submit(self._pipeline, node, batches[node], then, at, value_bytes, replica_reads)
                  for node in allowed}
         if inline is not None:
-            replies[inline] = self._pipeline(inline, batches[inline], then, at, value_bytes)
+            replies[inline] = self._pipeline(inline, batches[inline], then, at, value_bytes, replica_reads)
         if asked:
             wait(asked.values(), timeout=max(0.0, at - time.monotonic()))
         for node, future in asked.items():
@@ -122,19 +136,31 @@ class Topology:
         try:
             with deadline(time.monotonic() + self.timeout_s):
                 self.client(node).ping()
-        except (RedisError, OSError):
+        except (RedisError, OSError, *UNREADABLE):  # (else the breaker stays half-open, probing, for good)
             breaker.failure()
             self.slots.invalidate()
             return
         breaker.success()
 
+    def _replica(self, primary: Node) -> Node | None:
+        """A replica of ``primary`` whose breaker is closed, if the slot map names one."""
+        return next((r for r in self.slots.replicas(primary) if self.breaker(r).is_closed), None)
+
     def _pipeline(self, node: Node, commands: Sequence[Command], then: Then | None, at: float,
-                  value_bytes: int | None = None) -> NodeReply:
+                  value_bytes: int | None = None, replica_reads: bool = False) -> NodeReply:
         if time.monotonic() >= at:  # a worker freed only after the deadline: not asked, not charged
             return NodeReply(None, NodeUnavailable(f"{node[0]}:{node[1]} not asked: no worker free within "
                                                    f"{self.timeout_s} s"))
         with deadline(at):
-            results = self._execute(node, commands, value_bytes)
+            if self.breaker(node).is_closed:
+                results = self._execute(node, commands, value_bytes)
+            else:
+                results = NodeUnavailable(f"{node[0]}:{node[1]} circuit open")
+            if isinstance(results, BaseException) and replica_reads:
+                replica = self._replica(node)
+                read = self._execute(replica, commands, value_bytes, read_only=True) if replica else results
+                if not isinstance(read, BaseException):
+                    return NodeReply(read, failed_over=results)
             if isinstance(results, BaseException):
                 return NodeReply(None, results)
             second = then(node, results) if then is not None else ()
@@ -145,10 +171,12 @@ class Topology:
             return NodeReply(results, followup)
         return NodeReply(results, followup=followup)
 
-    def _execute(self, node: Node, commands: Sequence[Command], value_bytes: int | None = None
-                 ) -> list[Any] | BaseException:
-        """One pipeline on ``node``, its ASK replies followed once (under the caller's deadline)."""
-        results = self._send(node, commands) if value_bytes is None else self._send_gets(node, commands, value_bytes)
+    def _execute(self, node: Node, commands: Sequence[Command], value_bytes: int | None = None,
+                 read_only: bool = False) -> list[Any] | BaseException:
+        """One pipeline on ``node``, its ASK replies followed once (under the caller's deadline);
+        ``read_only``: on a READONLY connection (a replica answering for its primary)."""
+        results = (self._send(node, commands, read_only) if value_bytes is None
+                   else self._send_gets(node, commands, value_bytes, read_only))
         if isinstance(results, BaseException):
             return results
         targets: dict[Node, list[int]] = {}
@@ -166,33 +194,34 @@ class Topology:
                     results[i] = result if value_bytes is None else _as_value(result, value_bytes)
         return results
 
-    def _send(self, node: Node, commands: Sequence[Command]) -> list[Any] | BaseException:
+    def _send(self, node: Node, commands: Sequence[Command], read_only: bool = False) -> list[Any] | BaseException:
         breaker = self.breaker(node)
         try:
-            pipe = self.client(node).pipeline(transaction=False)
+            pipe = self.nodes.client(node, read_only=read_only).pipeline(transaction=False)
             for command in commands:
                 pipe.execute_command(*command)
             results = pipe.execute(raise_on_error=False)
-        except (RedisError, OSError) as e:
+        except (RedisError, OSError, *UNREADABLE) as e:
             breaker.failure()
             self.slots.invalidate()
-            return e
+            return e if isinstance(e, (RedisError, OSError)) else _unreadable(node, e)
         breaker.success()
         self.slots.redirected(results)
         return list(results)
 
-    def _send_gets(self, node: Node, commands: Sequence[Command], value_bytes: int) -> list[Any] | BaseException:
+    def _send_gets(self, node: Node, commands: Sequence[Command], value_bytes: int,
+                   read_only: bool = False) -> list[Any] | BaseException:
         """A pipeline of GETs, each value read into new memory of its own (never reused: a late
         reply cannot land in memory someone else reads; a value kept for later holds only
         itself; a missing one costs nothing)."""
         breaker = self.breaker(node)
-        pool = self.client(node).connection_pool
+        pool = self.nodes.client(node, read_only=read_only).connection_pool
         try:
             connection = pool.get_connection()
-        except (RedisError, OSError) as e:
+        except (RedisError, OSError, *UNREADABLE) as e:  # (connecting may read a reply: READONLY's)
             breaker.failure()
             self.slots.invalidate()
-            return e
+            return e if isinstance(e, (RedisError, OSError)) else _unreadable(node, e)
         try:
             connection.send_packed_command(connection.pack_commands(commands), check_health=False)
             results: list[Any] = GetReplies(socket_of(connection)).read(
@@ -214,6 +243,12 @@ class Topology:
         self.slots.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
         self.nodes.close()
+
+
+def _unreadable(node: Node, error: Exception) -> ProtocolError:
+    """What a reply redis-py could not read (``replies.UNREADABLE``) counts as: a connection
+    out of step."""
+    return ProtocolError(f"{node[0]}:{node[1]} sent a reply redis-py cannot read: {error!r:.120}")
 
 
 def _as_value(result: Any, value_bytes: int) -> Any:

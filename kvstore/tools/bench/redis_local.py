@@ -16,6 +16,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import redis
+
 MIB = 1 << 20
 
 
@@ -185,12 +187,17 @@ class RedisCluster:
         raise RuntimeError(f"the cluster did not reach cluster_state:ok within {timeout} s")
 
     def wait_replicas(self, timeout: float = 30.0) -> None:
-        """Until every live replica's link to its primary is up (a failover needs a synced one)."""
+        """Until every live replica's link to its primary is up (a failover needs a synced one)
+        and every live node's ``CLUSTER SLOTS`` names a replica for each range (the gossip
+        that tells them lags the links by up to a second on a new cluster; a client reads a
+        down primary's replica only once it knows it)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            infos = [n.info("replication") for n in self.nodes if n.alive]
+            live = [n for n in self.nodes if n.alive]
+            infos = [n.info("replication") for n in live]
             replicas = [i for i in infos if i.get("role") == "slave"]
-            if len(replicas) >= len(infos) // 2 and all(i.get("master_link_status") == "up" for i in replicas):
+            if (len(replicas) >= len(infos) // 2 and all(i.get("master_link_status") == "up" for i in replicas)
+                    and all(_slots_name_replicas(n.port) for n in live)):
                 return
             time.sleep(0.1)
         raise RuntimeError(f"the replicas did not sync within {timeout} s")
@@ -223,6 +230,12 @@ class RedisCluster:
             node.stop()
         for node in self.nodes:
             node.kill()
+
+
+def _slots_name_replicas(port: int) -> bool:
+    """Whether the node's CLUSTER SLOTS names at least one replica for every range."""
+    reply = redis.Redis(port=port, socket_timeout=5).execute_command("CLUSTER", "SLOTS")
+    return bool(reply) and all(len(entry) > 3 for entry in reply)
 
 
 def _cluster_ok(cluster_info: str) -> bool:

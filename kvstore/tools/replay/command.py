@@ -59,7 +59,8 @@ def quota_setting(spec: str, trace: Trace) -> tuple[str, QuotaTable | None]:
         with open(spec, "rb") as f:
             doc = tomllib.load(f)
         table = QuotaTable.from_dict(doc.get("quotas", {}), parse_size, where=f"{spec}: quotas")
-    except (OSError, tomllib.TOMLDecodeError, ConfigError) as exc:
+    except (OSError, UnicodeDecodeError, RecursionError, tomllib.TOMLDecodeError, ConfigError) as exc:
+        # (tomllib decodes the bytes itself, and nests by recursion: not UTF-8, or too deep)
         raise ReplayError(f"--quotas {spec}: {exc}") from None
     unknown = sorted(set(table.tenants) - set(trace.tenant_names))
     if unknown:

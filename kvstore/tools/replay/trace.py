@@ -80,6 +80,8 @@ def parse_line(line: str, where: str) -> tuple[list[int], int | None, str | None
         obj = json.loads(line)
     except json.JSONDecodeError as exc:
         raise _field_error(where, f"invalid JSON ({exc.msg} at column {exc.colno})") from None
+    except RecursionError:
+        raise _field_error(where, "invalid JSON (nested too deeply)") from None
     if not isinstance(obj, dict):
         raise _field_error(where, f"expected a JSON object, got {type(obj).__name__}")
     if "hash_ids" not in obj:
@@ -91,8 +93,13 @@ def parse_line(line: str, where: str) -> tuple[list[int], int | None, str | None
     if length is not None and (type(length) is not int or length < 0):
         raise _field_error(where, f"'input_length' must be a non-negative integer, got {length!r}")
     tenant = obj.get("tenant")
-    if tenant is not None and (not isinstance(tenant, str) or len(tenant.encode()) > 255):
-        raise _field_error(where, f"'tenant' must be a string of at most 255 UTF-8 bytes, got {tenant!r:.60}")
+    if tenant is not None:
+        try:
+            named = isinstance(tenant, str) and len(tenant.encode()) <= 255
+        except UnicodeEncodeError:  # a lone surrogate: JSON's "\ud800"
+            named = False
+        if not named:
+            raise _field_error(where, f"'tenant' must be a string of at most 255 UTF-8 bytes, got {tenant!r:.60}")
     return ids, length, tenant
 
 
