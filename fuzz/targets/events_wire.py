@@ -34,6 +34,7 @@ from kvstore.events.wire import (
     UnknownEvent,
     WireError,
     _decode_generic,
+    _StoredOut,
     decode_batch,
     encode_batch,
 )
@@ -72,23 +73,10 @@ def make() -> Callable[[bytes], None]:
 # ----------------------------------------------------------------------------- seeds
 
 
-class _Stored34(msgspec.Struct, tag_field="type", tag="BlockStored", omit_defaults=True):
-    """vLLM 0.34's BlockStored: 16 declared fields, so every event opens with a map16."""
+class _Stored34(_StoredOut, tag="BlockStored"):
+    """vLLM 0.34's BlockStored: 0.32's fields (the encoder's own struct) and a sixteenth, so
+    every event opens with a map16."""
 
-    block_hashes: list[Any]
-    parent_block_hash: Any
-    token_ids: list[int]
-    block_size: int
-    lora_id: Any
-    medium: Any
-    lora_name: Any
-    extra_keys: Any = None
-    group_idx: Any = None
-    kv_cache_spec_kind: Any = None
-    kv_cache_spec_sliding_window: Any = None
-    locality: Any = None
-    ownership: Any = None
-    session_id: Any = None
     lookahead_token_ids: Any = None
 
 
